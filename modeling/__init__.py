@@ -1,0 +1,22 @@
+"""The DFlash remote-code bundle: the drafter and its runtime, saved next to every drafter's weights.
+
+Every file here imports only torch, transformers and its sibling files, so `AutoModel.from_pretrained(dir,
+trust_remote_code=True)` works without hf_dflash installed. The library imports this package as `hf_dflash.modeling`.
+"""
+
+from .configuration_dflash import DFlashConfig, default_target_layer_ids
+from .dflash_candidate_generator import DFlashCandidateGenerator
+from .dflash_decoding import DFlashGenerateOutput
+from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedDrafterCache
+from .modeling_dflash import DFlashDraftModel
+
+__all__ = [
+    "DFlashCandidateGenerator",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "DFlashGenerateOutput",
+    "DflashProposerState",
+    "PAGE_SIZE",
+    "PagedDrafterCache",
+    "default_target_layer_ids",
+]

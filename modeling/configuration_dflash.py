@@ -1,0 +1,219 @@
+"""Configuration of a DFlash drafter.
+
+One class reads every published layout of a DFlash drafter config:
+- z-lab (`model_type: "qwen3"`, `architectures: ["DFlashDraftModel"]`, `block_size` at the top level or inside
+  `dflash_config`, `dflash_config: {mask_token_id, target_layer_ids}`, `rope_theta` or `rope_parameters`);
+- transformers-native Muse Glimmer assistants (`block_size`, `mask_token_id`, `target_layer_ids` at the top level);
+- our own files, which keep the three DFlash fields at the top level.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published default choice of target layers to capture (one per drafter layer).
+
+    One drafter layer reads the middle layer; otherwise the ids are spread evenly from layer 1 to layer L - 3.
+    """
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise ValueError(f"need at least one target and one drafter layer, got {num_target_layers}, {num_draft_layers}")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(
+            f"a target with {num_target_layers} layers is too shallow for the default spread of {num_draft_layers} "
+            "captured layers; pass target_layer_ids explicitly"
+        )
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class DFlashConfig(PreTrainedConfig):
+    r"""Configuration of a [`DFlashDraftModel`].
+
+    The drafter is a stack of Qwen3-style decoder layers without embedding or lm_head: block tokens are embedded
+    with the target's input embedding, and draft logits come from the target's lm_head.
+
+    Args:
+        hidden_size: width of the drafter's residual stream.
+        intermediate_size: width of the SwiGLU MLP.
+        num_hidden_layers: number of drafter decoder layers.
+        num_attention_heads / num_key_value_heads / head_dim: attention shape (GQA).
+        target_hidden_size: width of the target's hidden states (defaults to `hidden_size`, as in every published
+            drafter); `fc` maps `len(target_layer_ids) * target_hidden_size` features to `hidden_size`.
+        num_target_layers: number of decoder layers of the target the drafter was built for.
+        target_layer_ids: 0-based target decoder layers whose OUTPUTS are captured as context.
+        block_size: tokens per drafted block, the anchor included (B).
+        mask_token_id: target-vocabulary id whose embedding fills the B - 1 mask rows of a block.
+        vocab_size: the target's vocabulary size (the drafter has no embedding; kept for fit checks).
+        rope_parameters: RoPE settings (`rope_theta` alone is accepted and converted).
+        layer_types: per layer `"full_attention"` or `"sliding_attention"`.
+        sliding_window: window of sliding layers, in tokens.
+        attention_bias: whether q/k/v/o projections carry a bias.
+    """
+
+    model_type = "dflash"
+    default_theta = 1_000_000.0
+
+    def __init__(
+        self,
+        hidden_size: int = 4096,
+        intermediate_size: int = 12288,
+        num_hidden_layers: int = 5,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = 8,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        max_position_embeddings: int = 40960,
+        rope_parameters: dict[str, Any] | None = None,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        vocab_size: int = 151936,
+        target_hidden_size: int | None = None,
+        num_target_layers: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        block_size: int | None = None,
+        mask_token_id: int | None = None,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = False,
+        **kwargs: Any,
+    ):
+        # z-lab keeps the DFlash fields in a nested `dflash_config` (block_size moved there in newer drafters);
+        # fold them into top-level attributes so there is one place to read them.
+        nested = kwargs.pop("dflash_config", None) or {}
+        block_size = block_size if block_size is not None else nested.get("block_size")
+        mask_token_id = mask_token_id if mask_token_id is not None else nested.get("mask_token_id")
+        target_layer_ids = target_layer_ids if target_layer_ids is not None else nested.get("target_layer_ids")
+        # vLLM speculators spell the captured layers `aux_hidden_state_layer_ids`.
+        if target_layer_ids is None and "aux_hidden_state_layer_ids" in kwargs:
+            target_layer_ids = kwargs.pop("aux_hidden_state_layer_ids")
+
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_parameters = rope_parameters
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        self.sliding_window = sliding_window
+        self.vocab_size = vocab_size
+        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
+        if num_target_layers is None and self.target_layer_ids:
+            num_target_layers = max(self.target_layer_ids) + 1
+        self.num_target_layers = num_target_layers
+        if self.target_layer_ids is None and num_target_layers is not None:
+            self.target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+        self.block_size = block_size if block_size is not None else 16
+        self.mask_token_id = mask_token_id
+        self.initializer_range = initializer_range
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self._validate_dflash_fields()
+
+    def _validate_dflash_fields(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (the anchor plus one mask row), got {self.block_size}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but the drafter has {self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}; use full_attention or sliding_attention")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types contains sliding_attention but sliding_window is not set")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if self.target_layer_ids is not None and self.num_target_layers is not None:
+            bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+            if bad:
+                raise ValueError(
+                    f"target_layer_ids {bad} are outside the target's {self.num_target_layers} layers (0-based)"
+                )
+
+    @property
+    def num_context_features(self) -> int:
+        """Width of one context row: the captured target layers concatenated."""
+        if not self.target_layer_ids:
+            raise ValueError("this DFlash config names no target_layer_ids; pass them or num_target_layers")
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: PreTrainedConfig,
+        num_hidden_layers: int = 1,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        tokenizer_size: int | None = None,
+        **overrides: Any,
+    ) -> "DFlashConfig":
+        """A fresh drafter config shaped for `target_config` (any Hugging Face causal LM).
+
+        The drafter copies the target's attention shape, norms and RoPE. The mask token must be a row of the target's
+        embedding that real text never uses: pass `mask_token_id`, or pass `tokenizer_size` (`len(tokenizer)`) when
+        the embedding has spare rows past the tokenizer, and the first spare row is taken.
+        """
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        num_target_layers = text.num_hidden_layers
+        vocab_size = text.vocab_size
+        if mask_token_id is None:
+            if tokenizer_size is not None and tokenizer_size < vocab_size:
+                mask_token_id = tokenizer_size
+            else:
+                raise ValueError(
+                    f"pick a mask token: the target's embedding has {vocab_size} rows"
+                    + (f" and its tokenizer uses all of them ({tokenizer_size})" if tokenizer_size else "")
+                    + "; pass mask_token_id=<an id real text never uses, such as an unused reserved special token>"
+                    + ("" if tokenizer_size else ", or tokenizer_size=len(tokenizer) to take the first spare row")
+                )
+        if not 0 <= mask_token_id < vocab_size:
+            raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary (0..{vocab_size - 1})")
+        num_heads = text.num_attention_heads
+        fields: dict[str, Any] = dict(
+            hidden_size=text.hidden_size,
+            intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            hidden_act=getattr(text, "hidden_act", "silu"),
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            rope_parameters=dict(text.rope_parameters) if getattr(text, "rope_parameters", None) else None,
+            vocab_size=vocab_size,
+            target_hidden_size=text.hidden_size,
+            num_target_layers=num_target_layers,
+            target_layer_ids=target_layer_ids
+            if target_layer_ids is not None
+            else default_target_layer_ids(num_target_layers, num_hidden_layers),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+# save_pretrained copies this bundle next to the weights and writes `auto_map`, so AutoConfig/AutoModel find it.
+DFlashConfig.register_for_auto_class()
+
+__all__ = ["DFlashConfig", "default_target_layer_ids"]

@@ -1,0 +1,141 @@
+"""`DFlashCandidateGenerator`: transformers' CandidateGenerator API over the drafter, its states and its paged cache.
+
+Per verify step the decoding loop (dflash_decoding.py) calls:
+1. `get_candidates(input_ids)`: compute keys/values of the context rows appended since the last propose (and only
+   those), then one drafter forward over the block [anchor, mask x (B - 1)] per sequence; drafts = argmax of the
+   target's lm_head on block rows 1..B-1.
+2. the target verifies [anchor, drafts] while `capture` copies the chosen layers' rows into `scratch`;
+3. `update_candidate_strategy(input_ids, scores, num_matches)`: rows 0..a of the scratch (anchor and accepted
+   drafts) become context slots stamped with their absolute positions; the block rows' page slots are released.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .dflash_capture import TargetHiddenCapture
+from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedCacheView, PagedDrafterCache
+
+
+class DFlashCandidateGenerator(CandidateGenerator):
+    """Drafts one block per sequence per step for `target`, from hidden states captured during its forwards.
+
+    Args:
+        drafter: a `DFlashDraftModel`.
+        target: the causal LM being decoded; its input embedding and lm_head serve the drafter.
+        batch_size: sequences decoded together.
+        max_length: longest sequence (prompt + new tokens) any of them may reach; sizes every buffer.
+        max_rows: most target rows captured in one forward (the padded prompt length, or B).
+    """
+
+    def __init__(self, drafter: torch.nn.Module, target: torch.nn.Module, batch_size: int, max_length: int, max_rows: int):
+        config = drafter.config
+        self.drafter = drafter
+        self.block_size = config.block_size
+        self.input_embeddings = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+        self.device = device
+        self.capture = TargetHiddenCapture(target, config.target_layer_ids, config.target_hidden_size)
+        # Hooks write here; each step's rows are then copied to their sequence's accumulator.
+        self.scratch = torch.empty(batch_size, max_rows, config.num_context_features, dtype=dtype, device=device)
+        self.states = [
+            DflashProposerState(
+                ctx_hidden_acc=torch.empty(max_length, config.num_context_features, dtype=dtype, device=device),
+                ctx_positions=torch.zeros(max_length, dtype=torch.long, device=device),
+            )
+            for _ in range(batch_size)
+        ]
+        pages_per_sequence = -(-(max_length + self.block_size) // PAGE_SIZE)
+        self.cache = PagedDrafterCache(
+            num_layers=config.num_hidden_layers,
+            num_pages=pages_per_sequence * batch_size,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.mask_ids = torch.full((batch_size, self.block_size - 1), config.mask_token_id, dtype=torch.long)
+        self.block_offsets = torch.arange(self.block_size, device=device)
+        sliding = [t == "sliding_attention" for t in config.layer_types]
+        self.window = config.sliding_window if any(sliding) else None
+
+    def capture_rows(self, num_rows: int) -> None:
+        """Point the hooks at the scratch for the next target forward of `num_rows` rows per sequence."""
+        self.capture.destination = self.scratch[:, :num_rows]
+
+    def commit_prefill(self, prompt_mask: torch.Tensor) -> None:
+        """After the prompt forward: every real (non-padding) prompt row becomes a context slot.
+
+        prompt_mask (b, P): 1 for real tokens. Left padding never reaches the drafter's context.
+        """
+        mask = prompt_mask.to(self.scratch.device).bool()
+        for i, state in enumerate(self.states):
+            rows = self.scratch[i, : mask.shape[1]][mask[i]]
+            state.append_context(rows, first_position=0)
+            state.seq_len = rows.shape[0] + 1  # the prompt plus the first token the target just chose
+            state.prefill_done = True
+
+    def _store_new_context(self, states: list[DflashProposerState]) -> None:
+        """Keys/values for slots [ctx_committed, ctx_len) of every state, in one drafter pass over all of them."""
+        fresh = [s for s in states if s.ctx_len > s.ctx_committed]
+        if not fresh:
+            return
+        rows = torch.cat([s.ctx_hidden_acc[s.ctx_committed : s.ctx_len] for s in fresh])[None]  # (1, n, kH)
+        positions = torch.cat([s.ctx_positions[s.ctx_committed : s.ctx_len] for s in fresh])[None]  # (1, n)
+        for state in fresh:
+            self.cache.reserve(state, state.ctx_len + self.block_size)
+        slots = torch.cat([self.cache.slot_mapping(s, s.ctx_committed, s.ctx_len) for s in fresh])
+        for layer, (key, value) in enumerate(self.drafter.context_key_values(rows, positions)):
+            # (1, g, n, d) -> (n, g, d)
+            self.cache.write(layer, slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        for state in fresh:
+            state.ctx_committed = state.ctx_count_drafter = state.ctx_len
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs: object) -> tuple[torch.LongTensor, torch.Tensor]:
+        """input_ids (b, t), last column the anchors -> (input_ids + B - 1 drafts, draft logits (b, B - 1, V))."""
+        for state in self.states:
+            if not state.skip_next_decode_append:
+                raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
+            state.skip_next_decode_append = False
+        self._store_new_context(self.states)
+        block_ids = torch.cat([input_ids[:, -1:], self.mask_ids.to(input_ids.device)], dim=1)  # (b, B)
+        noise_embeds = self.input_embeddings(block_ids).to(self.device)
+        anchor_positions = torch.tensor([s.ctx_len for s in self.states], device=self.device)
+        position_ids = anchor_positions[:, None] + self.block_offsets  # (b, B)
+        view = PagedCacheView(self.cache, self.states, self.block_size, self.window)
+        hidden = self.drafter(
+            noise_embeds=noise_embeds, position_ids=position_ids, attention_mask=view.attention_masks, cache=view
+        ).last_hidden_state
+        # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
+        draft_logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.device))
+        drafts = draft_logits.argmax(dim=-1).to(input_ids.device)
+        for state in self.states:
+            state.last_num_drafted = self.block_size - 1
+        return torch.cat([input_ids, drafts], dim=1), draft_logits
+
+    def update_candidate_strategy(
+        self, input_ids: torch.LongTensor, scores: torch.Tensor | None, num_matches: int | Sequence[int]
+    ) -> None:
+        """After a verify: sequence i accepted `num_matches[i]` drafts; its rows 0..a become context slots."""
+        if isinstance(num_matches, int):
+            num_matches = [num_matches] * len(self.states)
+        for i, (state, accepted) in enumerate(zip(self.states, num_matches)):
+            state.ctx_count_drafter = state.ctx_committed  # drop the block rows' page slots
+            state.append_context(self.scratch[i, : accepted + 1], first_position=state.ctx_len)
+            state.seq_len += accepted + 1
+            state.last_num_accepted = accepted
+
+    def release(self) -> None:
+        """Return every sequence's pages to the pool."""
+        for state in self.states:
+            self.cache.release(state)
+
+
+__all__ = ["DFlashCandidateGenerator"]

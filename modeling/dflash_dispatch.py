@@ -1,0 +1,61 @@
+"""The one change this bundle makes to transformers: `generate(assistant_model=<DFlash drafter>)` runs DFlash.
+
+`GenerationMixin.generate` is wrapped once per process. The wrapper looks at `assistant_model`: if it is a DFlash
+drafter, generate runs with our decoding loop as its `custom_generate` (so generate still prepares the config,
+logits processors, stopping criteria and cache exactly as usual); anything else, and transformers' own DFlash path
+(`speculation_type="dflash"`, kept as the baseline), goes to the original method untouched.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from transformers.generation.utils import GenerationMixin
+
+
+def is_dflash_drafter(model: Any) -> bool:
+    """True for any copy of our drafter class (the installed library's or a remote-code bundle's)."""
+    return model is not None and getattr(getattr(model, "config", None), "model_type", None) == "dflash"
+
+
+def _asks_for_native_dflash(arguments: dict[str, Any]) -> bool:
+    if arguments.get("speculation_type") == "dflash" or arguments["kwargs"].get("speculation_type") == "dflash":
+        return True
+    config = arguments.get("generation_config")
+    return getattr(config, "speculation_type", None) == "dflash"
+
+
+def install_generate_dispatch() -> None:
+    """Wrap `GenerationMixin.generate` (idempotent: a second bundle copy finds it wrapped and does nothing)."""
+    original = GenerationMixin.generate
+    if getattr(original, "_dflash_dispatch", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(self, *args, **kwargs)
+        arguments = {**bound.arguments, "kwargs": bound.arguments.get("kwargs", {})}
+        drafter = arguments.get("assistant_model")
+        if not is_dflash_drafter(drafter) or _asks_for_native_dflash(arguments):
+            return original(self, *args, **kwargs)
+        if arguments.get("custom_generate") is not None:
+            raise ValueError("assistant_model=<DFlash drafter> already sets the decoding loop; drop custom_generate")
+        from .dflash_decoding import dflash_generate
+
+        bound.arguments["assistant_model"] = None
+        # generate hands custom loops only the arguments of their own signature: bind the drafter and streamer here.
+        bound.arguments["custom_generate"] = functools.partial(
+            dflash_generate, drafter=drafter, streamer=arguments.get("streamer")
+        )
+        return original(*bound.args, **bound.kwargs)
+
+    generate._dflash_dispatch = True
+    GenerationMixin.generate = generate
+
+
+__all__ = ["install_generate_dispatch", "is_dflash_drafter"]

@@ -1,0 +1,200 @@
+"""The drafter's memory: per-sequence `DflashProposerState` and the paged key/value cache it points into.
+
+A slot is one position of one sequence. Slot i of a sequence holds the keys/values of its absolute position i
+(context slots first, then the block rows of the latest propose), so a slot's index is also its RoPE position and
+its sliding-window distance. Slots live in pages of `PAGE_SIZE`; every drafter layer has its own page pool, and one
+block table per sequence maps its logical pages to physical ones in all layers at once (the layers' attention
+shapes are identical).
+
+Rollback is a length decrement: slots past a sequence's `ctx_count_drafter` are stale and get overwritten by the
+next write.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PAGE_SIZE = 16
+
+
+@dataclass
+class DflashProposerState:
+    """What the drafter keeps for one sequence between verify steps."""
+
+    ctx_hidden_acc: torch.Tensor
+    """[max_ctx_len, k * H_target] captured target hidden states, one slot per committed position (the anchor's
+    row arrives with the verify that follows it). Not circular: exceeding it is an error, never a wrap-around."""
+    ctx_positions: torch.Tensor
+    """[max_ctx_len] int64 absolute position of each accumulator slot, stamped once when the slot is appended."""
+    block_table: list[int] = field(default_factory=list)
+    """Physical page ids of this sequence, shared by every drafter layer's pool."""
+    block_table_dev: torch.Tensor | None = None
+    """The block table on the drafter's device (int64), refreshed whenever a page is added or dropped."""
+    seq_len: int = 0
+    """Tokens committed for this sequence (prompt and generated); the anchor sits at position seq_len - 1."""
+    ctx_len: int = 0
+    """Populated accumulator slots: every committed position before the anchor, so ctx_len == seq_len - 1."""
+    ctx_committed: int = 0
+    """Watermark: slots [0, ctx_committed) already have their keys/values in the pages. Each propose computes only
+    [ctx_committed, ctx_len); 0 forces a full rebuild."""
+    ctx_count_drafter: int = 0
+    """Page slots holding valid keys/values: ctx_committed, plus the block rows while a propose is pending."""
+    last_num_drafted: int = 0
+    """Drafts produced by the last propose (block_size - 1, or fewer near max_length)."""
+    last_num_accepted: int = 0
+    """Drafts the target accepted in the verify that followed the last propose."""
+    prefill_done: bool = False
+    """Whether the prompt's rows have been appended to the accumulator."""
+    skip_next_decode_append: bool = False
+    """Set when a verify (or the prefill) appended this step's rows 0..a itself; the next propose then appends
+    nothing and consumes the flag. A propose that finds it unset has no new context and refuses to run."""
+
+    @property
+    def max_ctx_len(self) -> int:
+        """Accumulator capacity in slots."""
+        return self.ctx_hidden_acc.shape[0]
+
+    @property
+    def ctx_slot_bytes(self) -> int:
+        """Bytes of one accumulator slot (k * H_target elements)."""
+        return self.ctx_hidden_acc.shape[1] * self.ctx_hidden_acc.element_size()
+
+    @property
+    def max_ctx_count_drafter(self) -> int:
+        """Page slots this sequence can address without another page."""
+        return len(self.block_table) * PAGE_SIZE
+
+    def append_context(self, rows: torch.Tensor, first_position: int) -> None:
+        """Append `rows` (n, k*H_target) as the slots of positions first_position .. first_position + n - 1."""
+        n = rows.shape[0]
+        if self.ctx_len + n > self.max_ctx_len:
+            raise ValueError(
+                f"the drafter context holds {self.max_ctx_len} positions and this sequence needs "
+                f"{self.ctx_len + n}; lower max_new_tokens or the prompt length"
+            )
+        self.ctx_hidden_acc[self.ctx_len : self.ctx_len + n].copy_(rows)
+        self.ctx_positions[self.ctx_len : self.ctx_len + n] = torch.arange(
+            first_position, first_position + n, device=self.ctx_positions.device
+        )
+        self.ctx_len += n
+        self.skip_next_decode_append = True
+
+
+class PagedDrafterCache:
+    """Page pools of drafter keys/values (one per layer) and the free list that hands pages to sequences."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (num_pages * PAGE_SIZE, num_key_value_heads, head_dim)  # flat slots: page * PAGE_SIZE + offset
+        self.key_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_pages = num_pages
+        self.device = torch.device(device)
+        # Stack of free page ids; popping from the end hands out low ids first.
+        self.free_pages = list(range(num_pages - 1, -1, -1))
+
+    def reserve(self, state: DflashProposerState, num_slots: int) -> None:
+        """Give `state` enough pages to address slots [0, num_slots)."""
+        needed = -(-num_slots // PAGE_SIZE) - len(state.block_table)
+        if needed <= 0:
+            return
+        if needed > len(self.free_pages):
+            raise RuntimeError(
+                f"the drafter page pool is exhausted ({self.num_pages} pages of {PAGE_SIZE}); "
+                "it is sized from max_length and the batch, so this is a bug: please report it"
+            )
+        state.block_table.extend(self.free_pages.pop() for _ in range(needed))
+        state.block_table_dev = torch.tensor(state.block_table, dtype=torch.long, device=self.device)
+
+    def release(self, state: DflashProposerState) -> None:
+        """Return every page of a finished sequence to the pool."""
+        self.free_pages.extend(reversed(state.block_table))
+        state.block_table = []
+        state.block_table_dev = None
+        state.ctx_count_drafter = state.ctx_committed = 0
+
+    def slot_mapping(self, state: DflashProposerState, start: int, end: int) -> torch.Tensor:
+        """Flat pool indices of this sequence's slots [start, end)."""
+        slots = torch.arange(start, end, device=self.device)
+        return state.block_table_dev[slots // PAGE_SIZE] * PAGE_SIZE + slots % PAGE_SIZE
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store key/value rows (n, g, d) at flat `slots` (n,)."""
+        self.key_pools[layer].index_copy_(0, slots, key.to(self.key_pools[layer].dtype))
+        self.value_pools[layer].index_copy_(0, slots, value.to(self.value_pools[layer].dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values at flat `slots` (b, n) -> two (b, g, n, d) tensors."""
+        return self.key_pools[layer][slots].transpose(1, 2), self.value_pools[layer][slots].transpose(1, 2)
+
+
+class PagedCacheView:
+    """Adapter that lets the drafter's attention use the paged cache through the Cache API (`update`).
+
+    For one propose over a batch of states: `update(key, value, layer)` stores the block rows' keys/values (b, g, q, d)
+    in slots [ctx_committed, ctx_committed + q) of each sequence and returns every valid slot's keys/values, padded
+    to the longest sequence. `attention_mask` (b, 1, q, kv) says which padded slots each block row may see.
+    """
+
+    def __init__(self, cache: PagedDrafterCache, states: list[DflashProposerState], block_size: int, window: int | None):
+        self.cache = cache
+        self.states = states
+        lengths = [s.ctx_committed + block_size for s in states]
+        kv_len = max(lengths)
+        device = cache.device
+        for state, length in zip(states, lengths):
+            cache.reserve(state, length)
+        # Block rows' slots (b*q,) and every row's readable slots (b, kv_len); short rows repeat their slot 0,
+        # which the mask hides.
+        self.block_slots = torch.cat(
+            [cache.slot_mapping(s, s.ctx_committed, s.ctx_committed + block_size) for s in states]
+        )
+        self.read_slots = torch.stack(
+            [
+                torch.nn.functional.pad(cache.slot_mapping(s, 0, n), (0, kv_len - n), value=int(s.block_table[0]))
+                for s, n in zip(states, lengths)
+            ]
+        )
+        key_pos = torch.arange(kv_len, device=device)
+        query_pos = torch.tensor([s.ctx_committed for s in states], device=device)[:, None] + torch.arange(
+            block_size, device=device
+        )  # (b, q) absolute positions of the block rows
+        valid = key_pos[None, :] < torch.tensor(lengths, device=device)[:, None]  # (b, kv)
+        self.full_mask = None if all(n == kv_len for n in lengths) else valid[:, None, None, :]
+        self.window_mask = None
+        if window is not None:
+            in_window = key_pos[None, None, :] > query_pos[:, :, None] - window  # (b, q, kv)
+            self.window_mask = (in_window & valid[:, None, :])[:, None]
+        for state in states:
+            state.ctx_count_drafter = state.ctx_committed + block_size
+
+    @property
+    def attention_masks(self) -> dict[str, torch.Tensor | None]:
+        """Per layer type, the boolean mask (b, 1, q, kv) of slots each block row may see (None: all)."""
+        return {"full_attention": self.full_mask, "sliding_attention": self.window_mask}
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, g, q, d = key.shape
+        self.cache.write(
+            layer_idx,
+            self.block_slots,
+            key.transpose(1, 2).reshape(b * q, g, d),
+            value.transpose(1, 2).reshape(b * q, g, d),
+        )
+        return self.cache.read(layer_idx, self.read_slots)
+
+
+__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PAGE_SIZE"]

@@ -1,0 +1,328 @@
+"""The DFlash drafter: Qwen3-style decoder layers that denoise a whole block of tokens in one forward.
+
+Shapes: b = batch, q = block rows (B), c = context rows, H = hidden size, h = heads, g = key/value heads, d = head
+dim. The context (captured target hidden states) never enters the residual stream: in every layer its rows only
+contribute keys and values, next to the block rows' own. Attention is not causal: block rows see all context and
+each other.
+
+Two ways in:
+- `forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache)`: transformers' native DFlash
+  call (`generate(..., speculation_type="dflash")`), where the new context rows arrive with each call and a
+  `DynamicCache` keeps everyone's keys and values.
+- `context_key_values(context_hidden_states, position_ids)` + `forward(noise_embeds, position_ids, cache=paged)`: our
+  runtime, where context keys/values are computed once per row and kept in a paged cache (dflash_paged_cache.py)
+  whose adapter speaks the Cache API the attention below needs.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import BaseModelOutput
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .configuration_dflash import DFlashConfig
+from .dflash_dispatch import install_generate_dispatch
+
+# Weight names of transformers' native DFlash drafter (Muse Glimmer assistant) mapped onto ours; z-lab files
+# already use our names.
+NATIVE_KEY_MAPPING = {r"^encoder\.fc\.": "fc.", r"^encoder\.output_norm_enc\.": "hidden_norm."}
+
+
+class DFlashRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DFlashRotaryEmbedding(nn.Module):
+    """cos/sin tables at arbitrary absolute positions (context rows keep the position they were inserted at)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        rope = config.rope_parameters or {"rope_type": "default", "rope_theta": config.default_theta}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            base = rope["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (b, t) positions -> (b, t, d) tables, computed in float32 then cast like the activations.
+        freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(like.dtype), sin.to(like.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (b, heads, t, d); cos/sin (b, t, d)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention; `attention_mask` is boolean (True = may attend), broadcastable to (b, h, q, k)."""
+    groups = module.num_key_value_groups
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (b, q, h, d)
+    return out, weights
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block rows; keys and values from [context rows ; block rows]; not causal."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = False
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def key_values(
+        self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values of `rows` (b, t, H) -> two (b, g, t, d) tensors."""
+        shape = (*rows.shape[:-1], -1, self.head_dim)
+        key = self.k_norm(self.k_proj(rows).view(shape)).transpose(1, 2)
+        value = self.v_proj(rows).view(shape).transpose(1, 2)
+        return apply_rotary(key, cos, sin), value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        context_features: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+    ) -> torch.Tensor:
+        # hidden_states (b, q, H) block rows; context_features (b, c, H) or None when the cache already holds them;
+        # position_embeddings cover [context rows ; block rows].
+        cos, sin = position_embeddings
+        num_rows = hidden_states.shape[1]
+        query = self.q_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim)
+        query = apply_rotary(self.q_norm(query).transpose(1, 2), cos[:, -num_rows:], sin[:, -num_rows:])
+        kv_rows = hidden_states if context_features is None else torch.cat([context_features, hidden_states], dim=1)
+        key, value = self.key_values(kv_rows, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            is_causal=False,
+        )
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        context_features: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+    ) -> torch.Tensor:
+        # The input norm applies to the block rows only: context rows were normed once, by `hidden_norm`.
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, context_features, attention_mask, cache
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashPreTrainedModel(PreTrainedModel):
+    config_class = DFlashConfig
+    config: DFlashConfig
+    base_model_prefix = "dflash"
+    main_input_name = "noise_embeds"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, DFlashRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, DFlashRotaryEmbedding):
+            module.inv_freq.copy_(DFlashRotaryEmbedding(self.config).inv_freq)
+
+
+class DFlashDraftModel(DFlashPreTrainedModel):
+    """A DFlash drafter. Pass it as `assistant_model=` to any causal LM's `generate` for lossless speculative decoding.
+
+    Weights (no prefix): fc [H, k*H_target], hidden_norm, layers.{i}.*, norm. No embedding, no lm_head.
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        self.fc = nn.Linear(config.num_context_features, config.hidden_size, bias=False)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DFlashRotaryEmbedding(config)
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> "DFlashDraftModel":
+        """Load any published layout (z-lab, transformers-native, ours). Every tensor in the file must be consumed
+        and every parameter filled: a missing, unexpected or mis-shaped tensor is an error, not a warning."""
+        wants_info = kwargs.pop("output_loading_info", False)
+        kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
+        if problems or info.get("error_msgs"):
+            raise ValueError(
+                f"{pretrained_model_name_or_path} does not match the DFlash drafter its config describes: "
+                f"{problems or info['error_msgs']}. Check that the config (layers, hidden size, target_layer_ids) "
+                "belongs to these weights."
+            )
+        return (model, info) if wants_info else model
+
+    def context_features(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
+        """(b, c, k*H_target) captured target rows -> (b, c, H) drafter features: fc, then hidden_norm."""
+        return self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+
+    def context_key_values(
+        self, context_hidden_states: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys/values of new context rows, rotated at their own absolute positions.
+
+        Computed once per context row and kept; a row's keys never change afterwards.
+        """
+        features = self.context_features(context_hidden_states)
+        cos, sin = self.rotary_emb(features, position_ids)
+        return [layer.self_attn.key_values(features, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any | None = None,
+        past_key_values: Any | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutput:
+        r"""
+        noise_embeds: (b, q, H) target embeddings of the block [anchor, mask x (q - 1)].
+        context_hidden_states: (b, c, k*H_target) new context rows, or None when `cache` already holds every
+            context row's keys/values (our paged cache).
+        position_ids: (b, c + q) absolute positions of [new context rows ; block rows].
+        attention_mask: 2D (b, kv_len) padding mask over everything the block attends to (1 = keep); or boolean
+            masks broadcastable to (b, heads, q, kv_len) (True = keep), one per layer type
+            ({"full_attention": ..., "sliding_attention": ...}). None attends to all.
+        cache / past_key_values: a transformers `Cache` (its `update` appends and returns all keys/values), or None.
+        """
+        cache = cache if cache is not None else past_key_values
+        features = None if context_hidden_states is None else self.context_features(context_hidden_states)
+        if position_ids is None:
+            raise ValueError("DFlashDraftModel needs position_ids for the context and block rows")
+        hidden_states = noise_embeds.to(self.fc.weight.dtype)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids.to(hidden_states.device))
+        if not isinstance(attention_mask, dict):
+            if "sliding_attention" in self.config.layer_types:
+                raise NotImplementedError(
+                    "sliding-window drafters need per-layer masks; use generate(assistant_model=drafter) without "
+                    "speculation_type='dflash' (our runtime builds them)"
+                )
+            if attention_mask is not None and bool(attention_mask.all()):
+                attention_mask = None
+            elif attention_mask is not None:
+                attention_mask = attention_mask.bool()[:, None, None, :]  # (b, 1, 1, kv_len) key padding
+            attention_mask = {"full_attention": attention_mask}
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
+            hidden_states = layer(hidden_states, position_embeddings, features, attention_mask[layer_type], cache)
+        return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
+
+
+DFlashDraftModel.register_for_auto_class("AutoModel")
+# Importing the drafter makes `target.generate(assistant_model=drafter)` take the DFlash path (dflash_dispatch.py).
+install_generate_dispatch()
+
+__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel"]
