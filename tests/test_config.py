@@ -1,0 +1,105 @@
+"""DFlashConfig reads every published layout and builds fresh drafters for any target."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, Qwen3Config
+
+from hf_dflash import DFlashConfig, default_target_layer_ids
+
+# z-lab/Qwen3-8B-DFlash-b16 as published (fields a loader must honour; see hub_configs/).
+ZLAB_QWEN3_8B = {
+    "architectures": ["DFlashDraftModel"],
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "model_type": "qwen3",
+    "block_size": 16,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 5,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "vocab_size": 151936,
+    "layer_types": ["full_attention"] * 5,
+}
+
+
+def test_published_default_layer_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]  # Llama-3.1-8B
+    assert default_target_layer_ids(30, 1) == [15]
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        default_target_layer_ids(3, 2)
+
+
+def test_zlab_layout_is_read():
+    config = DFlashConfig(**ZLAB_QWEN3_8B)
+    assert config.block_size == 16
+    assert config.mask_token_id == 151669
+    assert config.target_layer_ids == [1, 9, 17, 25, 33]
+    assert config.rope_parameters["rope_theta"] == 1000000
+    assert config.num_context_features == 5 * 4096
+    assert not hasattr(config, "dflash_config")  # folded into one place
+
+
+def test_block_size_inside_dflash_config_and_rope_parameters():
+    fields = {k: v for k, v in ZLAB_QWEN3_8B.items() if k not in ("block_size", "rope_theta")}
+    fields["dflash_config"] = {**fields["dflash_config"], "block_size": 10}
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    config = DFlashConfig(**fields)
+    assert config.block_size == 10
+    assert config.rope_parameters["rope_theta"] == 500000.0
+
+
+def test_native_and_speculators_field_names():
+    native = DFlashConfig(num_hidden_layers=2, block_size=8, mask_token_id=7, target_layer_ids=[1, 3])
+    assert (native.block_size, native.mask_token_id, native.target_layer_ids) == (8, 7, [1, 3])
+    speculators = DFlashConfig(num_hidden_layers=2, aux_hidden_state_layer_ids=[2, 4], mask_token_id=1)
+    assert speculators.target_layer_ids == [2, 4]
+
+
+def test_round_trip_through_dict():
+    config = DFlashConfig(**ZLAB_QWEN3_8B)
+    again = DFlashConfig.from_dict(config.to_dict())
+    assert again.to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"block_size": 1}, "block_size"),
+        ({"layer_types": ["full_attention"]}, "layer_types"),
+        ({"layer_types": ["sliding_attention"] * 5}, "sliding_window"),
+        ({"num_key_value_heads": 5}, "multiple"),
+        ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 40]}}, "outside the target"),
+    ],
+)
+def test_bad_configs_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DFlashConfig(**{**ZLAB_QWEN3_8B, **fields})
+
+
+def test_for_target_copies_the_target_shape():
+    target = Qwen3Config(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 12345.0},
+    )
+    config = DFlashConfig.for_target(target, num_hidden_layers=3, block_size=8, tokenizer_size=990)
+    assert config.mask_token_id == 990  # the first embedding row the tokenizer never produces
+    assert config.target_layer_ids == default_target_layer_ids(12, 3)
+    assert (config.hidden_size, config.num_key_value_heads, config.head_dim) == (128, 2, 32)
+    assert config.rope_parameters["rope_theta"] == 12345.0
+    assert config.num_target_layers == 12 and config.vocab_size == 1000
+
+
+def test_for_target_asks_for_a_mask_token_when_none_is_free():
+    target = LlamaConfig(vocab_size=500, hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashConfig.for_target(target, tokenizer_size=500)
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        DFlashConfig.for_target(target, mask_token_id=500)
+    assert DFlashConfig.for_target(target, mask_token_id=3).mask_token_id == 3

@@ -1,0 +1,199 @@
+"""Greedy DFlash output equals plain greedy generate, token for token (float32, CPU), whatever the drafter."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
+
+from hf_dflash import DFlashCandidateGenerator, DFlashGenerateOutput
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
+
+
+@contextlib.contextmanager
+def oracle_drafts(reference: torch.LongTensor, wrong_every: int):
+    """Make the drafter propose the reference continuation, except every `wrong_every`-th draft position.
+
+    The real propose still runs (so the drafter state machine is exercised); only its argmax is replaced, which
+    gives acceptance lengths anywhere from 1 to B.
+    """
+    original = DFlashCandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, **kwargs):
+        candidates, logits = original(self, input_ids, **kwargs)
+        start = input_ids.shape[1]
+        for k in range(start, candidates.shape[1]):
+            if k < reference.shape[1] and k % wrong_every:
+                candidates[:, k] = reference[:, k]
+            else:
+                candidates[:, k] = (reference[:, min(k, reference.shape[1] - 1)] + 1) % 200
+        return candidates, logits
+
+    DFlashCandidateGenerator.get_candidates = get_candidates
+    try:
+        yield
+    finally:
+        DFlashCandidateGenerator.get_candidates = original
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_drafter_is_lossless(family, seed):
+    target = tiny_target(family, seed=seed)
+    drafter = tiny_drafter(target, seed=seed + 10, block_size=2 + 3 * seed)
+    prompt = random_prompt(3 + 5 * seed, seed=seed)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    dflash = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter)
+    assert torch.equal(plain, dflash)
+
+
+@pytest.mark.parametrize("wrong_every", [2, 3, 5, 1000])
+def test_accepting_drafts_is_lossless(wrong_every):
+    target = tiny_target("qwen3", seed=3)
+    drafter = tiny_drafter(target, block_size=6)
+    prompt = random_prompt(9, seed=3)
+    plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    with oracle_drafts(plain, wrong_every):
+        out = target.generate(
+            prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+        )
+    assert torch.equal(plain, out.sequences)
+    (lengths,) = out.acceptance_lengths
+    assert max(lengths) > 1, "the oracle's drafts were never accepted"
+    assert all(1 <= n <= 6 for n in lengths)
+    # acceptance lengths count every committed token after the first (which the prefill produced)
+    assert sum(lengths) >= plain.shape[1] - prompt.shape[1] - 1
+    if wrong_every == 1000:  # only the last draft of the 40 can be off: nearly every block is accepted whole
+        assert sum(n == 6 for n in lengths) >= len(lengths) - 2
+
+
+def test_max_length_and_max_new_tokens_hold(llama_pair):
+    target, drafter = llama_pair
+    prompt = random_prompt(5)
+    for kwargs in ({"max_new_tokens": 1}, {"max_new_tokens": 2}, {"max_new_tokens": 13}, {"max_length": 11}):
+        plain = target.generate(prompt, do_sample=False, **kwargs)
+        reference = target.generate(prompt, do_sample=False, max_new_tokens=40)
+        with oracle_drafts(reference, wrong_every=1000):
+            dflash = target.generate(prompt, do_sample=False, assistant_model=drafter, **kwargs)
+        assert torch.equal(plain, dflash), kwargs
+
+
+def test_eos_stops_where_plain_generate_stops():
+    target = tiny_target("llama", seed=4)
+    drafter = tiny_drafter(target, block_size=5)
+    prompt = random_prompt(6, seed=4)
+    free_run = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    eos = int(free_run[0, prompt.shape[1] + 7])  # a token the target emits mid-way
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    assert plain.shape[1] < free_run.shape[1]
+    with oracle_drafts(free_run, wrong_every=1000):  # eos arrives inside an accepted block
+        dflash = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos, assistant_model=drafter)
+    assert torch.equal(plain, dflash)
+
+
+class StopAfter(StoppingCriteria):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_custom_stopping_criteria(llama_pair):
+    target, drafter = llama_pair
+    prompt = random_prompt(4)
+    criteria = StoppingCriteriaList([StopAfter(17)])
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False, stopping_criteria=criteria)
+    reference = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    with oracle_drafts(reference, wrong_every=1000):
+        dflash = target.generate(
+            prompt, max_new_tokens=30, do_sample=False, stopping_criteria=criteria, assistant_model=drafter
+        )
+    assert plain.shape[1] == 17
+    assert torch.equal(plain, dflash)
+
+
+class RecordingTokenizer:
+    """Just enough tokenizer for TextStreamer: decodes ids to a readable string."""
+
+    def decode(self, ids, **kwargs):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
+def test_text_streamer_sees_the_same_text(llama_pair, capsys):
+    target, drafter = llama_pair
+    prompt = random_prompt(4)
+    reference = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    target.generate(prompt, max_new_tokens=20, do_sample=False, streamer=TextStreamer(RecordingTokenizer()))
+    plain_text = capsys.readouterr().out
+    with oracle_drafts(reference, wrong_every=3):
+        target.generate(
+            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, streamer=TextStreamer(RecordingTokenizer())
+        )
+    assert capsys.readouterr().out == plain_text
+    assert plain_text.count("<") == reference.shape[1]
+
+
+def test_return_dict_matches_plain_generate(qwen3_pair):
+    target, drafter = qwen3_pair
+    prompt = random_prompt(5)
+    kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    plain = target.generate(prompt, **kwargs)
+    with oracle_drafts(plain.sequences, wrong_every=4):
+        dflash = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert isinstance(dflash, DFlashGenerateOutput)
+    assert torch.equal(plain.sequences, dflash.sequences)
+    assert len(dflash.scores) == len(plain.scores) == 12
+    for mine, theirs in zip(dflash.logits, plain.logits):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert sum(dflash.acceptance_lengths[0]) == 11  # every token after the prefill's first
+
+
+def test_repetition_penalty_processor_is_applied_per_row():
+    target = tiny_target("llama", seed=5)
+    drafter = tiny_drafter(target, block_size=4)
+    prompt = random_prompt(6, seed=5)
+    kwargs = dict(max_new_tokens=25, do_sample=False, repetition_penalty=1.8)
+    plain = target.generate(prompt, **kwargs)
+    assert not torch.equal(plain, target.generate(prompt, max_new_tokens=25, do_sample=False))
+    with oracle_drafts(plain, wrong_every=4):
+        dflash = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert torch.equal(plain, dflash)
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) for m in model.modules())
+
+
+def test_hooks_are_removed_after_generate_even_on_error(llama_pair):
+    target, drafter = llama_pair
+    before = _hook_count(target)
+    target.generate(random_prompt(4), max_new_tokens=8, do_sample=False, assistant_model=drafter)
+    assert _hook_count(target) == before
+
+    class Boom(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.shape[1] > 8:
+                raise KeyboardInterrupt("user pressed ctrl-c")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    with pytest.raises(KeyboardInterrupt):
+        target.generate(
+            random_prompt(4), max_new_tokens=20, do_sample=False, assistant_model=drafter,
+            stopping_criteria=StoppingCriteriaList([Boom()]),
+        )
+    assert _hook_count(target) == before
+    # and the next call is still right
+    plain = target.generate(random_prompt(6, seed=9), max_new_tokens=10, do_sample=False)
+    again = target.generate(random_prompt(6, seed=9), max_new_tokens=10, do_sample=False, assistant_model=drafter)
+    assert torch.equal(plain, again)
+
+
+def test_prompt_of_one_token(llama_pair):
+    target, drafter = llama_pair
+    prompt = random_prompt(1)
+    plain = target.generate(prompt, max_new_tokens=15, do_sample=False)
+    with oracle_drafts(plain, wrong_every=3):
+        assert torch.equal(plain, target.generate(prompt, max_new_tokens=15, do_sample=False, assistant_model=drafter))

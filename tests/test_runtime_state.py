@@ -1,0 +1,119 @@
+"""The drafter runtime's invariants: pages, proposer state, incremental context, and drafts equal to a from-scratch
+drafter forward over the whole context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dflash import PAGE_SIZE, DFlashCandidateGenerator, DflashProposerState, PagedDrafterCache
+from tests.conftest import MASK_ID, random_prompt, tiny_drafter, tiny_target
+from tests.test_greedy_identity import oracle_drafts
+
+
+def new_state(capacity: int = 64, width: int = 8) -> DflashProposerState:
+    return DflashProposerState(ctx_hidden_acc=torch.zeros(capacity, width), ctx_positions=torch.zeros(capacity, dtype=torch.long))
+
+
+def test_pages_are_never_shared_and_come_back():
+    cache = PagedDrafterCache(num_layers=2, num_pages=6, num_key_value_heads=1, head_dim=4, dtype=torch.float32, device="cpu")
+    a, b = new_state(), new_state()
+    cache.reserve(a, 17)  # two pages
+    cache.reserve(b, 40)  # three pages
+    cache.reserve(a, 20)  # still two
+    assert len(a.block_table) == 2 and len(b.block_table) == 3
+    assert not set(a.block_table) & set(b.block_table)
+    assert a.max_ctx_count_drafter == 2 * PAGE_SIZE
+    assert torch.equal(a.block_table_dev, torch.tensor(a.block_table))
+    with pytest.raises(RuntimeError, match="exhausted"):
+        cache.reserve(a, 4 * PAGE_SIZE)
+    cache.release(b)
+    assert b.block_table == [] and len(cache.free_pages) == 4
+    cache.reserve(a, 4 * PAGE_SIZE)
+    assert len(set(a.block_table)) == 4
+
+
+def test_slots_map_through_the_block_table_and_keep_their_values():
+    cache = PagedDrafterCache(num_layers=1, num_pages=4, num_key_value_heads=2, head_dim=3, dtype=torch.float32, device="cpu")
+    a, b = new_state(), new_state()
+    cache.reserve(b, 5)  # b takes page 0, so a's slots are not the identity
+    cache.reserve(a, 20)
+    slots = cache.slot_mapping(a, 14, 20)
+    expected = [a.block_table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(14, 20)]
+    assert slots.tolist() == expected
+    key, value = torch.randn(6, 2, 3), torch.randn(6, 2, 3)
+    cache.write(0, slots, key, value)
+    read_key, read_value = cache.read(0, slots[None])
+    assert torch.equal(read_key[0].transpose(0, 1), key) and torch.equal(read_value[0].transpose(0, 1), value)
+
+
+def test_accumulator_refuses_to_overflow():
+    state = new_state(capacity=10)
+    state.append_context(torch.ones(8, 8), first_position=0)
+    assert state.ctx_len == 8 and state.ctx_positions[:8].tolist() == list(range(8))
+    with pytest.raises(ValueError, match="holds 10 positions"):
+        state.append_context(torch.ones(3, 8), first_position=8)
+    assert state.ctx_len == 8  # nothing written on refusal
+    assert state.ctx_slot_bytes == 8 * 4
+
+
+@pytest.mark.parametrize("family, wrong_every", [("llama", 3), ("qwen3", 2), ("qwen3", 1000)])
+def test_drafts_equal_a_from_scratch_forward_over_the_whole_context(family, wrong_every):
+    """Every propose of a real generate equals the drafter run from scratch on the committed sequence: the
+    context rows, their positions and the incremental key/value precompute are all right."""
+    target = tiny_target(family, seed=7)
+    drafter = tiny_drafter(target, num_layers=3, block_size=5)
+    prompt = random_prompt(7, seed=7)
+    reference_ids = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    recorded = []
+    original = DFlashCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, **kwargs):
+        candidates, logits = original(self, input_ids, **kwargs)
+        recorded.append((input_ids.clone(), logits.clone(), [(s.ctx_len, s.seq_len, s.ctx_committed) for s in self.states]))
+        return candidates, logits
+
+    DFlashCandidateGenerator.get_candidates = recording
+    try:
+        with oracle_drafts(reference_ids, wrong_every):
+            target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter)
+    finally:
+        DFlashCandidateGenerator.get_candidates = original
+    assert len(recorded) > 3
+
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    ids = drafter.config.target_layer_ids
+    block = drafter.config.block_size
+    for input_ids, logits, ((ctx_len, seq_len, ctx_committed),) in recorded:
+        anchor_pos = input_ids.shape[1] - 1
+        assert ctx_len == anchor_pos == seq_len - 1 == ctx_committed
+        with torch.no_grad():
+            hidden = target(input_ids[:, :anchor_pos], output_hidden_states=True).hidden_states
+            context = torch.cat([hidden[i + 1] for i in ids], dim=-1)
+            block_ids = torch.cat([input_ids[:, -1:], torch.full((1, block - 1), MASK_ID)], dim=1)
+            out = drafter(
+                noise_embeds=embed(block_ids), context_hidden_states=context,
+                position_ids=torch.arange(anchor_pos + block)[None],
+            ).last_hidden_state
+            expected = lm_head(out[:, 1:])
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_propose_refuses_a_stale_context():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    generator = DFlashCandidateGenerator(drafter, target, batch_size=1, max_length=32, max_rows=8)
+    prompt = random_prompt(6)
+    with generator.capture:
+        generator.capture_rows(6)
+        target(prompt)
+    generator.commit_prefill(torch.ones_like(prompt))
+    state = generator.states[0]
+    assert state.prefill_done and state.ctx_len == 6 and state.seq_len == 7
+    candidates, logits = generator.get_candidates(torch.cat([prompt, torch.tensor([[3]])], dim=1))
+    assert candidates.shape == (1, 7 + 3) and logits.shape == (1, 3, target.config.vocab_size)
+    assert state.ctx_committed == 6 and state.ctx_count_drafter == 6 + 4 and state.last_num_drafted == 3
+    with pytest.raises(RuntimeError, match="stale"):
+        generator.get_candidates(candidates)
+    generator.release()
+    assert len(generator.cache.free_pages) == generator.cache.num_pages
