@@ -122,8 +122,8 @@ class DFlashConfig(PreTrainedConfig):
         self.block_size = block_size if block_size is not None else 16
         self.mask_token_id = mask_token_id
         self.initializer_range = initializer_range
+        self._validate_dflash_fields()  # before the base class, whose own checks give vaguer messages
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
-        self._validate_dflash_fields()
 
     def _validate_dflash_fields(self) -> None:
         if self.block_size < 2:
