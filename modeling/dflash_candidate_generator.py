@@ -66,8 +66,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.window = config.sliding_window if any(sliding) else None
 
     def capture_rows(self, num_rows: int) -> None:
-        """Point the hooks at the scratch for the next target forward of `num_rows` rows per sequence."""
-        self.capture.destination = self.scratch[:, :num_rows]
+        """Point the hooks at the scratch for the next target forward of `num_rows` rows per live sequence."""
+        self.capture.destination = self.scratch[: len(self.states), :num_rows]
 
     def commit_prefill(self, prompt_mask: torch.Tensor) -> None:
         """After the prompt forward: every real (non-padding) prompt row becomes a context slot.
@@ -105,7 +105,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
                 raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
             state.skip_next_decode_append = False
         self._store_new_context(self.states)
-        block_ids = torch.cat([input_ids[:, -1:], self.mask_ids.to(input_ids.device)], dim=1)  # (b, B)
+        mask_ids = self.mask_ids[: len(self.states)].to(input_ids.device)
+        block_ids = torch.cat([input_ids[:, -1:], mask_ids], dim=1)  # (b, B)
         noise_embeds = self.input_embeddings(block_ids).to(self.device)
         anchor_positions = torch.tensor([s.ctx_len for s in self.states], device=self.device)
         position_ids = anchor_positions[:, None] + self.block_offsets  # (b, B)
@@ -132,10 +133,17 @@ class DFlashCandidateGenerator(CandidateGenerator):
             state.seq_len += accepted + 1
             state.last_num_accepted = accepted
 
+    def keep(self, indices: Sequence[int]) -> None:
+        """Carry on with the sequences at `indices` only (in that order); the others' pages return to the pool."""
+        kept = set(indices)
+        for i, state in enumerate(self.states):
+            if i not in kept:
+                self.cache.release(state)
+        self.states = [self.states[i] for i in indices]
+
     def release(self) -> None:
         """Return every sequence's pages to the pool."""
-        for state in self.states:
-            self.cache.release(state)
+        self.keep([])
 
 
 __all__ = ["DFlashCandidateGenerator"]

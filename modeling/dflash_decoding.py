@@ -88,31 +88,42 @@ def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) 
 
 def _choose_tokens(
     logits: torch.Tensor,
-    prefix_ids: torch.LongTensor,
+    prefixes: list[torch.LongTensor],
     drafts: torch.LongTensor,
     logits_processor: Any,
     do_sample: bool,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """The target's own token at every verified row, as plain generate would pick it there.
 
-    logits (b, n, V); prefix_ids (b, t) the committed tokens; drafts (b, n - 1). Row i's processors see the prefix
-    followed by drafts[:, :i], which is the committed prefix whenever row i matters (every earlier draft accepted).
-    Returns tokens (b, n) and the processed scores (b, n, V) in float32.
+    logits (b, n, V); prefixes[i] (1, t_i) the committed tokens of sequence i (its left padding included, as plain
+    generate's input_ids have it); drafts (b, n - 1). Row j's processors see the prefix followed by drafts[:j],
+    which is the committed prefix whenever row j matters (every earlier draft accepted). Returns tokens (b, n) and
+    the processed scores (b, n, V) in float32.
     """
     scores = logits.to(torch.float32)
     if len(logits_processor) > 0:
+        # Per sequence and row: processors read the whole prefix, whose length differs between sequences.
         scores = torch.stack(
             [
-                logits_processor(torch.cat([prefix_ids, drafts[:, :i]], dim=1), scores[:, i])
-                for i in range(scores.shape[1])
-            ],
-            dim=1,
+                torch.cat(
+                    [
+                        logits_processor(torch.cat([prefix, drafts[i : i + 1, :j]], dim=1), scores[i : i + 1, j])
+                        for j in range(scores.shape[1])
+                    ]
+                )
+                for i, prefix in enumerate(prefixes)
+            ]
         )
     if not do_sample:
         return scores.argmax(dim=-1), scores
     probs = torch.softmax(scores, dim=-1)
     tokens = torch.multinomial(probs.flatten(0, 1), num_samples=1).view(probs.shape[:2])
     return tokens, scores
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.LongTensor:
+    """Absolute positions of the real tokens of left-padded rows (padding gets position 0, as in generate)."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
 def dflash_generate(
@@ -126,13 +137,17 @@ def dflash_generate(
     drafter: torch.nn.Module | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
-    """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate."""
+    """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
+
+    Sequences of a batch accept different numbers of drafts per step. The target's cache stays one rectangular
+    DynamicCache: each step keeps the rows of the longest acceptance and masks the rejected rows of the other
+    sequences out of the attention mask for good (positions come from each sequence's own length, so a masked row
+    is never seen again). Finished sequences leave the batch (cache, mask and drafter state).
+    """
     target = model
     check_generation_mode(generation_config, model_kwargs)
     check_drafter_fits(drafter, target)
     batch_size, prompt_len = input_ids.shape
-    if batch_size != 1:
-        raise ValueError(f"the DFlash path decodes one sequence at a time for now; got a batch of {batch_size}")
     block_size = drafter.config.block_size
     max_length = generation_config.max_length
     if max_length + block_size > drafter.config.max_position_embeddings:
@@ -140,111 +155,141 @@ def dflash_generate(
             f"max_length {max_length} plus a block of {block_size} exceeds the drafter's context allocation "
             f"(max_position_embeddings={drafter.config.max_position_embeddings}); lower max_new_tokens or the prompt"
         )
+    return_dict = generation_config.return_dict_in_generate
+    keep_scores = return_dict and generation_config.output_scores
+    keep_logits = return_dict and generation_config.output_logits
+    if batch_size > 1 and (keep_scores or keep_logits):
+        raise ValueError(
+            "per-token scores/logits are returned for one sequence at a time on the DFlash path (sequences of a "
+            "batch commit different numbers of tokens per step); generate with a batch of 1 to get them"
+        )
+    if batch_size > 1 and streamer is not None:
+        raise ValueError("streamers take one sequence; generate with a batch of 1 to stream")
     cache_arg = _cache_argument(target)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is None or not hasattr(cache, "crop"):
+    if cache is None or not hasattr(cache, "crop") or not hasattr(cache, "batch_select_indices"):
         raise ValueError(
             "the DFlash path needs a cache that can be cropped after each verify (DynamicCache, the default); "
             f"got {type(cache).__name__}. Drop cache_implementation / the cache argument"
         )
+    pad = generation_config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else 0
+    device = input_ids.device
     attention_mask = model_kwargs.get("attention_mask")
-    prompt_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    if not bool(prompt_mask.all()):
-        raise ValueError("padded prompts arrive with batched DFlash decoding; pass an unpadded single prompt")
-    return_dict = generation_config.return_dict_in_generate
-    keep_scores = return_dict and generation_config.output_scores
-    keep_logits = return_dict and generation_config.output_logits
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+
+    # sequences[i, :lengths[i]] is sequence i as plain generate would hold it (left padding included).
+    sequences = torch.full((batch_size, max_length), pad_id, dtype=torch.long, device=device)
+    sequences[:, :prompt_len] = input_ids
+    lengths = [prompt_len] * batch_size
+    live = list(range(batch_size))  # batch row -> sequence index
+    acceptance_lengths: list[list[int]] = [[] for _ in range(batch_size)]
     scores: list[torch.Tensor] = []
     raw_logits: list[torch.Tensor] = []
-    acceptance_lengths: list[int] = []
+
+    def commit(row_tokens: list[torch.LongTensor], step_scores: torch.Tensor, step_logits: torch.Tensor) -> list[int]:
+        """Append each live sequence's new tokens one at a time, as plain generate would, stopping a sequence at
+        the first token that ends it. Returns the batch rows still running."""
+        running = []
+        for row, (seq, new) in enumerate(zip(live, row_tokens)):
+            done = False
+            for j, token in enumerate(new.tolist()):
+                sequences[seq, lengths[seq]] = token
+                lengths[seq] += 1
+                if keep_scores:
+                    scores.append(step_scores[row : row + 1, j])
+                if keep_logits:
+                    raw_logits.append(step_logits[row : row + 1, j].to(torch.float32))
+                if streamer is not None:
+                    streamer.put(new[j : j + 1].cpu())
+                done = bool(stopping_criteria(sequences[seq : seq + 1, : lengths[seq]], step_scores[row : row + 1, j]).all())
+                if done:
+                    break
+            if not done:
+                running.append(row)
+        return running
 
     generator = DFlashCandidateGenerator(drafter, target, batch_size, max_length, max_rows=max(prompt_len, block_size))
     # Hooks live exactly as long as this block: the target leaves generate as it came in, even on error.
     with generator.capture:
-        # 1. Prefill: the prompt's rows become drafter context; the target picks the first token.
+        # 1. Prefill: the prompt's real rows become drafter context; the target picks each sequence's first token.
         generator.capture_rows(prompt_len)
         outputs = target(
             input_ids=input_ids,
-            position_ids=torch.arange(prompt_len, device=input_ids.device)[None],
+            attention_mask=attention_mask,
+            position_ids=_positions(attention_mask),
             use_cache=True,
             logits_to_keep=1,
             **{cache_arg: cache},
         )
-        generator.commit_prefill(prompt_mask)
+        generator.commit_prefill(attention_mask)
+        prefixes = [input_ids[i : i + 1] for i in range(batch_size)]
         tokens, step_scores = _choose_tokens(
-            outputs.logits[:, -1:], input_ids, input_ids[:, :0], logits_processor, generation_config.do_sample
+            outputs.logits[:, -1:], prefixes, input_ids[:, :0], logits_processor, generation_config.do_sample
         )
-        input_ids, finished = _commit(
-            input_ids, tokens[:, :1], step_scores, outputs.logits[:, -1:], stopping_criteria, streamer,
-            scores if keep_scores else None, raw_logits if keep_logits else None,
-        )
-        # 2. Draft, verify, accept, until a stopping criterion says so.
-        while not finished:
-            cur_len = input_ids.shape[1]
-            num_rows = min(block_size, max_length - cur_len)  # never verify past max_length
-            candidates, _ = generator.get_candidates(input_ids)
-            block = candidates[:, cur_len - 1 : cur_len - 1 + num_rows]  # [anchor, drafts]
+        running = commit(list(tokens), step_scores, outputs.logits[:, -1:])
+
+        # 2. Draft, verify, accept, until every sequence is finished.
+        while running:
+            if len(running) < len(live):  # finished sequences stop costing work
+                index = torch.tensor(running, device=device)
+                cache.batch_select_indices(index)
+                attention_mask = attention_mask[index]
+                generator.keep(running)
+                live = [live[row] for row in running]
+            rows = torch.tensor(live, device=device)
+            ends = torch.tensor([lengths[seq] for seq in live], device=device)
+            # never verify past max_length: a sequence with r tokens left commits at most r
+            room = [max_length - lengths[seq] for seq in live]
+            num_rows = min(block_size, max(room))
+            anchors = sequences[rows, ends - 1][:, None]
+            candidates, _ = generator.get_candidates(anchors)
+            block = candidates[:, : num_rows]  # (b, n): [anchor, drafts]
+            real_lengths = torch.tensor([s.seq_len for s in generator.states], device=device)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), num_rows)], dim=1)
             generator.capture_rows(num_rows)
             outputs = target(
                 input_ids=block,
-                position_ids=(cur_len - 1 + torch.arange(num_rows, device=block.device))[None],
+                attention_mask=attention_mask,
+                position_ids=real_lengths[:, None] - 1 + torch.arange(num_rows, device=device),
                 use_cache=True,
                 logits_to_keep=num_rows,
                 **{cache_arg: cache},
             )
             drafts = block[:, 1:]
+            prefixes = [sequences[seq : seq + 1, : lengths[seq]] for seq in live]
             tokens, step_scores = _choose_tokens(
-                outputs.logits, input_ids, drafts, logits_processor, generation_config.do_sample
+                outputs.logits, prefixes, drafts, logits_processor, generation_config.do_sample
             )
             # Accepted drafts: the longest prefix where each draft equals the target's token at the row before it.
-            accepted = int((drafts == tokens[:, :-1]).cumprod(dim=1).sum())  # the one host sync of the step
-            rejected = num_rows - 1 - accepted
-            if rejected:  # keep rows 0..accepted (the anchor and the accepted drafts); a negative crop drops rows
-                cache.crop(-rejected)
-            generator.update_candidate_strategy(input_ids, step_scores, accepted)
-            acceptance_lengths.append(accepted + 1)
-            input_ids, finished = _commit(
-                input_ids, tokens[:, : accepted + 1], step_scores, outputs.logits, stopping_criteria, streamer,
-                scores if keep_scores else None, raw_logits if keep_logits else None,
+            accepted = (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            accepted = torch.minimum(accepted, torch.tensor(room, device=device) - 1).tolist()  # the step's host sync
+            most = max(accepted)
+            if num_rows - 1 - most:  # keep rows 0..most; a negative crop drops the rest
+                cache.crop(-(num_rows - 1 - most))
+                attention_mask = attention_mask[:, : attention_mask.shape[1] - (num_rows - 1 - most)]
+            for row, taken in enumerate(accepted):  # rows a sequence rejected are masked out for good
+                if taken < most:
+                    attention_mask[row, taken - most :] = 0
+            generator.update_candidate_strategy(block, step_scores, accepted)
+            for seq, taken in zip(live, accepted):
+                acceptance_lengths[seq].append(taken + 1)
+            running = commit(
+                [tokens[row, : taken + 1] for row, taken in enumerate(accepted)], step_scores, outputs.logits
             )
     generator.release()
     if streamer is not None:
         streamer.end()
+    sequences = sequences[:, : max(lengths)]
     if not return_dict:
-        return input_ids
+        return sequences
     return DFlashGenerateOutput(
-        sequences=input_ids,
+        sequences=sequences,
         scores=tuple(scores) if keep_scores else None,
         logits=tuple(raw_logits) if keep_logits else None,
-        acceptance_lengths=[acceptance_lengths],
+        acceptance_lengths=acceptance_lengths,
         **{cache_arg: cache},
     )
-
-
-def _commit(
-    input_ids: torch.LongTensor,
-    new_tokens: torch.LongTensor,
-    step_scores: torch.Tensor,
-    step_logits: torch.Tensor,
-    stopping_criteria: Any,
-    streamer: Any,
-    scores: list[torch.Tensor] | None,
-    raw_logits: list[torch.Tensor] | None,
-) -> tuple[torch.LongTensor, bool]:
-    """Append new tokens one at a time, as plain generate would, stopping at the first that ends the sequence."""
-    finished = False
-    for i in range(new_tokens.shape[1]):
-        input_ids = torch.cat([input_ids, new_tokens[:, i : i + 1]], dim=1)
-        if scores is not None:
-            scores.append(step_scores[:, i])
-        if raw_logits is not None:
-            raw_logits.append(step_logits[:, i].to(torch.float32))
-        if streamer is not None:
-            streamer.put(new_tokens[:, i].cpu())
-        if bool(stopping_criteria(input_ids, step_scores[:, i]).all()):
-            finished = True
-            break
-    return input_ids, finished
 
 
 __all__ = ["DFlashGenerateOutput", "check_drafter_fits", "check_generation_mode", "dflash_generate"]

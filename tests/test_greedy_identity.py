@@ -16,26 +16,37 @@ from tests.conftest import random_prompt, tiny_drafter, tiny_target
 def oracle_drafts(reference: torch.LongTensor, wrong_every: int):
     """Make the drafter propose the reference continuation, except every `wrong_every`-th draft position.
 
-    The real propose still runs (so the drafter state machine is exercised); only its argmax is replaced, which
-    gives acceptance lengths anywhere from 1 to B.
+    reference (b, L) is plain generate's output for the same (left-padded) batch. The real propose still runs (so
+    the drafter state machine is exercised); only its argmax is replaced, which gives acceptance lengths anywhere
+    from 1 to B, different for each sequence.
     """
-    original = DFlashCandidateGenerator.get_candidates
+    original_propose = DFlashCandidateGenerator.get_candidates
+    original_prefill = DFlashCandidateGenerator.commit_prefill
+
+    def commit_prefill(self, prompt_mask):
+        original_prefill(self, prompt_mask)
+        for row, state in enumerate(self.states):  # remember which reference row each sequence is
+            state.oracle_row, state.oracle_offset = row, int((prompt_mask[row] == 0).sum())
 
     def get_candidates(self, input_ids, **kwargs):
-        candidates, logits = original(self, input_ids, **kwargs)
-        start = input_ids.shape[1]
-        for k in range(start, candidates.shape[1]):
-            if k < reference.shape[1] and k % wrong_every:
-                candidates[:, k] = reference[:, k]
-            else:
-                candidates[:, k] = (reference[:, min(k, reference.shape[1] - 1)] + 1) % 200
+        candidates, logits = original_propose(self, input_ids, **kwargs)
+        for i, state in enumerate(self.states):
+            row, start = state.oracle_row, state.oracle_offset + state.seq_len
+            for k in range(1, candidates.shape[1]):
+                column = start + k - 1
+                if column < reference.shape[1] and (column + row) % wrong_every:
+                    candidates[i, k] = reference[row, column]
+                else:
+                    candidates[i, k] = (reference[row, min(column, reference.shape[1] - 1)] + 1) % 200
         return candidates, logits
 
     DFlashCandidateGenerator.get_candidates = get_candidates
+    DFlashCandidateGenerator.commit_prefill = commit_prefill
     try:
         yield
     finally:
-        DFlashCandidateGenerator.get_candidates = original
+        DFlashCandidateGenerator.get_candidates = original_propose
+        DFlashCandidateGenerator.commit_prefill = original_prefill
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -84,9 +84,12 @@ def test_drafts_equal_a_from_scratch_forward_over_the_whole_context(family, wron
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     ids = drafter.config.target_layer_ids
     block = drafter.config.block_size
-    for input_ids, logits, ((ctx_len, seq_len, ctx_committed),) in recorded:
-        anchor_pos = input_ids.shape[1] - 1
-        assert ctx_len == anchor_pos == seq_len - 1 == ctx_committed
+    for anchors, logits, ((ctx_len, seq_len, ctx_committed),) in recorded:
+        # the output is lossless, so the committed sequence at this propose is the reference's first seq_len tokens
+        input_ids = reference_ids[:, :seq_len]
+        assert torch.equal(anchors[:, -1], input_ids[:, -1])
+        anchor_pos = seq_len - 1
+        assert ctx_len == anchor_pos == ctx_committed
         with torch.no_grad():
             hidden = target(input_ids[:, :anchor_pos], output_hidden_states=True).hidden_states
             context = torch.cat([hidden[i + 1] for i in ids], dim=-1)

@@ -1,0 +1,116 @@
+"""Batched DFlash decoding: left-padded prompts of different lengths, ragged acceptance, per-sequence stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dflash import DFlashCandidateGenerator
+from tests.conftest import VOCAB, random_prompt, tiny_drafter, tiny_target
+from tests.test_greedy_identity import oracle_drafts
+
+PAD = 0
+
+
+def left_pad(prompts: list[torch.LongTensor]) -> dict[str, torch.Tensor]:
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), PAD)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1] :] = p[0]
+        mask[i, width - p.shape[1] :] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def strip(row: torch.LongTensor, prompt_width: int, prompt: torch.LongTensor, eos: int | None) -> list[int]:
+    """A batched output row as the unpadded sequence: its prompt, then new tokens up to eos (padding dropped)."""
+    new = row[prompt_width:].tolist()
+    if eos is not None and eos in new:
+        new = new[: new.index(eos) + 1]
+    return prompt[0].tolist() + new
+
+
+@pytest.mark.parametrize("family, wrong_every", [("llama", 3), ("qwen3", 2), ("qwen3", 1000)])
+def test_batch_equals_each_sequence_alone(family, wrong_every):
+    target = tiny_target(family, seed=11)
+    drafter = tiny_drafter(target, block_size=5)
+    prompts = [random_prompt(n, seed=n) for n in (3, 9, 1, 6)]
+    alone = [target.generate(p, max_new_tokens=24, do_sample=False) for p in prompts]
+    batch = left_pad(prompts)
+    plain = target.generate(**batch, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    with oracle_drafts(plain, wrong_every):
+        out = target.generate(
+            **batch, max_new_tokens=24, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
+            return_dict_in_generate=True,
+        )
+    width = batch["input_ids"].shape[1]
+    for row, prompt, single in zip(out.sequences, prompts, alone):
+        assert strip(row, width, prompt, None) == single[0].tolist()
+    assert torch.equal(out.sequences, plain)
+    if wrong_every == 3:  # the oracle's mistakes sit at different places in each row: acceptance is ragged
+        assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1
+
+
+def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
+    target = tiny_target("llama", seed=12)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(n, seed=20 + n) for n in (5, 2, 7)]
+    first_token = int(target.generate(prompts[1], max_new_tokens=1, do_sample=False)[0, -1])
+    eos = first_token  # sequence 1 ends with its very first token
+    alone = [target.generate(p, max_new_tokens=20, do_sample=False, eos_token_id=eos) for p in prompts]
+    assert alone[1].shape[1] == prompts[1].shape[1] + 1
+    batch = left_pad(prompts)
+    plain = target.generate(**batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    live_batch_sizes = []
+    original = DFlashCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, **kwargs):
+        live_batch_sizes.append(len(self.states))
+        return original(self, input_ids, **kwargs)
+
+    DFlashCandidateGenerator.get_candidates = recording
+    try:
+        with oracle_drafts(plain, wrong_every=4):
+            out = target.generate(
+                **batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=eos,
+                assistant_model=drafter,
+            )
+    finally:
+        DFlashCandidateGenerator.get_candidates = original
+    width = batch["input_ids"].shape[1]
+    for row, prompt, single in zip(out, prompts, alone):
+        assert strip(row, width, prompt, eos) == single[0].tolist()
+    assert torch.equal(out, plain)  # finished rows are padded exactly as plain generate pads them
+    assert live_batch_sizes[0] == 2, "the finished sequence still cost drafter work"
+
+
+def test_padding_never_reaches_the_drafter_context():
+    target = tiny_target("qwen3", seed=13)
+    drafter = tiny_drafter(target)
+    prompts = [random_prompt(2, seed=1), random_prompt(8, seed=2)]
+    batch = left_pad(prompts)
+    generator = DFlashCandidateGenerator(drafter, target, batch_size=2, max_length=32, max_rows=8)
+    with generator.capture, torch.no_grad():
+        generator.capture_rows(8)
+        mask = batch["attention_mask"]
+        target(**batch, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+    generator.commit_prefill(mask)
+    short = generator.states[0]
+    assert short.ctx_len == 2 and short.seq_len == 3
+    assert short.ctx_positions[:2].tolist() == [0, 1]
+    with torch.no_grad():  # the rows kept are the unpadded prompt's own hidden states
+        hidden = target(prompts[0], output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[i + 1][0] for i in drafter.config.target_layer_ids], dim=-1)
+    torch.testing.assert_close(short.ctx_hidden_acc[:2], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_num_return_sequences_expands_the_batch():
+    target = tiny_target("llama", seed=14)
+    drafter = tiny_drafter(target)
+    prompt = random_prompt(5, seed=14)
+    torch.manual_seed(0)
+    sampled = target.generate(
+        prompt, max_new_tokens=12, do_sample=True, num_return_sequences=4, assistant_model=drafter, top_k=0
+    )
+    assert sampled.shape == (4, 17) and len({tuple(r.tolist()) for r in sampled}) > 1
+    assert int(sampled.max()) < VOCAB
