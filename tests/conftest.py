@@ -29,10 +29,13 @@ def tiny_target(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.M
     return Qwen3ForCausalLM(Qwen3Config(head_dim=shape["hidden_size"] // shape["num_attention_heads"], **shape)).eval()
 
 
-def tiny_drafter(target: torch.nn.Module, seed: int = 1, num_layers: int = 2, block_size: int = 4, **overrides):
+def tiny_drafter(
+    target: torch.nn.Module, seed: int = 1, num_layers: int = 2, block_size: int = 4, mask_token_id: int = MASK_ID,
+    **overrides,
+):
     torch.manual_seed(seed)
     config = DFlashConfig.for_target(
-        target.config, num_hidden_layers=num_layers, block_size=block_size, mask_token_id=MASK_ID, **overrides
+        target.config, num_hidden_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id, **overrides
     )
     return DFlashDraftModel(config).eval()
 
