@@ -86,39 +86,67 @@ def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) 
         raise ValueError("DFlash needs input_ids (the drafter embeds tokens with the target); pass input_ids")
 
 
-def _choose_tokens(
-    logits: torch.Tensor,
-    prefixes: list[torch.LongTensor],
-    drafts: torch.LongTensor,
-    logits_processor: Any,
-    do_sample: bool,
-) -> tuple[torch.LongTensor, torch.Tensor]:
-    """The target's own token at every verified row, as plain generate would pick it there.
+def _process_scores(
+    logits: torch.Tensor, prefixes: list[torch.LongTensor], drafts: torch.LongTensor, logits_processor: Any
+) -> torch.Tensor:
+    """The target's scores at every verified row after the logits processors, as plain generate would see them.
 
     logits (b, n, V); prefixes[i] (1, t_i) the committed tokens of sequence i (its left padding included, as plain
     generate's input_ids have it); drafts (b, n - 1). Row j's processors see the prefix followed by drafts[:j],
-    which is the committed prefix whenever row j matters (every earlier draft accepted). Returns tokens (b, n) and
-    the processed scores (b, n, V) in float32.
+    which is the committed prefix whenever row j matters (every earlier draft accepted). Returns float32 (b, n, V).
     """
     scores = logits.to(torch.float32)
-    if len(logits_processor) > 0:
-        # Per sequence and row: processors read the whole prefix, whose length differs between sequences.
-        scores = torch.stack(
-            [
-                torch.cat(
-                    [
-                        logits_processor(torch.cat([prefix, drafts[i : i + 1, :j]], dim=1), scores[i : i + 1, j])
-                        for j in range(scores.shape[1])
-                    ]
-                )
-                for i, prefix in enumerate(prefixes)
-            ]
-        )
-    if not do_sample:
-        return scores.argmax(dim=-1), scores
+    if len(logits_processor) == 0:
+        return scores
+    # Per sequence and row: processors read the whole prefix, whose length differs between sequences.
+    return torch.stack(
+        [
+            torch.cat(
+                [
+                    logits_processor(torch.cat([prefix, drafts[i : i + 1, :j]], dim=1), scores[i : i + 1, j])
+                    for j in range(scores.shape[1])
+                ]
+            )
+            for i, prefix in enumerate(prefixes)
+        ]
+    )
+
+
+def _sample(probs: torch.Tensor) -> torch.LongTensor:
+    """One token per row of probs (..., V)."""
+    return torch.multinomial(probs.flatten(0, -2), num_samples=1).view(probs.shape[:-1])
+
+
+def _verify(
+    scores: torch.Tensor, drafts: torch.LongTensor, do_sample: bool, draft_probs: torch.Tensor | None
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Acceptance of a block. scores (b, n, V) processed target scores; drafts (b, n - 1).
+
+    Returns (tokens (b, n), accepted (b,)): sequence i commits tokens[i, : accepted[i] + 1], its accepted drafts
+    followed by the target's own token (the bonus, or the correction of the first rejected draft).
+    - greedy, and sampling with a point-mass proposal (`draft_probs` None): the target picks its token at every
+      row (argmax or a sample of its distribution) and a draft is accepted while it equals that token; each
+      committed token is then exactly the target's own choice.
+    - rejection sampling (`draft_probs` (b, n - 1, V), the distribution the drafts were sampled from): accept
+      draft j with probability min(1, p_j(d) / q_j(d)); the first rejected one is replaced by a sample of
+      normalize(max(p_j - q_j, 0)); if none is rejected the bonus is a sample of p at the last row.
+    """
+    if draft_probs is None:
+        tokens = _sample(torch.softmax(scores, dim=-1)) if do_sample else scores.argmax(dim=-1)
+        return tokens, (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
     probs = torch.softmax(scores, dim=-1)
-    tokens = torch.multinomial(probs.flatten(0, 1), num_samples=1).view(probs.shape[:2])
-    return tokens, scores
+    p = probs[:, :-1].gather(-1, drafts[..., None])[..., 0]
+    q = draft_probs.gather(-1, drafts[..., None])[..., 0]
+    keep = torch.rand_like(p) * q < p  # u < p / q without dividing by a zero q
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)
+    residual = (probs[:, :-1] - draft_probs).clamp(min=0)
+    # Where p <= q everywhere (possible only if p == q), rejection has probability 0; keep the sampler defined.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs[:, :-1])
+    corrections = torch.cat([_sample(residual), _sample(probs[:, -1:])], dim=1)  # (b, n)
+    tokens = torch.cat([drafts, corrections[:, -1:]], dim=1)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    tokens[rows, accepted] = corrections[rows, accepted]
+    return tokens, accepted
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.LongTensor:
@@ -135,9 +163,14 @@ def dflash_generate(
     synced_gpus: bool = False,
     streamer: Any = None,
     drafter: torch.nn.Module | None = None,
+    dflash_sampling: str = "point_mass",
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
     """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
+
+    `dflash_sampling` (a generate keyword) picks the acceptance rule under do_sample: "point_mass" proposes the
+    drafter's argmax and accepts it when it equals the target's sample; "rejection" samples drafts from the
+    drafter's distribution (at the generation temperature) and runs full rejection sampling. Both are exact.
 
     Sequences of a batch accept different numbers of drafts per step. The target's cache stays one rectangular
     DynamicCache: each step keeps the rows of the longest acceptance and masks the rejected rows of the other
@@ -145,6 +178,9 @@ def dflash_generate(
     is never seen again). Finished sequences leave the batch (cache, mask and drafter state).
     """
     target = model
+    if dflash_sampling not in ("point_mass", "rejection"):
+        raise ValueError(f"dflash_sampling must be 'point_mass' or 'rejection', got {dflash_sampling!r}")
+    rejection = generation_config.do_sample and dflash_sampling == "rejection"
     check_generation_mode(generation_config, model_kwargs)
     check_drafter_fits(drafter, target)
     batch_size, prompt_len = input_ids.shape
@@ -224,9 +260,8 @@ def dflash_generate(
         )
         generator.commit_prefill(attention_mask)
         prefixes = [input_ids[i : i + 1] for i in range(batch_size)]
-        tokens, step_scores = _choose_tokens(
-            outputs.logits[:, -1:], prefixes, input_ids[:, :0], logits_processor, generation_config.do_sample
-        )
+        step_scores = _process_scores(outputs.logits[:, -1:], prefixes, input_ids[:, :0], logits_processor)
+        tokens, _ = _verify(step_scores, input_ids[:, :0], generation_config.do_sample, None)
         running = commit(list(tokens), step_scores, outputs.logits[:, -1:])
 
         # 2. Draft, verify, accept, until every sequence is finished.
@@ -243,8 +278,13 @@ def dflash_generate(
             room = [max_length - lengths[seq] for seq in live]
             num_rows = min(block_size, max(room))
             anchors = sequences[rows, ends - 1][:, None]
-            candidates, _ = generator.get_candidates(anchors)
-            block = candidates[:, : num_rows]  # (b, n): [anchor, drafts]
+            candidates, draft_logits = generator.get_candidates(anchors)
+            block = candidates[:, :num_rows]  # (b, n): [anchor, drafts]
+            draft_probs = None
+            if rejection:  # drafts sampled from the drafter's own distribution instead of its argmax
+                temperature = generation_config.temperature or 1.0
+                draft_probs = torch.softmax(draft_logits[:, : num_rows - 1].float() / temperature, dim=-1)
+                block = torch.cat([block[:, :1], _sample(draft_probs).to(block.device)], dim=1)
             real_lengths = torch.tensor([s.seq_len for s in generator.states], device=device)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), num_rows)], dim=1)
             generator.capture_rows(num_rows)
@@ -258,11 +298,8 @@ def dflash_generate(
             )
             drafts = block[:, 1:]
             prefixes = [sequences[seq : seq + 1, : lengths[seq]] for seq in live]
-            tokens, step_scores = _choose_tokens(
-                outputs.logits, prefixes, drafts, logits_processor, generation_config.do_sample
-            )
-            # Accepted drafts: the longest prefix where each draft equals the target's token at the row before it.
-            accepted = (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            step_scores = _process_scores(outputs.logits, prefixes, drafts, logits_processor)
+            tokens, accepted = _verify(step_scores, drafts, generation_config.do_sample, draft_probs)
             accepted = torch.minimum(accepted, torch.tensor(room, device=device) - 1).tolist()  # the step's host sync
             most = max(accepted)
             if num_rows - 1 - most:  # keep rows 0..most; a negative crop drops the rest

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
-
+import pytest
 import torch
 
 from tests.conftest import tiny_drafter, tiny_target
@@ -34,7 +33,8 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), statistic / 2))
 
 
-def test_sampled_pairs_follow_the_target_distribution():
+@pytest.mark.parametrize("rule", ["point_mass", "rejection"])
+def test_sampled_pairs_follow_the_target_distribution(rule):
     target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
     prompt = torch.tensor([[3, 7, 1, 4]])
@@ -46,13 +46,14 @@ def test_sampled_pairs_follow_the_target_distribution():
             if first[t1] > 0:
                 nxt = torch.cat([prompt, torch.tensor([[t1]])], dim=1)
                 pair[t1] = first[t1] * processed_probs(target(nxt).logits[0, -1])
-    # Drafts are the target's greedy continuation: accepted exactly when the sample equals it, which is often.
+    # Point mass: drafts are the target's greedy continuation, accepted exactly when the sample equals it (often).
+    # Rejection: drafts are sampled from the random drafter's distribution over 12 tokens, which overlaps p.
     greedy = target.generate(prompt, max_new_tokens=6, do_sample=False).repeat(SAMPLES, 1)
     torch.manual_seed(0)
     with oracle_drafts(greedy, wrong_every=10**6):
         out = target.generate(
             prompt.repeat(SAMPLES, 1), max_new_tokens=3, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
-            assistant_model=drafter, return_dict_in_generate=True, pad_token_id=0,
+            assistant_model=drafter, return_dict_in_generate=True, pad_token_id=0, dflash_sampling=rule,
         )
     assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
     samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]

