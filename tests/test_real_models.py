@@ -7,6 +7,7 @@ import torch
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.bundled_models import load_smollm2, load_stories260k
+from hf_dflash.generate_cli import DEFAULT_DRAFTER
 
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They", "One day, a bird"]
 CHAT_PROMPTS = [
@@ -51,3 +52,19 @@ def test_smollm2_greedy_identity(smollm2):
         plain = target.generate(**inputs, max_new_tokens=32, do_sample=False)
         dflash = target.generate(**inputs, max_new_tokens=32, do_sample=False, assistant_model=drafter)
         assert torch.equal(plain, dflash), prompt
+
+
+def test_shipped_smollm2_drafter_is_lossless_and_accepts_drafts(smollm2):
+    target, tokenizer = smollm2
+    drafter = DFlashDraftModel.from_pretrained(DEFAULT_DRAFTER, dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that returns the factorial of n."}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    inputs = tokenizer(text, return_tensors="pt")
+    plain = target.generate(**inputs, max_new_tokens=48, do_sample=False)
+    out = target.generate(**inputs, max_new_tokens=48, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    assert torch.equal(plain, out.sequences)
+    lengths = out.acceptance_lengths[0]
+    assert sum(lengths) / len(lengths) > 1.3, lengths  # a trained drafter: drafts are accepted
