@@ -67,10 +67,11 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, dtype, device)
     drafter = DFlashDraftModel.from_pretrained(drafter_path, dtype=dtype).to(device).eval()
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    dflash_settings = dict(dflash_verify_rows=args.verify_rows) if args.verify_rows else {}
     # One short warm-up of each path so one-time costs (allocator, kernels) stay out of the timings.
     warm = encode(tokenizer, "Hi", device)
     target.generate(**warm, max_new_tokens=4, do_sample=False)
-    target.generate(**warm, max_new_tokens=4, do_sample=False, assistant_model=drafter)
+    target.generate(**warm, max_new_tokens=4, do_sample=False, assistant_model=drafter, **dflash_settings)
 
     plain_seconds = dflash_seconds = 0.0
     new_tokens = 0
@@ -80,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         plain, seconds = _timed(lambda: target.generate(**inputs, **settings))
         plain_seconds += seconds
         out, seconds = _timed(
-            lambda: target.generate(**inputs, **settings, assistant_model=drafter, return_dict_in_generate=True)
+            lambda: target.generate(
+                **inputs, **settings, **dflash_settings, assistant_model=drafter, return_dict_in_generate=True
+            )
         )
         dflash_seconds += seconds
         new_tokens += out.sequences.shape[1] - inputs["input_ids"].shape[1]
@@ -110,6 +113,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--drafter", default=None, help=f"drafter directory (default: {DEFAULT_DRAFTER.name})")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); two built-in ones by default")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--verify-rows", type=int, default=None,
+                        help="rows the target verifies per step (default: the block size); fewer pay on a CPU")
     parser.add_argument("--device", default=None, help="cuda when available, else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on GPU, float32 on CPU")

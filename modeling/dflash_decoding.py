@@ -164,6 +164,7 @@ def dflash_generate(
     streamer: Any = None,
     drafter: torch.nn.Module | None = None,
     dflash_sampling: str = "point_mass",
+    dflash_verify_rows: int | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
     """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
@@ -171,6 +172,9 @@ def dflash_generate(
     `dflash_sampling` (a generate keyword) picks the acceptance rule under do_sample: "point_mass" proposes the
     drafter's argmax and accepts it when it equals the target's sample; "rejection" samples drafts from the
     drafter's distribution (at the generation temperature) and runs full rejection sampling. Both are exact.
+    `dflash_verify_rows` (a generate keyword, default: the block size) caps the rows the target verifies per step,
+    anchor included: where a target forward costs in proportion to its rows (a CPU), verifying only the drafts that
+    are likely to be accepted is cheaper. It never changes the output.
 
     Sequences of a batch accept different numbers of drafts per step. The target's cache stays one rectangular
     DynamicCache: each step keeps the rows of the longest acceptance and masks the rejected rows of the other
@@ -185,6 +189,9 @@ def dflash_generate(
     check_drafter_fits(drafter, target)
     batch_size, prompt_len = input_ids.shape
     block_size = drafter.config.block_size
+    if dflash_verify_rows is not None and not 1 <= dflash_verify_rows <= block_size:
+        raise ValueError(f"dflash_verify_rows must be between 1 and the block size {block_size}, got {dflash_verify_rows}")
+    verify_rows = dflash_verify_rows or block_size
     max_length = generation_config.max_length
     if max_length + block_size > drafter.config.max_position_embeddings:
         raise ValueError(
@@ -276,7 +283,7 @@ def dflash_generate(
             ends = torch.tensor([lengths[seq] for seq in live], device=device)
             # never verify past max_length: a sequence with r tokens left commits at most r
             room = [max_length - lengths[seq] for seq in live]
-            num_rows = min(block_size, max(room))
+            num_rows = min(verify_rows, max(room))
             anchors = sequences[rows, ends - 1][:, None]
             candidates, draft_logits = generator.get_candidates(anchors)
             block = candidates[:, :num_rows]  # (b, n): [anchor, drafts]

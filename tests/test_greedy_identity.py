@@ -208,3 +208,22 @@ def test_prompt_of_one_token(llama_pair):
     plain = target.generate(prompt, max_new_tokens=15, do_sample=False)
     with oracle_drafts(plain, wrong_every=3):
         assert torch.equal(plain, target.generate(prompt, max_new_tokens=15, do_sample=False, assistant_model=drafter))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_verifying_fewer_rows_changes_nothing_but_the_cost(rows):
+    target = tiny_target("qwen3", seed=8)
+    drafter = tiny_drafter(target, block_size=6)
+    prompt = random_prompt(5, seed=8)
+    plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    with oracle_drafts(plain, wrong_every=1000):
+        out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                              return_dict_in_generate=True, dflash_verify_rows=rows)
+    assert torch.equal(plain, out.sequences)
+    assert max(out.acceptance_lengths[0]) == rows
+
+
+def test_verify_rows_outside_the_block_is_refused(llama_pair):
+    target, drafter = llama_pair
+    with pytest.raises(ValueError, match="dflash_verify_rows"):
+        target.generate(random_prompt(3), max_new_tokens=4, assistant_model=drafter, dflash_verify_rows=99)
