@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,20 +20,10 @@ import torch
 import transformers
 
 from hf_dflash import DFlashDraftModel
-from hf_dflash.generate_cli import load_target
+from hf_dflash.generate_cli import load_target, timed
 from hf_dflash.training.data import load_prompts
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def timed(fn):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - start
 
 
 def new_token_count(sequences: torch.Tensor, prompt_width: int, pad_id: int, eos_id: int | None) -> int:

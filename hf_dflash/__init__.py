@@ -14,26 +14,7 @@ The drafter and its runtime live in `hf_dflash.modeling`, which is also the remo
 drafter. Importing either makes `generate(assistant_model=<DFlash drafter>)` take the DFlash path.
 """
 
-from .modeling import (
-    PAGE_SIZE,
-    DFlashCandidateGenerator,
-    DFlashConfig,
-    DFlashDraftModel,
-    DFlashGenerateOutput,
-    DflashProposerState,
-    PagedDrafterCache,
-    default_target_layer_ids,
-)
+from .modeling import *  # noqa: F403 (the bundle's public names are the library's)
+from .modeling import __all__
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "DFlashCandidateGenerator",
-    "DFlashConfig",
-    "DFlashDraftModel",
-    "DFlashGenerateOutput",
-    "DflashProposerState",
-    "PAGE_SIZE",
-    "PagedDrafterCache",
-    "default_target_layer_ids",
-]

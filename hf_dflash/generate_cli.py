@@ -47,7 +47,8 @@ def encode(tokenizer: Any, prompt: str, device: str) -> dict[str, torch.Tensor]:
     return tokenizer(prompt, return_tensors="pt").to(device)
 
 
-def _timed(fn: Any) -> tuple[Any, float]:
+def timed(fn: Any) -> tuple[Any, float]:
+    """(fn(), seconds), with the GPU synchronized on both sides so the time covers the work."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -78,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
     committed: list[int] = []
     for prompt in args.prompt or DEFAULT_PROMPTS:
         inputs = encode(tokenizer, prompt, device)
-        plain, seconds = _timed(lambda: target.generate(**inputs, **settings))
+        plain, seconds = timed(lambda: target.generate(**inputs, **settings))
         plain_seconds += seconds
-        out, seconds = _timed(
+        out, seconds = timed(
             lambda: target.generate(
                 **inputs, **settings, **dflash_settings, assistant_model=drafter, return_dict_in_generate=True
             )

@@ -163,15 +163,16 @@ def dflash_generate(
     synced_gpus: bool = False,
     streamer: Any = None,
     drafter: torch.nn.Module | None = None,
-    dflash_sampling: str = "point_mass",
+    dflash_sampling: str = "rejection",
     dflash_verify_rows: int | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
     """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
 
-    `dflash_sampling` (a generate keyword) picks the acceptance rule under do_sample: "point_mass" proposes the
-    drafter's argmax and accepts it when it equals the target's sample; "rejection" samples drafts from the
-    drafter's distribution (at the generation temperature) and runs full rejection sampling. Both are exact.
+    `dflash_sampling` (a generate keyword) picks the acceptance rule under do_sample: "rejection" (the default)
+    samples drafts from the drafter's distribution (at the generation temperature) and runs full rejection
+    sampling; "point_mass" proposes the drafter's argmax and accepts it when it equals the target's sample. Both
+    are exact; rejection gave the higher tau with our SmolLM2 drafter (benchmarks/NOTES.md).
     `dflash_verify_rows` (a generate keyword, default: the block size) caps the rows the target verifies per step,
     anchor included: where a target forward costs in proportion to its rows (a CPU), verifying only the drafts that
     are likely to be accepted is cheaper. It never changes the output.
