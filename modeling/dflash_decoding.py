@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .dflash_candidate_generator import DFlashCandidateGenerator
@@ -149,6 +150,18 @@ def _verify(
     return tokens, accepted
 
 
+def _host_stopping_rules(stopping_criteria: Any) -> tuple[set[int], bool]:
+    """The eos ids of the list, and whether it holds nothing but eos and max-length criteria (which need no call)."""
+    eos_ids: set[int] = set()
+    host_only = True
+    for criterion in stopping_criteria:
+        if isinstance(criterion, EosTokenCriteria):
+            eos_ids.update(int(i) for i in criterion.eos_token_id.flatten().tolist())
+        elif not isinstance(criterion, MaxLengthCriteria):
+            host_only = False
+    return eos_ids, host_only
+
+
 def _positions(attention_mask: torch.Tensor) -> torch.LongTensor:
     """Absolute positions of the real tokens of left-padded rows (padding gets position 0, as in generate)."""
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
@@ -231,24 +244,36 @@ def dflash_generate(
     scores: list[torch.Tensor] = []
     raw_logits: list[torch.Tensor] = []
 
-    def commit(row_tokens: list[torch.LongTensor], step_scores: torch.Tensor, step_logits: torch.Tensor) -> list[int]:
-        """Append each live sequence's new tokens one at a time, as plain generate would, stopping a sequence at
-        the first token that ends it. Returns the batch rows still running."""
+    # eos and max_length, the criteria generate always adds, are decided on the host from the token ids the step
+    # already read back; only other criteria (stop strings, custom ones) are called token by token.
+    eos_ids, host_criteria_only = _host_stopping_rules(stopping_criteria)
+
+    def commit(row_tokens: list[list[int]], step_scores: torch.Tensor, step_logits: torch.Tensor) -> list[int]:
+        """Append each live sequence's new tokens, stopping it at the first token that ends it, exactly where plain
+        generate would. Returns the batch rows still running."""
         running = []
         for row, (seq, new) in enumerate(zip(live, row_tokens)):
-            done = False
-            for j, token in enumerate(new.tolist()):
-                sequences[seq, lengths[seq]] = token
-                lengths[seq] += 1
-                if keep_scores:
-                    scores.append(step_scores[row : row + 1, j])
-                if keep_logits:
-                    raw_logits.append(step_logits[row : row + 1, j].to(torch.float32))
-                if streamer is not None:
-                    streamer.put(new[j : j + 1].cpu())
-                done = bool(stopping_criteria(sequences[seq : seq + 1, : lengths[seq]], step_scores[row : row + 1, j]).all())
-                if done:
-                    break
+            start = lengths[seq]
+            if host_criteria_only:
+                ends_at = next((j for j, token in enumerate(new) if token in eos_ids), None)
+                count = len(new) if ends_at is None else ends_at + 1
+                done = ends_at is not None or start + count >= max_length
+            else:
+                count, done = len(new), False
+                for j in range(len(new)):
+                    sequences[seq, start + j] = new[j]
+                    if bool(stopping_criteria(sequences[seq : seq + 1, : start + j + 1], step_scores[row : row + 1, j]).all()):
+                        count, done = j + 1, True
+                        break
+            sequences[seq, start : start + count] = torch.tensor(new[:count], device=device)
+            lengths[seq] = start + count
+            if keep_scores:
+                scores.extend(step_scores[row : row + 1, j] for j in range(count))
+            if keep_logits:
+                raw_logits.extend(step_logits[row : row + 1, j].to(torch.float32) for j in range(count))
+            if streamer is not None:
+                for token in new[:count]:
+                    streamer.put(torch.tensor([token]))
             if not done:
                 running.append(row)
         return running
@@ -270,7 +295,7 @@ def dflash_generate(
         prefixes = [input_ids[i : i + 1] for i in range(batch_size)]
         step_scores = _process_scores(outputs.logits[:, -1:], prefixes, input_ids[:, :0], logits_processor)
         tokens, _ = _verify(step_scores, input_ids[:, :0], generation_config.do_sample, None)
-        running = commit(list(tokens), step_scores, outputs.logits[:, -1:])
+        running = commit(tokens.tolist(), step_scores, outputs.logits[:, -1:])
 
         # 2. Draft, verify, accept, until every sequence is finished.
         while running:
@@ -320,7 +345,9 @@ def dflash_generate(
             for seq, taken in zip(live, accepted):
                 acceptance_lengths[seq].append(taken + 1)
             running = commit(
-                [tokens[row, : taken + 1] for row, taken in enumerate(accepted)], step_scores, outputs.logits
+                [row_tokens[: taken + 1] for row_tokens, taken in zip(tokens.tolist(), accepted)],
+                step_scores,
+                outputs.logits,
             )
     generator.release()
     if streamer is not None:
