@@ -18,7 +18,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
