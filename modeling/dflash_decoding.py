@@ -39,29 +39,47 @@ def _cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def check_drafter_fits(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
-    """Refuse a drafter that cannot serve this target, before any work, naming what differs and the fix."""
-    config = drafter.config
-    text = target.config.get_text_config()
+def fit_problems(
+    config: Any, target_config: Any, embedding_rows: int | None = None, lm_head_rows: int | None = None
+) -> list[str]:
+    """What stops a drafter with `config` from serving a target with `target_config`; empty when it fits.
+
+    Works from configs alone (`hf-dflash info`); pass the row counts of the loaded target's input embedding and
+    lm_head when you have them, since they can differ from the config's `vocab_size` (resized embeddings).
+    """
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    embedding_rows = text.vocab_size if embedding_rows is None else embedding_rows
+    lm_head_rows = text.vocab_size if lm_head_rows is None else lm_head_rows
     problems = []
     if config.target_hidden_size != text.hidden_size:
         problems.append(
             f"the drafter reads target hidden states of width {config.target_hidden_size}, the target's are "
             f"{text.hidden_size}"
         )
-    embedding_rows = target.get_input_embeddings().weight.shape[0]
     if config.mask_token_id is None or not 0 <= config.mask_token_id < embedding_rows:
         problems.append(
             f"mask_token_id {config.mask_token_id} is not a row of the target's embedding (0..{embedding_rows - 1})"
         )
-    lm_rows = target.get_output_embeddings().weight.shape[0]
-    if config.vocab_size != lm_rows:
-        problems.append(f"the drafter expects a vocabulary of {config.vocab_size}, the target's lm_head has {lm_rows}")
+    if config.vocab_size != lm_head_rows:
+        problems.append(
+            f"the drafter expects a vocabulary of {config.vocab_size}, the target's lm_head has {lm_head_rows}"
+        )
     bad_layers = [i for i in config.target_layer_ids if not 0 <= i < text.num_hidden_layers]
     if bad_layers:
         problems.append(
             f"target_layer_ids {bad_layers} do not exist in the target ({text.num_hidden_layers} layers, 0-based)"
         )
+    return problems
+
+
+def check_drafter_fits(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Refuse a drafter that cannot serve this target, before any work, naming what differs and the fix."""
+    problems = fit_problems(
+        drafter.config,
+        target.config,
+        embedding_rows=target.get_input_embeddings().weight.shape[0],
+        lm_head_rows=target.get_output_embeddings().weight.shape[0],
+    )
     if problems:
         raise ValueError(
             "this DFlash drafter does not fit the target: "
@@ -364,4 +382,4 @@ def dflash_generate(
     )
 
 
-__all__ = ["DFlashGenerateOutput", "check_drafter_fits", "check_generation_mode", "dflash_generate"]
+__all__ = ["DFlashGenerateOutput", "check_drafter_fits", "check_generation_mode", "dflash_generate", "fit_problems"]
