@@ -14,7 +14,11 @@ The drafter and its runtime live in `hf_dflash.modeling`, which is also the remo
 drafter. Importing either makes `generate(assistant_model=<DFlash drafter>)` take the DFlash path.
 """
 
+from .hub import register_published_configs
 from .modeling import *  # noqa: F403 (the bundle's public names are the library's)
 from .modeling import __all__
+
+# Published drafters' configs answer DFlashConfig.from_pretrained(repo_id) even offline (see hub.py).
+register_published_configs()
 
 __version__ = "0.1.0"

@@ -11,9 +11,13 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -56,10 +60,14 @@ class DFlashConfig(PreTrainedConfig):
         layer_types: per layer `"full_attention"` or `"sliding_attention"`.
         sliding_window: window of sliding layers, in tokens.
         attention_bias: whether q/k/v/o projections carry a bias.
+        target_model: Hub id or name of the target the drafter was trained for (model cards, `hf-dflash info`).
     """
 
     model_type = "dflash"
     default_theta = 1_000_000.0
+    # Configs of published drafters by Hub id, for when the Hub is out of reach and nothing is cached. Empty in a
+    # remote-code environment; the hf_dflash library fills it from its hub_configs/ folder.
+    published_configs: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(
         self,
@@ -85,17 +93,24 @@ class DFlashConfig(PreTrainedConfig):
         mask_token_id: int | None = None,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
+        target_model: str | None = None,
         **kwargs: Any,
     ):
+        if "speculators_model_type" in kwargs or "transformer_layer_config" in kwargs:
+            raise ValueError(
+                "this is a vLLM speculators checkpoint config (its decoder fields sit in transformer_layer_config); "
+                "convert it first: `hf-dflash convert SRC OUT --to ours`"
+            )
         # z-lab keeps the DFlash fields in a nested `dflash_config` (block_size moved there in newer drafters);
         # fold them into top-level attributes so there is one place to read them.
         nested = kwargs.pop("dflash_config", None) or {}
         block_size = block_size if block_size is not None else nested.get("block_size")
         mask_token_id = mask_token_id if mask_token_id is not None else nested.get("mask_token_id")
         target_layer_ids = target_layer_ids if target_layer_ids is not None else nested.get("target_layer_ids")
-        # vLLM speculators spell the captured layers `aux_hidden_state_layer_ids`.
+        # vLLM speculators spell the captured layers `aux_hidden_state_layer_ids` and count them in
+        # `hidden_states` indices, where index 0 is the embedding output: their id is ours + 1.
         if target_layer_ids is None and "aux_hidden_state_layer_ids" in kwargs:
-            target_layer_ids = kwargs.pop("aux_hidden_state_layer_ids")
+            target_layer_ids = [i - 1 for i in kwargs.pop("aux_hidden_state_layer_ids")]
 
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -122,6 +137,7 @@ class DFlashConfig(PreTrainedConfig):
         self.block_size = block_size if block_size is not None else 16
         self.mask_token_id = mask_token_id
         self.initializer_range = initializer_range
+        self.target_model = target_model
         self._validate_dflash_fields()  # before the base class, whose own checks give vaguer messages
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
@@ -148,6 +164,23 @@ class DFlashConfig(PreTrainedConfig):
                 raise ValueError(
                     f"target_layer_ids {bad} are outside the target's {self.num_target_layers} layers (0-based)"
                 )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
+        """`PreTrainedConfig.from_pretrained`, plus: a published drafter's config is still found when the Hub is out of
+        reach and nothing is cached (see `published_configs`). That gives the config only, never the weights."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        except OSError:
+            fields = cls.published_configs.get(str(pretrained_model_name_or_path))
+            if fields is None:
+                raise
+        logger.warning(
+            f"{pretrained_model_name_or_path} is not reachable or cached here; using its published config from "
+            "hf-dflash's hub_configs (config only: its weights are not on this machine)"
+        )
+        config = cls(**fields)
+        return (config, {}) if kwargs.get("return_unused_kwargs") else config
 
     @property
     def num_context_features(self) -> int:

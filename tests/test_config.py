@@ -58,8 +58,11 @@ def test_block_size_inside_dflash_config_and_rope_parameters():
 def test_native_and_speculators_field_names():
     native = DFlashConfig(num_hidden_layers=2, block_size=8, mask_token_id=7, target_layer_ids=[1, 3])
     assert (native.block_size, native.mask_token_id, native.target_layer_ids) == (8, 7, [1, 3])
+    # speculators count hidden_states indices (0 = the embedding output): their layer id is ours + 1.
     speculators = DFlashConfig(num_hidden_layers=2, aux_hidden_state_layer_ids=[2, 4], mask_token_id=1)
-    assert speculators.target_layer_ids == [2, 4]
+    assert speculators.target_layer_ids == [1, 3]
+    with pytest.raises(ValueError, match="hf-dflash convert"):
+        DFlashConfig(speculators_model_type="dflash", transformer_layer_config={"hidden_size": 64})
 
 
 def test_round_trip_through_dict():

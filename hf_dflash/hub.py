@@ -1,0 +1,60 @@
+"""Published DFlash drafters: their configs, kept in hub_configs/ with the target each belongs to and its source.
+
+`import hf_dflash` registers them with `DFlashConfig.published_configs`, so `DFlashConfig.from_pretrained(repo_id)`
+answers for them where the Hub is out of reach and nothing is cached (config only: weights still come from the Hub).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from .modeling import DFlashConfig
+
+HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"
+
+
+@dataclass(frozen=True)
+class PublishedDrafter:
+    """One entry of hub_configs/index.json: a drafter on the Hub, its target, and where its config was read."""
+
+    repo_id: str
+    target: str
+    config: dict[str, Any]
+    source: str
+    unverified: list[str] = field(default_factory=list)
+    published_weights_gib: float | None = None  # size of its safetensors file as listed on the Hub (bfloat16)
+    published_parameters: int | None = None
+
+
+@cache
+def published_drafters() -> dict[str, PublishedDrafter]:
+    """Every drafter of hub_configs/, by Hub id."""
+    index = json.loads((HUB_CONFIGS / "index.json").read_text())
+    return {
+        entry["repo_id"]: PublishedDrafter(
+            repo_id=entry["repo_id"],
+            target=entry["target"],
+            config=json.loads((HUB_CONFIGS / entry["file"]).read_text()),
+            source=entry["source"],
+            unverified=entry.get("unverified", []),
+            published_weights_gib=entry.get("published_weights_gib"),
+            published_parameters=entry.get("published_parameters"),
+        )
+        for entry in index
+    }
+
+
+def register_published_configs() -> None:
+    """Let `DFlashConfig.from_pretrained` fall back on hub_configs/ (a no-op where the folder is not shipped)."""
+    if not (HUB_CONFIGS / "index.json").is_file():
+        return
+    DFlashConfig.published_configs.update(
+        {repo_id: {**drafter.config, "target_model": drafter.target} for repo_id, drafter in published_drafters().items()}
+    )
+
+
+__all__ = ["HUB_CONFIGS", "PublishedDrafter", "published_drafters", "register_published_configs"]
