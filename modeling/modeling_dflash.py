@@ -18,22 +18,31 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.hub import hf_api
 
 from .configuration_dflash import DFlashConfig
 from .dflash_dispatch import install_generate_dispatch
+from .dflash_model_card import model_card
 
 # Weight names of transformers' native DFlash drafter (Muse Glimmer assistant) mapped onto ours; z-lab files
 # already use our names.
 NATIVE_KEY_MAPPING = {r"^encoder\.fc\.": "fc.", r"^encoder\.output_norm_enc\.": "hidden_norm."}
+# Tensors only a vLLM speculators checkpoint has next to the drafter (a copy of the target's embedding, the reduced
+# draft vocabulary's maps); seeing them means the checkpoint needs converting, not loading.
+SPECULATORS_ONLY_TENSORS = {"embed_tokens.weight", "d2t", "t2d"}
 
 
 class DFlashRMSNorm(nn.Module):
@@ -253,8 +262,26 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         and every parameter filled: a missing, unexpected or mis-shaped tensor is an error, not a warning."""
         wants_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+            )
+        except OSError as error:
+            if str(pretrained_model_name_or_path) not in DFlashConfig.published_configs:
+                raise
+            raise OSError(
+                f"the weights of {pretrained_model_name_or_path} are not on this machine and the Hub is out of reach "
+                "(offline, or no network). Its published config is known: DFlashConfig.from_pretrained("
+                f"{str(pretrained_model_name_or_path)!r}) returns it, and DFlashDraftModel(config) under "
+                "`torch.device('meta')` gives a weightless model of the right shape. For the weights, download them "
+                f"where the Hub is reachable (`hf download {pretrained_model_name_or_path}`) and copy the cache here."
+            ) from error
         problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
+        if set(problems.get("unexpected_keys", [])) & SPECULATORS_ONLY_TENSORS:
+            raise ValueError(
+                f"{pretrained_model_name_or_path} holds an embedding copy or draft-vocabulary maps (d2t/t2d): it is a "
+                "vLLM speculators checkpoint; convert it first: `hf-dflash convert SRC OUT --to ours`"
+            )
         if problems or info.get("error_msgs"):
             raise ValueError(
                 f"{pretrained_model_name_or_path} does not match the DFlash drafter its config describes: "
@@ -262,6 +289,80 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 "belongs to these weights."
             )
         return (model, info) if wants_info else model
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *args: Any,
+        repo_id: str | None = None,
+        target_model: str | None = None,
+        tau: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """transformers' save_pretrained (safetensors weights, config with `auto_map`, this remote-code bundle), plus
+        a model card (README.md), a `generation_config.json`, and the trainer's `training_args.json` when the drafter
+        was loaded from a folder that has one.
+
+        repo_id: where the drafter will live (shown in the card's example); target_model: the target's Hub id when
+        the config does not record it (`config.target_model`); tau: acceptance length you measured, for the card.
+        """
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return
+        out = Path(save_directory)
+        source = Path(str(self.name_or_path))
+        training_args = None
+        if (source / "training_args.json").is_file():
+            training_args = json.loads((source / "training_args.json").read_text())
+            if source.resolve() != out.resolve():
+                (out / "training_args.json").write_text(json.dumps(training_args, indent=2))
+        card = model_card(
+            self.config,
+            num_parameters=sum(p.numel() for p in self.parameters()),
+            repo_id=repo_id,
+            target_model=target_model,
+            tau=tau,
+            training_args=training_args,
+        )
+        (out / "README.md").write_text(card)
+        # transformers' assisted decoding reads num_assistant_tokens from the assistant's generation config; for a
+        # DFlash drafter that is the number of drafts per block.
+        drafts = GenerationConfig(num_assistant_tokens=self.config.block_size - 1, num_assistant_tokens_schedule="constant")
+        drafts.save_pretrained(out)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        target_model: str | None = None,
+        tau: float | None = None,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+    ) -> Any:
+        """Publish the drafter: exactly the folder `save_pretrained` writes (weights, config with `auto_map`, the
+        remote-code bundle, README.md model card, generation_config.json, training_args.json when known), in one
+        commit. transformers' own push_to_hub would replace our model card with a generic one, hence this override.
+        Returns the commit info."""
+        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(
+                folder, max_shard_size=max_shard_size, repo_id=repo_id, target_model=target_model, tau=tau
+            )
+            return self._upload_modified_files(
+                folder,
+                repo_id,
+                files_timestamps={},
+                commit_message=commit_message or "Upload DFlash drafter",
+                token=token,
+                create_pr=create_pr,
+                revision=revision,
+                commit_description=commit_description,
+            )
 
     def context_features(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """(b, c, k*H_target) captured target rows -> (b, c, H) drafter features: fc, then hidden_norm."""
