@@ -52,9 +52,8 @@ def register_published_configs() -> None:
     """Let `DFlashConfig.from_pretrained` fall back on hub_configs/ (a no-op where the folder is not shipped)."""
     if not (HUB_CONFIGS / "index.json").is_file():
         return
-    DFlashConfig.published_configs.update(
-        {repo_id: {**drafter.config, "target_model": drafter.target} for repo_id, drafter in published_drafters().items()}
-    )
+    for repo_id, drafter in published_drafters().items():
+        DFlashConfig.published_configs[repo_id] = {**drafter.config, "target_model": drafter.target}
 
 
 __all__ = ["HUB_CONFIGS", "PublishedDrafter", "published_drafters", "register_published_configs"]

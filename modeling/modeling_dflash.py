@@ -327,8 +327,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         (out / "README.md").write_text(card)
         # transformers' assisted decoding reads num_assistant_tokens from the assistant's generation config; for a
         # DFlash drafter that is the number of drafts per block.
-        drafts = GenerationConfig(num_assistant_tokens=self.config.block_size - 1, num_assistant_tokens_schedule="constant")
-        drafts.save_pretrained(out)
+        drafts = self.config.block_size - 1
+        GenerationConfig(num_assistant_tokens=drafts, num_assistant_tokens_schedule="constant").save_pretrained(out)
 
     def push_to_hub(
         self,

@@ -52,7 +52,8 @@ def test_push_uploads_weights_config_bundle_card_and_generation_config(tmp_path,
     assert commit["repo_id"] == REPO and commit["commit_message"] == "Upload DFlash drafter"
     bundle = {p.name for p in Path("modeling").glob("*.py") if p.name != "__init__.py"}
     assert bundle <= set(files), bundle - set(files)
-    assert {"model.safetensors", "config.json", "README.md", "generation_config.json", "training_args.json"} <= set(files)
+    expected = {"model.safetensors", "config.json", "README.md", "generation_config.json", "training_args.json"}
+    assert expected <= set(files)
     config = json.loads(files["config.json"])
     assert config["auto_map"]["AutoModel"] == "modeling_dflash.DFlashDraftModel"
     (tmp_path / "w.safetensors").write_bytes(files["model.safetensors"])

@@ -1,0 +1,389 @@
+"""Conversion between the four on-disk layouts of a DFlash drafter, both ways, without loss.
+
+Every layout holds the same drafter tensors (fc, hidden_norm, layers.*, norm); they differ in names and config:
+- `ours`: model_type "dflash", the DFlash fields at the top level, the remote-code bundle beside the weights;
+- `zlab`: model_type "qwen3" (the decoder family), `dflash_config: {mask_token_id, target_layer_ids}`, block_size at
+  the top, `rope_theta` / `rope_scaling` as transformers 4.57 (z-lab's remote code) reads them; no `auto_map`, since
+  z-lab's `dflash.py` is not ours to ship (SGLang and vLLM read this layout without remote code);
+- `native`: transformers' Muse Glimmer assistant (model_type "muse_glimmer_assistant"), `encoder.fc` and
+  `encoder.output_norm_enc` for fc and hidden_norm;
+- `speculators`: vLLM speculators. Decoder fields nest in `transformer_layer_config`; captured layers are counted
+  in `hidden_states` indices (ours + 1); the checkpoint also holds copies of the target's embedding and lm_head,
+  the lm_head cut to a reduced draft vocabulary when there is one, with `d2t` (target id = draft id + d2t[draft id])
+  and `t2d` (which target ids the draft vocabulary keeps).
+Our drafter borrows the target's embedding and lm_head, so writing `speculators` needs the target's weights
+(`target=`). A reduced draft vocabulary's maps are kept in our layout as `draft_vocab.safetensors` (the config
+records `draft_vocab_size`): our runtime drafts over the full vocabulary and does not read them, but a conversion
+back to speculators is then exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .modeling import DFlashConfig, DFlashDraftModel
+
+FORMATS = ("ours", "zlab", "native", "speculators")
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+# The config fields that define a drafter; two configs are equivalent when these agree.
+CORE_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias", "layer_types",
+    "sliding_window", "vocab_size", "target_hidden_size", "num_target_layers", "target_layer_ids", "block_size",
+    "mask_token_id",
+)
+# Decoder fields a layout's config carries besides the DFlash ones (zlab and native write them flat, speculators
+# inside transformer_layer_config).
+DECODER_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias", "attention_dropout", "layer_types",
+    "sliding_window", "vocab_size",
+)
+NATIVE_NAMES = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
+SPECULATORS_TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+SPECULATORS_VOCAB_TENSORS = ("d2t", "t2d")
+
+
+@dataclass
+class Drafter:
+    """A drafter in our terms: its config, its own tensors under our names, and a reduced draft vocabulary's maps
+    ({"d2t": (draft_vocab,) int64, "t2d": (vocab,) bool}) when a speculators checkpoint had one."""
+
+    config: DFlashConfig
+    tensors: dict[str, torch.Tensor]
+    draft_vocab: dict[str, torch.Tensor] | None = None
+
+
+def core_fields(config: DFlashConfig) -> dict[str, Any]:
+    """The fields that define the drafter (for comparing configs across layouts)."""
+    return {name: getattr(config, name) for name in CORE_FIELDS}
+
+
+def detect_format(config: dict[str, Any]) -> str:
+    """Which layout a config.json dict is in."""
+    if "speculators_model_type" in config or "transformer_layer_config" in config:
+        return "speculators"
+    if config.get("model_type") == "muse_glimmer_assistant":
+        return "native"
+    if config.get("model_type") == "dflash":
+        return "ours"
+    if "dflash_config" in config or "DFlashDraftModel" in config.get("architectures", []):
+        return "zlab"
+    raise ValueError(
+        f"config.json (model_type {config.get('model_type')!r}) is not a DFlash drafter in any known layout "
+        f"({', '.join(FORMATS)}); check the path"
+    )
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    raise FileNotFoundError(
+        f"{folder} has no model.safetensors (or sharded index); only safetensors checkpoints are converted"
+    )
+
+
+def _read_tensors(files: list[Path], progress: bool, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of safetensors `files` (only `names` when given), with a progress bar over tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            keys = [k for k in handle.keys() if names is None or k in names]
+            for key in tqdm(keys, desc=f"reading {path.name}", unit="tensor", disable=not progress, leave=False):
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def read_folder(path: str | os.PathLike, progress: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json and every weight tensor of a local checkpoint folder."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; pass a drafter checkpoint folder")
+    return json.loads((folder / "config.json").read_text()), _read_tensors(_weight_files(folder), progress)
+
+
+def _local_folder(name_or_path: str | os.PathLike) -> Path:
+    """A local folder for a path or Hub id (safetensors and json files only, through the Hugging Face cache)."""
+    if Path(name_or_path).is_dir():
+        return Path(name_or_path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+
+
+def target_vocab_tensors(target: str | os.PathLike, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input embedding, lm_head, config.json) of a target checkpoint, reading only those two tensors."""
+    folder = _local_folder(target)
+    files = _weight_files(folder)
+    config = json.loads((folder / "config.json").read_text())
+    names: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            names |= {k for k in handle.keys() if k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    embed = [k for k in names if k.endswith("embed_tokens.weight")]
+    if len(embed) != 1:
+        raise ValueError(f"expected one *embed_tokens.weight in {target}, found {sorted(embed) or 'none'}")
+    tensors = _read_tensors(files, progress, names)
+    head = [k for k in names if k.endswith("lm_head.weight")]
+    # Tied targets (tie_word_embeddings) store no lm_head: it is the embedding.
+    lm_head = tensors[head[0]] if head else tensors[embed[0]]
+    return tensors[embed[0]], lm_head, config
+
+
+def _rope_from_zlab(config: dict[str, Any]) -> dict[str, Any] | None:
+    """rope_parameters from z-lab's transformers-4.57 fields (rope_theta, rope_scaling), or as they are."""
+    if config.get("rope_parameters"):
+        return dict(config["rope_parameters"])
+    if "rope_theta" not in config:
+        return None
+    scaling = dict(config.get("rope_scaling") or {"rope_type": "default"})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {**scaling, "rope_theta": config["rope_theta"]}
+
+
+def _dflash_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The flat fields of a zlab or native config that DFlashConfig takes."""
+    fields = {k: config[k] for k in DECODER_FIELDS + ("num_target_layers", "target_model") if k in config}
+    nested = config.get("dflash_config") or {}
+    for name in ("block_size", "mask_token_id", "target_layer_ids"):
+        value = config.get(name, nested.get(name))
+        if value is not None:
+            fields[name] = value
+    fields["rope_parameters"] = _rope_from_zlab(config)
+    return fields
+
+
+def _speculators_fields(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("sample_from_anchor"):
+        raise ValueError(
+            "this speculators checkpoint predicts from the anchor row too (sample_from_anchor: true, as DSpark does); "
+            "a DFlash drafter discards that row, so it cannot be converted"
+        )
+    layer = config["transformer_layer_config"]
+    fields = {k: layer[k] for k in DECODER_FIELDS if k in layer}
+    fields["rope_parameters"] = _rope_from_zlab(layer)
+    fields.update(
+        block_size=config["block_size"],
+        mask_token_id=config["mask_token_id"],
+        target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
+        target_model=((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"),
+    )
+    for name in ("num_target_layers", "target_hidden_size"):
+        if config.get(name) is not None:
+            fields[name] = config[name]
+    if config.get("draft_vocab_size", layer["vocab_size"]) != layer["vocab_size"]:
+        fields["draft_vocab_size"] = config["draft_vocab_size"]
+    return fields
+
+
+def config_from_layout(config: dict[str, Any]) -> DFlashConfig:
+    """Our config for a config.json dict of any layout."""
+    layout = detect_format(config)
+    if layout == "speculators":
+        return DFlashConfig(**_speculators_fields(config))
+    if layout == "ours":
+        return DFlashConfig(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type")})
+    return DFlashConfig(**_dflash_fields(config))
+
+
+def to_drafter(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], draft_vocab: dict[str, torch.Tensor] | None = None
+) -> Drafter:
+    """A checkpoint of any layout (config.json dict + its tensors) in our terms."""
+    layout = detect_format(config)
+    ours = config_from_layout(config)
+    if layout == "speculators":
+        if hasattr(ours, "draft_vocab_size"):
+            missing = [k for k in SPECULATORS_VOCAB_TENSORS if k not in tensors]
+            if missing:
+                raise ValueError(f"draft_vocab_size is {ours.draft_vocab_size} but the checkpoint lacks {missing}")
+            draft_vocab = {k: tensors[k] for k in SPECULATORS_VOCAB_TENSORS}
+        dropped = set(SPECULATORS_TARGET_TENSORS + SPECULATORS_VOCAB_TENSORS)
+        tensors = {k: v for k, v in tensors.items() if k not in dropped and not k.startswith("verifier_")}
+    elif layout == "native":
+        for name, theirs in NATIVE_NAMES.items():
+            tensors = {(name + k[len(theirs):] if k.startswith(theirs) else k): v for k, v in tensors.items()}
+    return Drafter(ours, dict(tensors), draft_vocab)
+
+
+def load(path: str | os.PathLike, progress: bool = False) -> Drafter:
+    """A local checkpoint folder of any layout, in our terms."""
+    config, tensors = read_folder(path, progress)
+    vocab_file = Path(path) / DRAFT_VOCAB_FILE
+    draft_vocab = _read_tensors([vocab_file], progress) if vocab_file.is_file() else None
+    return to_drafter(config, tensors, draft_vocab)
+
+
+def _check_exact(drafter: Drafter) -> None:
+    """The tensors must be exactly the drafter its config describes, before anything is written."""
+    with torch.device("meta"):
+        expected = DFlashDraftModel(drafter.config).state_dict()
+    missing = sorted(set(expected) - set(drafter.tensors))
+    unexpected = sorted(set(drafter.tensors) - set(expected))
+    shapes = sorted(k for k in set(expected) & set(drafter.tensors) if expected[k].shape != drafter.tensors[k].shape)
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"the tensors do not match the drafter the config describes: missing {missing}, unexpected {unexpected}, "
+            f"mis-shaped {shapes}; check that config.json belongs to these weights"
+        )
+
+
+def _decoder_fields(config: DFlashConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in DECODER_FIELDS}
+
+
+def _zlab_config(config: DFlashConfig) -> dict[str, Any]:
+    rope = dict(config.rope_parameters or {"rope_type": "default", "rope_theta": config.default_theta})
+    theta = rope.pop("rope_theta")
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **_decoder_fields(config),
+        "rope_theta": theta,
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        "num_target_layers": config.num_target_layers,
+        "block_size": config.block_size,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids},
+        **({"target_model": config.target_model} if config.target_model else {}),
+    }
+
+
+def _native_config(config: DFlashConfig) -> dict[str, Any]:
+    # Muse Glimmer's config requires an int window; without sliding layers ours may be None, and then is left out.
+    decoder = {k: v for k, v in _decoder_fields(config).items() if not (k == "sliding_window" and v is None)}
+    return {
+        "architectures": ["MuseGlimmerAssistantModel"],
+        "model_type": "muse_glimmer_assistant",
+        **decoder,
+        "rope_parameters": config.rope_parameters,
+        "num_target_layers": config.num_target_layers,
+        "block_size": config.block_size,
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": config.target_layer_ids,
+        **({"target_model": config.target_model} if config.target_model else {}),
+    }
+
+
+def _speculators_config(config: DFlashConfig, target: str, target_config: dict[str, Any], draft_vocab_size: int):
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": {"model_type": "qwen3", **_decoder_fields(config),
+                                     "rope_parameters": config.rope_parameters},
+        "draft_vocab_size": draft_vocab_size,
+        "block_size": config.block_size,
+        "target_hidden_size": config.target_hidden_size,
+        "num_target_layers": config.num_target_layers,  # not a speculators field: kept so a conversion back is exact
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(target), "architectures": target_config.get("architectures", [])},
+        },
+    }
+
+
+def _check_layout(layout: str, target: str | os.PathLike | None) -> None:
+    if layout not in FORMATS:
+        raise ValueError(f"unknown layout {layout!r}; pick one of {', '.join(FORMATS)}")
+    if layout == "speculators" and target is None:
+        raise ValueError("the speculators layout holds the target's embedding and lm_head: pass the target (path/id)")
+
+
+def _check_speculators_target(config: DFlashConfig, embedding: torch.Tensor, target_config: dict[str, Any]) -> None:
+    if tuple(embedding.shape) != (config.vocab_size, config.target_hidden_size):
+        raise ValueError(
+            f"the target's embedding is {tuple(embedding.shape)}, the drafter expects "
+            f"({config.vocab_size}, {config.target_hidden_size}): this target is not the drafter's"
+        )
+    last = (target_config.get("text_config") or target_config)["num_hidden_layers"] - 1
+    if last in config.target_layer_ids:
+        raise ValueError(
+            f"the drafter captures the target's last layer ({last}); speculators always feed that layer separately "
+            "(as the verifier's last hidden state), so this drafter has no speculators equivalent"
+        )
+
+
+def _write(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save(
+    drafter: Drafter, out: str | os.PathLike, layout: str, target: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write `drafter` to folder `out` in `layout`. `speculators` needs `target` (path or Hub id) for the copies of
+    its embedding and lm_head that layout holds."""
+    _check_layout(layout, target)
+    config = drafter.config
+    if layout in ("zlab", "native") and config.target_hidden_size != config.hidden_size:
+        raise ValueError(
+            f"the {layout} layout has no field for a target hidden size ({config.target_hidden_size}) different "
+            f"from the drafter's ({config.hidden_size}); keep this drafter in our layout"
+        )
+    if layout == "native" and config.attention_bias:
+        raise ValueError("transformers' Muse Glimmer assistant has no attention biases; this drafter has them")
+    if layout == "speculators":
+        embedding, lm_head, target_config = target_vocab_tensors(target, progress)
+        _check_speculators_target(config, embedding, target_config)
+    _check_exact(drafter)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if layout == "ours":
+        with torch.device("meta"):
+            model = DFlashDraftModel(config)
+        model.load_state_dict(drafter.tensors, strict=True, assign=True)
+        model.save_pretrained(out)
+        if drafter.draft_vocab is not None:
+            save_file(drafter.draft_vocab, str(out / DRAFT_VOCAB_FILE), metadata={"format": "pt"})
+    elif layout == "zlab":
+        _write(out, _zlab_config(config), drafter.tensors)
+    elif layout == "native":
+        renamed = dict(drafter.tensors)
+        for ours, theirs in NATIVE_NAMES.items():
+            renamed = {(theirs + k[len(ours):] if k.startswith(ours) else k): v for k, v in renamed.items()}
+        _write(out, _native_config(config), renamed)
+    else:
+        tensors = {**drafter.tensors, "embed_tokens.weight": embedding}
+        if drafter.draft_vocab is None:
+            tensors["lm_head.weight"] = lm_head
+            draft_vocab_size = config.vocab_size
+        else:
+            tensors.update(drafter.draft_vocab)
+            tensors["lm_head.weight"] = lm_head[drafter.draft_vocab["t2d"].bool()]
+            draft_vocab_size = drafter.draft_vocab["d2t"].shape[0]
+        _write(out, _speculators_config(config, target, target_config, draft_vocab_size), tensors)
+    return out
+
+
+def convert(
+    src: str | os.PathLike, out: str | os.PathLike, to: str, target: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> Path:
+    """Convert the checkpoint folder `src` (any layout) to layout `to` in folder `out`."""
+    _check_layout(to, target)
+    if Path(out).resolve() == Path(src).resolve():
+        raise ValueError("write the converted drafter to a new folder, not over its source")
+    return save(load(src, progress), out, to, target, progress)
+
+
+__all__ = ["CORE_FIELDS", "FORMATS", "Drafter", "config_from_layout", "convert", "core_fields", "detect_format", "load",
+           "read_folder", "save", "target_vocab_tensors", "to_drafter"]

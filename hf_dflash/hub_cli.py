@@ -1,0 +1,182 @@
+"""`hf-dflash convert`, `hf-dflash push` and `hf-dflash info`: drafters on disk and on the Hub.
+
+    hf-dflash info z-lab/Qwen3-8B-DFlash-b16 --target Qwen/Qwen3-8B
+    hf-dflash convert z-lab-drafter/ our-drafter/ --to ours
+    hf-dflash convert our-drafter/ for-vllm/ --to speculators --target Qwen/Qwen3-8B
+    hf-dflash push my-drafter/ my-org/my-drafter --tau 4.2
+
+`register(subparsers)` adds the three subcommands to the top-level parser; each sets `func` to its `run_*` function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import convert as conversion
+from .hub import published_drafters
+from .modeling import DFlashConfig, DFlashDraftModel
+from .modeling.dflash_decoding import fit_problems
+
+
+def _fail(command: str, message: str) -> SystemExit:
+    return SystemExit(f"hf-dflash {command}: {message}")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    src, out = Path(args.src), Path(args.out)
+    if not (src / "config.json").is_file():
+        raise _fail("convert", f"{src} is not a checkpoint folder (no config.json)")
+    if out.exists() and any(out.iterdir()):
+        raise _fail("convert", f"{out} exists and is not empty; pick a new folder")
+    try:
+        conversion.convert(src, out, args.to, target=args.target, progress=True)
+    except (ValueError, FileNotFoundError) as error:
+        raise _fail("convert", str(error)) from error
+    source_layout = conversion.detect_format(json.loads((src / "config.json").read_text()))
+    print(f"{src} ({source_layout}) -> {out} ({args.to})")
+    return 0
+
+
+def run_push(args: argparse.Namespace) -> int:
+    if not Path(args.drafter).is_dir():
+        raise _fail("push", f"{args.drafter} is not a folder; push a drafter saved on this machine")
+    try:
+        drafter = DFlashDraftModel.from_pretrained(args.drafter)
+    except ValueError as error:
+        raise _fail("push", str(error)) from error
+    card = dict(target_model=args.target_model, tau=args.tau)
+    if args.dry_run:
+        drafter.save_pretrained(args.dry_run, repo_id=args.repo_id, **card)
+        print(f"wrote the folder that would be pushed to {args.repo_id} into {args.dry_run}")
+        return 0
+    commit = drafter.push_to_hub(
+        args.repo_id, private=args.private, revision=args.revision, create_pr=args.create_pr,
+        commit_message=args.commit_message, **card,
+    )
+    print(f"pushed {args.drafter} to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
+    return 0
+
+
+def _read_drafter(name: str) -> tuple[DFlashConfig, str, str]:
+    """(our config, layout, where its weights are) for a local folder of any layout or a Hub id."""
+    folder = Path(name)
+    if folder.is_dir():
+        config = json.loads((folder / "config.json").read_text())
+        has_weights = any(folder.glob("*.safetensors"))
+        return conversion.config_from_layout(config), conversion.detect_format(config), (
+            "present" if has_weights else "missing from the folder"
+        )
+    from huggingface_hub import try_to_load_from_cache
+
+    config = DFlashConfig.from_pretrained(name)
+    cached = try_to_load_from_cache(name, "model.safetensors")
+    weights = "cached" if isinstance(cached, str) else "not on this machine (from_pretrained downloads them from the Hub)"
+    return config, "Hub", weights
+
+
+def _read_target(name: str) -> tuple[Any, int | None, int | None]:
+    """(config, embedding rows, lm_head rows) of a target; rows are known only for the bundled offline models."""
+    if name in ("smollm2", "stories260k"):
+        from .generate_cli import load_target
+
+        model, _ = load_target(name, torch.float32, "cpu")
+        return model.config, model.get_input_embeddings().weight.shape[0], model.get_output_embeddings().weight.shape[0]
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name), None, None
+
+
+def run_info(args: argparse.Namespace) -> int:
+    try:
+        config, layout, weights = _read_drafter(args.drafter)
+    except (OSError, ValueError) as error:
+        raise _fail("info", f"cannot read the drafter {args.drafter}: {error}") from error
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in DFlashDraftModel(config).parameters())
+    attention = ", ".join(f"{config.layer_types.count(t)} {t}" for t in sorted(set(config.layer_types)))
+    print(f"drafter     {args.drafter} ({layout}; weights {weights})")
+    print(f"target      {config.target_model or 'not recorded'}")
+    print(
+        f"shape       {config.num_hidden_layers} layers ({attention}), hidden {config.hidden_size}, "
+        f"{config.num_attention_heads}/{config.num_key_value_heads} heads of {config.head_dim}, intermediate "
+        f"{config.intermediate_size}; {parameters / 1e6:.1f}M parameters"
+    )
+    print(
+        f"captures    target layers {config.target_layer_ids} of {config.num_target_layers} "
+        f"(width {config.target_hidden_size})"
+    )
+    print(f"block       {config.block_size}, mask token {config.mask_token_id}, vocabulary {config.vocab_size}")
+    published = published_drafters().get(args.drafter)
+    if published is not None:
+        print(f"published   config source: {published.source}")
+        for note in published.unverified:
+            print(f"unverified  {note}")
+    if not args.target:
+        return 0
+    try:
+        target_config, embedding_rows, lm_head_rows = _read_target(args.target)
+    except (OSError, ValueError) as error:
+        raise _fail("info", f"cannot read the target {args.target}: {error}") from error
+    problems = fit_problems(config, target_config, embedding_rows, lm_head_rows)
+    if problems:
+        print(f"DOES NOT FIT {args.target}:")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1
+    print(f"fits        {args.target}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert a drafter between layouts: ours, zlab, native (Muse Glimmer), speculators (vLLM)",
+        description=conversion.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("src", help="checkpoint folder of any layout (detected from its config.json)")
+    parser.add_argument("out", help="new folder for the converted drafter")
+    parser.add_argument("--to", required=True, choices=conversion.FORMATS, help="layout to write")
+    parser.add_argument("--target", default=None,
+                        help="target path or Hub id; needed for --to speculators (it stores the target's embedding "
+                             "and lm_head)")
+    parser.set_defaults(func=run_convert)
+
+    parser = subparsers.add_parser(
+        "push",
+        help="publish a drafter folder on the Hub (weights, config, remote code, model card, generation config)",
+        description="Upload exactly what save_pretrained writes: safetensors weights, config.json with auto_map, the "
+                    "remote-code bundle, a README.md model card and generation_config.json (plus training_args.json "
+                    "when the folder has one). Log in first with `hf auth login`.",
+    )
+    parser.add_argument("drafter", help="drafter folder (ours, zlab or native layout)")
+    parser.add_argument("repo_id", help="Hub repository, e.g. my-org/Qwen3-8B-DFlash")
+    parser.add_argument("--target-model", default=None, help="the target's Hub id, for the card (else the config's)")
+    parser.add_argument("--tau", type=float, default=None, help="acceptance length you measured, for the card")
+    parser.add_argument("--private", action="store_true", help="create the repository private")
+    parser.add_argument("--revision", default=None, help="branch to push to")
+    parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    parser.add_argument("--commit-message", default=None)
+    parser.add_argument("--dry-run", metavar="DIR", default=None,
+                        help="write the folder that would be uploaded into DIR and upload nothing")
+    parser.set_defaults(func=run_push)
+
+    parser = subparsers.add_parser(
+        "info",
+        help="describe a drafter and check that it fits a target",
+        description="Print a drafter's shape, captured layers, block size and mask token (a folder of any layout, "
+                    "or a Hub id: published drafters' configs are known offline), and with --target check that it "
+                    "fits that target (hidden size, layers, vocabulary, mask token). Exit status 1 when it does not.",
+    )
+    parser.add_argument("drafter", help="drafter folder or Hub id")
+    parser.add_argument("--target", default=None,
+                        help="target path or Hub id (its config.json is enough), or smollm2 | stories260k")
+    parser.set_defaults(func=run_info)
+
+
+__all__ = ["register"]
