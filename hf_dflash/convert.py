@@ -195,6 +195,9 @@ def config_from_layout(config: dict[str, Any]) -> DFlashConfig:
         return DFlashConfig(**_speculators_fields(config))
     if layout == "ours":
         return DFlashConfig(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type")})
+    if "vocab_size" not in config:
+        # Muse Glimmer configs omit it; a silent default would make every fit check against the target wrong.
+        raise ValueError("this config has no vocab_size; add the target's vocab_size to its config.json and retry")
     return DFlashConfig(**_dflash_fields(config))
 
 

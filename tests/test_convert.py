@@ -146,6 +146,9 @@ def test_bad_conversions_are_refused_before_writing(saved, tmp_path):
     with pytest.raises(ValueError, match="norm.weight"):
         conversion.save(bad, tmp_path / "d", "zlab")
     assert not any((tmp_path / name).exists() for name in "abcd")
+    native = {"model_type": "muse_glimmer_assistant", "hidden_size": 64, "target_layer_ids": [1], "mask_token_id": 3}
+    with pytest.raises(ValueError, match="add the target's vocab_size"):
+        conversion.config_from_layout(native)
 
 
 def test_cli_convert_and_info(saved, tmp_path, capsys):
