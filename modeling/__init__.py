@@ -7,6 +7,7 @@ trust_remote_code=True)` works without hf_dflash installed. The library imports 
 from .configuration_dflash import DFlashConfig, default_target_layer_ids
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_decoding import DFlashGenerateOutput
+from .dflash_devices import place_drafter
 from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedDrafterCache
 from .modeling_dflash import DFlashDraftModel
 
@@ -19,4 +20,5 @@ __all__ = [
     "PAGE_SIZE",
     "PagedDrafterCache",
     "default_target_layer_ids",
+    "place_drafter",
 ]

@@ -19,6 +19,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .dflash_capture import TargetHiddenCapture
+from .dflash_devices import check_drafter_device, execution_device
 from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedCacheView, PagedDrafterCache
 
 
@@ -37,8 +38,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
         config = drafter.config
         self.drafter = drafter
         self.block_size = config.block_size
+        check_drafter_device(drafter, target)
         self.input_embeddings = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        # The lm_head reads the drafter's rows where it computes (a split or offloaded target's last device) and in
+        # its own dtype; a quantized lm_head (integer weights) casts its input itself.
+        self.head_device = execution_device(self.lm_head)
+        self.head_dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else None
         device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         self.device = device
         self.capture = TargetHiddenCapture(target, config.target_layer_ids, config.target_hidden_size)
@@ -115,7 +121,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             noise_embeds=noise_embeds, position_ids=position_ids, attention_mask=view.attention_masks, cache=view
         ).last_hidden_state
         # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
-        draft_logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.device))
+        draft_logits = self.lm_head(hidden[:, 1:].to(self.head_device, self.head_dtype))
         drafts = draft_logits.argmax(dim=-1).to(input_ids.device)
         for state in self.states:
             state.last_num_drafted = self.block_size - 1

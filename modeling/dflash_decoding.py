@@ -334,7 +334,8 @@ def dflash_generate(
             draft_probs = None
             if rejection:  # drafts sampled from the drafter's own distribution instead of its argmax
                 temperature = generation_config.temperature or 1.0
-                draft_probs = torch.softmax(draft_logits[:, : num_rows - 1].float() / temperature, dim=-1)
+                # the drafter's logits come from the lm_head's device; the target's scores are on the inputs'
+                draft_probs = torch.softmax(draft_logits[:, : num_rows - 1].to(device).float() / temperature, dim=-1)
                 block = torch.cat([block[:, :1], _sample(draft_probs).to(block.device)], dim=1)
             real_lengths = torch.tensor([s.seq_len for s in generator.states], device=device)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), num_rows)], dim=1)
