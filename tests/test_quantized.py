@@ -1,0 +1,65 @@
+"""bitsandbytes targets (4-bit nf4 / fp4, 8-bit) on CPU: capture reads the quantized layers, and greedy DFlash output
+equals the same quantized target's own greedy generate, with drafts accepted."""
+
+from __future__ import annotations
+
+import logging
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from hf_dflash import DFlashCandidateGenerator
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
+from tests.test_batched import PAD, left_pad
+from tests.test_greedy_identity import oracle_drafts
+
+# 8-bit matmuls log a cast warning per call on CPU.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+QUANTIZATIONS = {
+    "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
+    "fp4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float32),
+    "int8": BitsAndBytesConfig(load_in_8bit=True),
+}
+
+
+def quantized_target(tmp_path, family: str, quantization: str) -> torch.nn.Module:
+    # Hidden 64 and intermediate 128 are multiples of bitsandbytes' 4-bit block of 64.
+    tiny_target(family, seed=31).save_pretrained(tmp_path)
+    config = QUANTIZATIONS[quantization]
+    return AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, device_map="cpu").eval()
+
+
+@pytest.mark.parametrize(
+    "family, quantization, drafter_dtype",
+    [("llama", "nf4", torch.bfloat16), ("qwen3", "fp4", torch.float32), ("llama", "int8", torch.bfloat16)],
+)
+def test_quantized_target_is_lossless(tmp_path, family, quantization, drafter_dtype):
+    target = quantized_target(tmp_path, family, quantization)
+    assert isinstance(target.model.layers[0].mlp.up_proj, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
+    drafter = tiny_drafter(target, block_size=5).to(drafter_dtype)
+    batch = left_pad([random_prompt(n, seed=n) for n in (4, 9)])
+    plain = target.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    with oracle_drafts(plain, wrong_every=3):
+        out = target.generate(
+            **batch, max_new_tokens=16, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
+            return_dict_in_generate=True,
+        )
+    assert torch.equal(out.sequences, plain)
+    assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was accepted"
+
+
+def test_capture_reads_the_quantized_layers(tmp_path):
+    target = quantized_target(tmp_path, "llama", "nf4")
+    drafter = tiny_drafter(target)
+    prompt = random_prompt(7, seed=5)
+    generator = DFlashCandidateGenerator(drafter, target, batch_size=1, max_length=32, max_rows=7)
+    with generator.capture, torch.no_grad():
+        generator.capture_rows(7)
+        target(prompt)
+    with torch.no_grad():
+        hidden = target(prompt, output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[i + 1][0] for i in drafter.config.target_layer_ids], dim=-1)
+    torch.testing.assert_close(generator.scratch[0, :7], expected, rtol=0, atol=0)
