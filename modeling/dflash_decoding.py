@@ -16,7 +16,9 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +182,15 @@ def _host_stopping_rules(stopping_criteria: Any) -> tuple[set[int], bool]:
     return eos_ids, host_only
 
 
+@contextlib.contextmanager
+def _pages_returned(generator: DFlashCandidateGenerator) -> Iterator[None]:
+    """Every sequence's drafter pages return to the pool when the block ends, also when an exception escapes it."""
+    try:
+        yield
+    finally:
+        generator.release()
+
+
 def _positions(attention_mask: torch.Tensor) -> torch.LongTensor:
     """Absolute positions of the real tokens of left-padded rows (padding gets position 0, as in generate)."""
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
@@ -297,8 +308,9 @@ def dflash_generate(
         return running
 
     generator = DFlashCandidateGenerator(drafter, target, batch_size, max_length, max_rows=max(prompt_len, block_size))
-    # Hooks live exactly as long as this block: the target leaves generate as it came in, even on error.
-    with generator.capture:
+    # Hooks live exactly as long as this block and the pages go back to the pool when it ends: the target leaves
+    # generate as it came in, even on error.
+    with generator.capture, _pages_returned(generator):
         # 1. Prefill: the prompt's real rows become drafter context; the target picks each sequence's first token.
         generator.capture_rows(prompt_len)
         outputs = target(
@@ -368,7 +380,6 @@ def dflash_generate(
                 step_scores,
                 outputs.logits,
             )
-    generator.release()
     if streamer is not None:
         streamer.end()
     sequences = sequences[:, : max(lengths)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -10,6 +12,8 @@ from hf_dflash import DFlashConfig, DFlashDraftModel
 
 VOCAB = 256
 MASK_ID = VOCAB - 1  # tests never feed this id as text, so it plays the unused embedding row
+# HF_DFLASH_SOAK=1 runs the long variants of the property, differential and soak tests (minutes instead of seconds).
+SOAK = os.environ.get("HF_DFLASH_SOAK") == "1"
 
 
 def tiny_target(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
@@ -43,6 +47,37 @@ def tiny_drafter(
 def random_prompt(length: int, seed: int = 0, batch: int = 1) -> torch.LongTensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB - 1, (batch, length), generator=generator)
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    """Forward hooks attached anywhere in `model`."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@torch.no_grad()
+def scratch_draft_logits(
+    target: torch.nn.Module, drafter: torch.nn.Module, context: torch.Tensor, anchor: int
+) -> torch.Tensor:
+    """The drafter run from scratch, without any cache: context (c, k*H_target) rows at positions 0..c-1, the block
+    [anchor, mask x (B - 1)] at c..c+B-1 -> draft logits (B - 1, V) of block rows 1..B-1."""
+    block = drafter.config.block_size
+    block_ids = torch.tensor([[anchor] + [drafter.config.mask_token_id] * (block - 1)])
+    hidden = drafter(
+        noise_embeds=target.get_input_embeddings()(block_ids),
+        context_hidden_states=context[None],
+        position_ids=torch.arange(context.shape[0] + block)[None],
+    ).last_hidden_state
+    return target.get_output_embeddings()(hidden[0, 1:])
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one intra-op thread: tiny models are bound by per-op overhead, and on a shared 2-core machine a
+    second spinning thread made them about ten times slower (measured: 20-token generate 1.08 s -> 0.09 s CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from hf_dflash import DFlashCandidateGenerator, DFlashGenerateOutput
-from tests.conftest import random_prompt, tiny_drafter, tiny_target
+from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
 
 
 @contextlib.contextmanager
@@ -174,15 +174,11 @@ def test_repetition_penalty_processor_is_applied_per_row():
     assert torch.equal(plain, dflash)
 
 
-def _hook_count(model):
-    return sum(len(m._forward_hooks) for m in model.modules())
-
-
 def test_hooks_are_removed_after_generate_even_on_error(llama_pair):
     target, drafter = llama_pair
-    before = _hook_count(target)
+    before = hook_count(target)
     target.generate(random_prompt(4), max_new_tokens=8, do_sample=False, assistant_model=drafter)
-    assert _hook_count(target) == before
+    assert hook_count(target) == before
 
     class Boom(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
@@ -195,7 +191,7 @@ def test_hooks_are_removed_after_generate_even_on_error(llama_pair):
             random_prompt(4), max_new_tokens=20, do_sample=False, assistant_model=drafter,
             stopping_criteria=StoppingCriteriaList([Boom()]),
         )
-    assert _hook_count(target) == before
+    assert hook_count(target) == before
     # and the next call is still right
     plain = target.generate(random_prompt(6, seed=9), max_new_tokens=10, do_sample=False)
     again = target.generate(random_prompt(6, seed=9), max_new_tokens=10, do_sample=False, assistant_model=drafter)

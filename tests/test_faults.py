@@ -1,0 +1,169 @@
+"""Faults inside a generate call leave target and drafter as they were, and the next call right.
+
+Each fault is raised on purpose part-way through decoding: a stopping criterion that raises, ctrl-c inside a
+streamer's `put`, an out-of-memory error from the drafter's forward or from a target layer. After it: no forward hook
+is left on the target, no parameter, mode or generation config changed, every drafter page went back to its pool,
+nothing keeps the call's drafter buffers alive, and the next call (greedy and batched) equals plain generate.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from hf_dflash import DFlashCandidateGenerator
+from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
+from tests.test_batched import PAD, left_pad
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class RaiseAfter(StoppingCriteria):
+    """A stopping criterion that raises ValueError once the sequence is `length` tokens long."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
+        if input_ids.shape[1] >= self.length:
+            raise ValueError("a broken stopping criterion")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+class InterruptingStreamer:
+    """A streamer whose `put` is interrupted (ctrl-c) on its `calls`-th call; generate's own first put is the prompt."""
+
+    def __init__(self, calls: int):
+        self.calls = calls
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls -= 1
+        if self.calls == 0:
+            raise KeyboardInterrupt("ctrl-c in the streamer")
+
+    def end(self) -> None:
+        pass
+
+
+def fail_on_call(module: torch.nn.Module, call: int, where: str) -> None:
+    """Make `module`'s forward raise an out-of-memory error on its `call`-th call (an instance attribute, removed by
+    `restore`). The error is made when raised: a stored one would keep its traceback, and the call's frames, alive."""
+    original = module.forward
+    count = 0
+
+    def forward(*args, **kwargs):
+        nonlocal count
+        count += 1
+        if count == call:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (raised on purpose in the {where})")
+        return original(*args, **kwargs)
+
+    module.forward = forward
+
+
+def restore(module: torch.nn.Module) -> None:
+    del module.forward
+
+
+def snapshot(model: torch.nn.Module) -> dict:
+    return {
+        "hooks": hook_count(model),
+        "training": [m.training for m in model.modules()],
+        "parameters": {k: v.clone() for k, v in model.state_dict().items()},
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "config": model.config.to_dict(),
+        "generation_config": model.generation_config.to_dict() if model.can_generate() else None,
+    }
+
+
+def assert_unchanged(before: dict, model: torch.nn.Module) -> None:
+    after = snapshot(model)
+    assert after["hooks"] == before["hooks"], "a forward hook stayed on the model"
+    assert after["training"] == before["training"]
+    assert after["requires_grad"] == before["requires_grad"]
+    assert after["config"] == before["config"]
+    assert after["generation_config"] == before["generation_config"]
+    for key, value in before["parameters"].items():
+        assert torch.equal(after["parameters"][key], value), key
+
+
+@pytest.fixture
+def generators(monkeypatch):
+    """Weak references to every DFlashCandidateGenerator created during the test."""
+    made = []
+    original = DFlashCandidateGenerator.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize(
+    "fault", ["stopping criterion raises", "ctrl-c in streamer.put", "drafter out of memory", "target out of memory"]
+)
+def test_a_fault_leaves_everything_usable(fault, generators):
+    target = tiny_target("qwen3", seed=31)
+    drafter = tiny_drafter(target, seed=32, block_size=5)
+    before_target, before_drafter = snapshot(target), snapshot(drafter)
+    kwargs, module, error_type = {}, None, torch.OutOfMemoryError
+    if fault == "stopping criterion raises":
+        kwargs, error_type = {"stopping_criteria": StoppingCriteriaList([RaiseAfter(12)])}, ValueError
+    elif fault == "ctrl-c in streamer.put":
+        kwargs, error_type = {"streamer": InterruptingStreamer(calls=4)}, KeyboardInterrupt
+    elif fault == "drafter out of memory":
+        module = drafter
+        fail_on_call(module, 3, "drafter")
+    else:  # the third verify forward of the target
+        module = target.model.layers[1]
+        fail_on_call(module, 4, "target")
+    try:
+        with pytest.raises(error_type):
+            target.generate(random_prompt(6, seed=31), max_new_tokens=30, do_sample=False, assistant_model=drafter, **kwargs)
+    finally:
+        if module is not None:
+            restore(module)
+
+    assert len(generators) == 1
+    gc.collect()
+    assert generators[0]() is None, "something still holds the failed call's drafter buffers"
+    assert_unchanged(before_target, target)
+    assert_unchanged(before_drafter, drafter)
+    # the next calls are right: one sequence, then a left-padded batch
+    prompt = random_prompt(7, seed=33)
+    plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), plain)
+    batch = left_pad([random_prompt(n, seed=n) for n in (2, 9, 5)])
+    plain = target.generate(**batch, max_new_tokens=15, do_sample=False, pad_token_id=PAD)
+    dflash = target.generate(**batch, max_new_tokens=15, do_sample=False, pad_token_id=PAD, assistant_model=drafter)
+    assert torch.equal(dflash, plain)
+
+
+def test_pages_return_to_the_pool_when_the_loop_raises(generators):
+    """The loop hands every page back even when an exception escapes it (a generator kept for reuse must not leak)."""
+    target = tiny_target("llama", seed=34)
+    drafter = tiny_drafter(target, block_size=4)
+    kept = []
+    original_release = DFlashCandidateGenerator.release
+
+    def release(self):
+        original_release(self)
+        kept.append((len(self.cache.free_pages), self.cache.num_pages, len(self.states)))
+
+    DFlashCandidateGenerator.release = release
+    fail_on_call(drafter, 2, "drafter")
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            target.generate(random_prompt(5), max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    finally:
+        restore(drafter)
+        DFlashCandidateGenerator.release = original_release
+    assert kept, "the failed call never released its drafter pages"
+    free, total, live = kept[-1]
+    assert free == total and live == 0
