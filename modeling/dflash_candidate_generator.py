@@ -87,7 +87,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             state.seq_len = rows.shape[0] + 1  # the prompt plus the first token the target just chose
             state.prefill_done = True
 
-    def _store_new_context(self, states: list[DflashProposerState]) -> None:
+    def store_new_context(self, states: list[DflashProposerState]) -> None:
         """Keys/values for slots [ctx_committed, ctx_len) of every state, in one drafter pass over all of them."""
         fresh = [s for s in states if s.ctx_len > s.ctx_committed]
         if not fresh:
@@ -110,7 +110,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             if not state.skip_next_decode_append:
                 raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
             state.skip_next_decode_append = False
-        self._store_new_context(self.states)
+        self.store_new_context(self.states)
         mask_ids = self.mask_ids[: len(self.states)].to(input_ids.device)
         block_ids = torch.cat([input_ids[:, -1:], mask_ids], dim=1)  # (b, B)
         noise_embeds = self.input_embeddings(block_ids).to(self.device)
@@ -138,6 +138,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
             state.append_context(self.scratch[i, : accepted + 1], first_position=state.ctx_len)
             state.seq_len += accepted + 1
             state.last_num_accepted = accepted
+
+    def restart(self) -> None:
+        """Begin new sequences in the same buffers (the fast path reuses them across calls): every state empties and
+        keeps its pages."""
+        for state in self.states:
+            state.seq_len = state.ctx_len = state.ctx_committed = state.ctx_count_drafter = 0
+            state.prefill_done = state.skip_next_decode_append = False
 
     def keep(self, indices: Sequence[int]) -> None:
         """Carry on with the sequences at `indices` only (in that order); the others' pages return to the pool."""

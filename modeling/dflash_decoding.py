@@ -27,6 +27,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .dflash_candidate_generator import DFlashCandidateGenerator
+from .dflash_fast_path import DFlashStaticStep, fast_path_blocker, static_step_for
 
 
 @dataclass
@@ -182,6 +183,50 @@ def _host_stopping_rules(stopping_criteria: Any) -> tuple[set[int], bool]:
     return eos_ids, host_only
 
 
+def _host_stop(new: list[int], start: int, eos_ids: set[int], max_length: int) -> tuple[int, bool]:
+    """How many of a sequence's `new` tokens (appended at length `start`) it keeps under eos / max_length, and
+    whether it ends there."""
+    ends_at = next((j for j, token in enumerate(new) if token in eos_ids), None)
+    count = len(new) if ends_at is None else ends_at + 1
+    return count, ends_at is not None or start + count >= max_length
+
+
+def _decode_static(
+    step: DFlashStaticStep, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int,
+    eos_ids: set[int], pad_id: int,
+) -> tuple[torch.LongTensor, list[list[int]]]:
+    """The fast path's host loop (dflash_fast_path.py): per step one replay and one read-back of [tokens, accepted]
+    per sequence. Returns the sequences (right-padded with pad_id) and each sequence's acceptance lengths."""
+    rows = input_ids.tolist()
+    acceptance_lengths: list[list[int]] = [[] for _ in rows]
+    running = []
+    for i, token in enumerate(step.prefill(input_ids, attention_mask, max_length)):
+        count, done = _host_stop([token], len(rows[i]), eos_ids, max_length)
+        rows[i].append(token)
+        if done:
+            step.stop(i)
+        else:
+            running.append(i)
+    if running and step.graph is None and input_ids.is_cuda:
+        step.capture_graph()
+    while running:
+        out = step.run_step()
+        still = []
+        for i in running:
+            accepted = out[i][-1]
+            count, done = _host_stop(out[i][: accepted + 1], len(rows[i]), eos_ids, max_length)
+            rows[i].extend(out[i][:count])
+            acceptance_lengths[i].append(accepted + 1)
+            if done:
+                step.stop(i)
+            else:
+                still.append(i)
+        running = still
+    longest = max(len(row) for row in rows)
+    sequences = torch.tensor([row + [pad_id] * (longest - len(row)) for row in rows], device=input_ids.device)
+    return sequences, acceptance_lengths
+
+
 @contextlib.contextmanager
 def _pages_returned(generator: DFlashCandidateGenerator) -> Iterator[None]:
     """Every sequence's drafter pages return to the pool when the block ends, also when an exception escapes it."""
@@ -207,6 +252,7 @@ def dflash_generate(
     drafter: torch.nn.Module | None = None,
     dflash_sampling: str = "rejection",
     dflash_verify_rows: int | None = None,
+    dflash_fast_path: bool | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
     """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
@@ -218,6 +264,9 @@ def dflash_generate(
     `dflash_verify_rows` (a generate keyword, default: the block size) caps the rows the target verifies per step,
     anchor included: where a target forward costs in proportion to its rows (a CPU), verifying only the drafts that
     are likely to be accepted is cheaper. It never changes the output.
+    `dflash_fast_path` (a generate keyword): None (the default) takes the CUDA-graph fast path (dflash_fast_path.py)
+    whenever it can serve the call on a GPU; True insists (an error names what blocks it; on a CPU the same static
+    step runs without a graph); False always takes the eager loop below. The tokens are the same either way.
 
     Sequences of a batch accept different numbers of drafts per step. The target's cache stays one rectangular
     DynamicCache: each step keeps the rows of the longest acceptance and masks the rejected rows of the other
@@ -277,6 +326,19 @@ def dflash_generate(
     # already read back; only other criteria (stop strings, custom ones) are called token by token.
     eos_ids, host_criteria_only = _host_stopping_rules(stopping_criteria)
 
+    blocker = fast_path_blocker(
+        target, drafter, generation_config, logits_processor, host_criteria_only, streamer, verify_rows, attention_mask
+    )
+    if dflash_fast_path and blocker is not None:
+        raise ValueError(f"dflash_fast_path=True, but the fast path cannot serve this call: {blocker}")
+    if dflash_fast_path or (dflash_fast_path is None and blocker is None and device.type == "cuda"):
+        step = static_step_for(target, drafter, batch_size, max_length, cache_arg)
+        with step.generator.capture:
+            sequences, acceptance_lengths = _decode_static(step, input_ids, attention_mask, max_length, eos_ids, pad_id)
+        if not return_dict:
+            return sequences
+        return DFlashGenerateOutput(sequences=sequences, acceptance_lengths=acceptance_lengths)
+
     def commit(row_tokens: list[list[int]], step_scores: torch.Tensor, step_logits: torch.Tensor) -> list[int]:
         """Append each live sequence's new tokens, stopping it at the first token that ends it, exactly where plain
         generate would. Returns the batch rows still running."""
@@ -284,9 +346,7 @@ def dflash_generate(
         for row, (seq, new) in enumerate(zip(live, row_tokens)):
             start = lengths[seq]
             if host_criteria_only:
-                ends_at = next((j for j, token in enumerate(new) if token in eos_ids), None)
-                count = len(new) if ends_at is None else ends_at + 1
-                done = ends_at is not None or start + count >= max_length
+                count, done = _host_stop(new, start, eos_ids, max_length)
             else:
                 count, done = len(new), False
                 for j in range(len(new)):

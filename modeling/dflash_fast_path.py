@@ -1,0 +1,291 @@
+"""The fast path of the DFlash loop: every verify step is one CUDA graph replay and one host synchronization.
+
+On a GPU, eager PyTorch spends most of a step launching kernels (about 50 ms for a Qwen3-8B step on an H200 whose
+memory floor is 4 ms). Here a whole step (store the new context keys/values, draft a block, verify it, accept, move
+each sequence's anchor) works on preallocated buffers with every index on the device, so it is recorded once as a
+CUDA graph and replayed. The host reads back one small tensor per step ([target tokens | accepted count] per
+sequence) to decide eos / max_length, exactly as plain generate would stop.
+
+Sequences keep their own slots (dflash_static_cache.py): a sequence that accepts fewer drafts than its neighbours
+just moves its anchor less; a finished one stays in the batch, frozen, until all are done.
+
+What the fast path serves: greedy decoding without logits processors, eos / max-length stopping, left-padded
+batches, a target and drafter on one device with sdpa or eager attention and no sliding windows. Anything else
+takes the eager loop (dflash_decoding.py), which gives the same tokens. `generate(..., dflash_fast_path=True)`
+insists (and names what blocks it); on a CPU it runs the same step without a graph, which is how CI tests it.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .dflash_candidate_generator import DFlashCandidateGenerator
+from .dflash_capture import decoder_layers
+from .dflash_paged_cache import PAGE_SIZE
+from .dflash_static_cache import StaticPagedView, StaticTargetCache, page_slots
+
+# Target cache lengths are rounded up to this, so prompts of similar length share one captured graph.
+SLOT_BUCKET = 256
+
+
+def fast_path_blocker(
+    target: torch.nn.Module,
+    drafter: torch.nn.Module,
+    generation_config: Any,
+    logits_processor: Any,
+    host_criteria_only: bool,
+    streamer: Any,
+    verify_rows: int,
+    attention_mask: torch.Tensor,
+) -> str | None:
+    """Why the fast path cannot serve this call, or None when it can."""
+    config = drafter.config
+    text = target.config.get_text_config()
+    devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
+    if len(devices) != 1:
+        return f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device"
+    if generation_config.do_sample:
+        return "do_sample=True (the fast path decodes greedily)"
+    if len(logits_processor) > 0:
+        return f"logits processors are active ({', '.join(type(p).__name__ for p in logits_processor)})"
+    if not host_criteria_only:
+        return "stopping criteria other than eos and max_length are active"
+    if streamer is not None:
+        return "a streamer is attached"
+    if generation_config.return_dict_in_generate and (
+        generation_config.output_scores or generation_config.output_logits
+    ):
+        return "output_scores / output_logits were requested"
+    if verify_rows != config.block_size:
+        return "dflash_verify_rows is set"
+    if "sliding_attention" in config.layer_types or "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        return "a sliding-window layer (drafter or target)"
+    if getattr(target, "hf_quantizer", None) is not None or getattr(target, "is_quantized", False):
+        return "the target is quantized"
+    if text._attn_implementation not in ("sdpa", "eager"):
+        return f"the target uses {text._attn_implementation!r} attention (the fast path needs sdpa or eager)"
+    real = attention_mask.long()
+    if not bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding: zeros, then ones
+        return "the attention mask is not left padding"
+    return None
+
+
+class DFlashStaticStep:
+    """Buffers and the step function of the fast path for one batch size and one cache length.
+
+    Device state per sequence (b,): `anchor_ids` the last committed token, `anchor_pos` its position (real, padding
+    excluded), `prev_pos` the anchor position of the previous step (whose verify rows become context now),
+    `offsets` the left padding, `active` 1 while the sequence runs. `out` (b, B + 1) holds the step's result:
+    the target's tokens at the B verified rows, then the number of accepted drafts.
+    """
+
+    def __init__(
+        self, target: torch.nn.Module, drafter: torch.nn.Module, batch_size: int, num_slots: int, cache_argument: str
+    ):
+        config = drafter.config
+        text = target.config.get_text_config()
+        block = config.block_size
+        device = drafter.fc.weight.device
+        self.target, self.drafter = target, drafter
+        self.batch_size, self.block_size, self.num_slots = batch_size, block, num_slots
+        self.max_length = num_slots - block  # the longest sequence (padding included) this step can hold
+        self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
+        # Capture hooks, per-sequence states and the drafter's page pools; prefill reuses the generator's methods.
+        self.generator = DFlashCandidateGenerator(drafter, target, batch_size, self.max_length, max_rows=self.max_length)
+        for state in self.generator.states:  # every page a sequence may need, once: the block tables never change
+            self.generator.cache.reserve(state, num_slots)
+        block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
+        self.block_tables = block_tables
+        draft_slots = block_tables.shape[1] * PAGE_SIZE
+        self.draft_key_positions = torch.arange(draft_slots, device=device)
+        self.drafter_view = StaticPagedView(
+            self.generator.cache,
+            block_slots=torch.zeros(batch_size, block, dtype=torch.long, device=device),
+            read_slots=page_slots(block_tables, self.draft_key_positions.expand(batch_size, -1)),
+        )
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.target_cache = StaticTargetCache(
+            num_layers=len(decoder_layers(target)),
+            batch_size=batch_size,
+            num_key_value_heads=text.num_key_value_heads,
+            head_dim=head_dim,
+            num_slots=num_slots,
+            dtype=target.dtype,
+            device=device,
+        )
+        self.target_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
+        self.key_slots = torch.arange(num_slots, device=device)
+        self.block_offsets = torch.arange(block, device=device)
+        self.mask_ids = torch.full((batch_size, block - 1), config.mask_token_id, dtype=torch.long, device=device)
+        # Target hidden states of the verified rows land here (the capture hooks' destination during a step).
+        self.verify_rows = torch.zeros(
+            batch_size, block, config.num_context_features, dtype=self.generator.scratch.dtype, device=device
+        )
+        long = dict(dtype=torch.long, device=device)
+        self.anchor_ids = torch.zeros(batch_size, 1, **long)
+        self.anchor_pos = torch.zeros(batch_size, **long)
+        self.prev_pos = torch.zeros(batch_size, **long)
+        self.offsets = torch.zeros(batch_size, **long)
+        self.active = torch.zeros(batch_size, **long)
+        self.drafts = torch.zeros(batch_size, block - 1, **long)
+        self.out = torch.zeros(batch_size, block + 1, **long)
+        self.max_length_now = torch.zeros((), **long)  # this call's max_length (a buffer: the graph reads it)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    # -- one verify step, on device buffers only (recorded once as a CUDA graph) --------------------------------
+
+    def step(self) -> None:
+        self.propose()
+        self.verify()
+
+    def propose(self) -> None:
+        """Store the last verify's rows as context, then draft the next block into `drafts`."""
+        block, drafter, generator = self.block_size, self.drafter, self.generator
+        # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
+        #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
+        context_positions = self.prev_pos[:, None] + self.block_offsets  # (b, B)
+        context_slots = page_slots(self.block_tables, context_positions).reshape(-1)
+        for layer, (key, value) in enumerate(drafter.context_key_values(self.verify_rows, context_positions)):
+            b, g, n, d = key.shape  # (b, g, B, d)
+            generator.cache.write(
+                layer, context_slots, key.transpose(1, 2).reshape(b * n, g, d), value.transpose(1, 2).reshape(b * n, g, d)
+            )
+        # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
+        positions = self.anchor_pos[:, None] + self.block_offsets  # (b, B)
+        self.drafter_view.block_slots.copy_(page_slots(self.block_tables, positions))
+        noise_embeds = generator.input_embeddings(torch.cat([self.anchor_ids, self.mask_ids], dim=1))
+        visible = self.draft_key_positions < (self.anchor_pos + block)[:, None]  # (b, S)
+        hidden = drafter(
+            noise_embeds=noise_embeds,
+            position_ids=positions,
+            attention_mask={"full_attention": visible[:, None, None, :]},
+            cache=self.drafter_view,
+        ).last_hidden_state
+        self.drafts.copy_(generator.lm_head(hidden[:, 1:].to(generator.lm_head.weight.dtype)).argmax(dim=-1))
+
+    def verify(self) -> None:
+        """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""
+        block, drafts, generator = self.block_size, self.drafts, self.generator
+        positions = self.anchor_pos[:, None] + self.block_offsets  # (b, B)
+        # 3. Verify [anchor, drafts] at each sequence's own slots (its padded columns), causally.
+        slots = self.offsets[:, None] + positions  # (b, B)
+        self.target_slots.copy_(slots)
+        self.target_cache.write_slots = self.target_slots
+        mask = (self.key_slots >= self.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (b, B, L)
+        generator.capture.destination = self.verify_rows
+        logits = self.target(
+            input_ids=torch.cat([self.anchor_ids, drafts], dim=1),
+            position_ids=positions,
+            attention_mask=mask[:, None],
+            use_cache=True,
+            logits_to_keep=block,
+            **{self.cache_argument: self.target_cache},
+        ).logits
+        tokens = logits.argmax(dim=-1)  # (b, B) the target's own choice after each row
+        accepted = (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        room = self.max_length_left()  # never commit past max_length
+        accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
+        # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
+        self.prev_pos.copy_(self.anchor_pos)
+        self.anchor_ids.copy_(torch.where(self.active[:, None] > 0, tokens.gather(1, accepted[:, None]), self.anchor_ids))
+        self.anchor_pos.add_((accepted + 1) * self.active)
+        self.out[:, :block].copy_(tokens)
+        self.out[:, block].copy_(accepted)
+
+    def max_length_left(self) -> torch.Tensor:
+        """Tokens each sequence may still commit: max_length minus its padded length (anchor_pos + 1 + offset)."""
+        return self.max_length_now - self.offsets - self.anchor_pos - 1
+
+    # -- host side ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int) -> list[int]:
+        """Eager prompt forward into the static cache; the prompt rows become drafter context. Returns each
+        sequence's first token (the call's one synchronization before the loop)."""
+        batch, prompt_len = input_ids.shape
+        device = input_ids.device
+        self.generator.restart()
+        self.max_length_now.fill_(max_length)
+        real = attention_mask.long()
+        self.offsets.copy_(prompt_len - real.sum(dim=1))
+        columns = torch.arange(prompt_len, device=device)
+        self.target_cache.write_slots = columns.expand(batch, -1)
+        # A query sees real keys up to itself; a padding query sees itself only, so no softmax row is empty (an
+        # empty one would write NaN keys/values that later masked reads still multiply by zero).
+        sees = (self.key_slots <= columns[:, None]) & (self.key_slots < prompt_len)  # (P, L)
+        real_keys = torch.nn.functional.pad(real.bool(), (0, self.num_slots - prompt_len))  # (b, L)
+        mask = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])
+        self.generator.capture_rows(prompt_len)
+        logits = self.target(
+            input_ids=input_ids,
+            position_ids=(real.cumsum(dim=1) - 1).clamp(min=0),
+            attention_mask=mask[:, None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: self.target_cache},
+        ).logits
+        self.generator.commit_prefill(real)
+        self.generator.store_new_context(self.generator.states)
+        first = logits[:, -1].argmax(dim=-1)
+        self.anchor_ids.copy_(first[:, None])
+        self.anchor_pos.copy_(real.sum(dim=1))
+        self.prev_pos.copy_(self.anchor_pos)  # nothing new for the first step: its context rows land in block slots
+        self.active.fill_(1)
+        return first.tolist()
+
+    def capture_graph(self) -> None:
+        """Record `step` as a CUDA graph (after warming up on a side stream, as CUDA graphs require), leaving the
+        device state as it was."""
+        saved = [t.clone() for t in (self.anchor_ids, self.anchor_pos, self.prev_pos)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+        # Warm-up steps wrote only slots at or after each anchor, which the first real step overwrites.
+        for tensor, value in zip((self.anchor_ids, self.anchor_pos, self.prev_pos), saved):
+            tensor.copy_(value)
+
+    @torch.no_grad()
+    def run_step(self) -> list[list[int]]:
+        """One verify step; returns per sequence [tokens at the B rows..., accepted]."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step()
+        return self.out.tolist()  # the step's one host synchronization
+
+    def stop(self, row: int) -> None:
+        """Freeze a finished sequence: it stays in the batch but its anchor no longer moves."""
+        self.active[row] = 0
+
+
+def static_step_for(
+    target: torch.nn.Module, drafter: torch.nn.Module, batch_size: int, max_length: int, cache_argument: str
+) -> DFlashStaticStep:
+    """The drafter's fast-path step for this target and batch size, built (and on CUDA, graph-captured at its first
+    use) once and kept on the drafter: one at a time, to bound the memory it holds. A held step serves any call that
+    fits its cache and needs at least a quarter of it (attention reads every slot, so a far larger one costs time)."""
+    num_slots = -(-(max_length + drafter.config.block_size) // SLOT_BUCKET) * SLOT_BUCKET
+    key = (id(target), batch_size, target.dtype)
+    held = getattr(drafter, "_dflash_static_step", None)
+    if held is None or held[0] != key or not num_slots <= held[1].num_slots <= 4 * num_slots:
+        drafter._dflash_static_step = None  # let the old buffers go before allocating new ones
+        drafter._dflash_static_step = (key, DFlashStaticStep(target, drafter, batch_size, num_slots, cache_argument))
+    return drafter._dflash_static_step[1]
+
+
+def release_fast_path(drafter: torch.nn.Module) -> None:
+    """Free the fast path's buffers and CUDA graph kept on `drafter`."""
+    drafter._dflash_static_step = None
+
+
+__all__ = ["DFlashStaticStep", "fast_path_blocker", "release_fast_path", "static_step_for"]

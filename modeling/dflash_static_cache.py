@@ -1,0 +1,90 @@
+"""Caches with fixed addresses for the fast path (dflash_fast_path.py), where one verify step is a CUDA graph.
+
+A graph replays the kernels it recorded on the buffers it recorded, so nothing here allocates, grows or reads a
+length on the host after construction; every index is a device tensor that the step itself updates.
+
+- `StaticTargetCache`: the target's keys/values, one (b, g, L, d) buffer per layer. Slot s of a sequence is column
+  s of its left-padded row, so every sequence writes its own block at its own slots. Rejecting drafts needs no crop:
+  the sequence's anchor simply stays behind, the rejected slots fall outside its mask and the next block overwrites
+  them. The target's attention reads all L slots under a 4D mask that the fast path builds.
+- `StaticPagedView`: the drafter's paged cache (dflash_paged_cache.py) through fixed slot tensors: the block rows'
+  slots (a buffer the step refills) and, per sequence, the slots of every position it may reach.
+
+Both speak the one method of transformers' Cache API that attention layers call: `update(key, value, layer_idx)`.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache
+
+
+class StaticTargetCache:
+    """The target's keys/values in preallocated (b, g, L, d) buffers; `write_slots` (b, q) says where the rows of
+    the forward in flight go (set it before the forward; the fast path points it at a buffer its step refills)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (batch_size, num_key_value_heads, num_slots, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.write_slots: torch.Tensor | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[2]
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store key/value (b, g, q, d) at `write_slots` and return the layer's whole buffers (b, g, L, d)."""
+        b, g, q, d = key.shape
+        index = self.write_slots[:, None, :, None].expand(b, g, q, d)
+        self.keys[layer_idx].scatter_(2, index, key.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].scatter_(2, index, value.to(self.values[layer_idx].dtype))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+def page_slots(block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Flat pool slots of `positions` (b, n) for sequences with page tables `block_tables` (b, pages)."""
+    return block_tables.gather(1, positions // PAGE_SIZE) * PAGE_SIZE + positions % PAGE_SIZE
+
+
+class StaticPagedView:
+    """The drafter's paged cache for fixed-shape proposes.
+
+    block_slots (b, q): where the block rows' keys/values go (refilled by the step before each drafter forward);
+    read_slots (b, S): the slots of positions 0..S-1 of each sequence, all of them, every propose. Which of those a
+    block row may see is the attention mask's business (position < anchor + q).
+    """
+
+    def __init__(self, cache: PagedDrafterCache, block_slots: torch.Tensor, read_slots: torch.Tensor):
+        self.cache = cache
+        self.block_slots = block_slots
+        self.read_slots = read_slots
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, g, q, d = key.shape
+        self.cache.write(
+            layer_idx,
+            self.block_slots.reshape(b * q),
+            key.transpose(1, 2).reshape(b * q, g, d),
+            value.transpose(1, 2).reshape(b * q, g, d),
+        )
+        return self.cache.read(layer_idx, self.read_slots)
+
+
+__all__ = ["StaticPagedView", "StaticTargetCache", "page_slots"]

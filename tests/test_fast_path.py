@@ -1,0 +1,197 @@
+"""The fast path's static step (dflash_fast_path.py), run on the CPU without a graph: the same buffers and the same
+step function a CUDA graph records, so its logic is checked here and only the capture is left to the GPU script
+(benchmarks/gpu/fast_path_check.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
+from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
+
+
+class OracleHead(torch.nn.Module):
+    """Stands in for the lm_head inside the static step: its argmax is the reference continuation of each sequence
+    (read from the step's own device state), wrong at every `wrong_every`-th column, so acceptance varies from 1 to B
+    and differs between sequences."""
+
+    def __init__(self, step: DFlashStaticStep, reference: torch.LongTensor, wrong_every: int, vocab: int):
+        super().__init__()
+        self.step, self.reference, self.wrong_every, self.vocab = step, reference, wrong_every, vocab
+        self.weight = step.generator.lm_head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows, drafts = hidden.shape[:2]
+        # padded column of the token at position anchor + k, k = 1..B-1
+        columns = self.step.offsets[:, None] + self.step.anchor_pos[:, None] + 1 + torch.arange(drafts)
+        clipped = columns.clamp(max=self.reference.shape[1] - 1)
+        tokens = self.reference.gather(1, clipped)
+        wrong = ((columns + torch.arange(rows)[:, None]) % self.wrong_every == 0) | (columns != clipped)
+        tokens = torch.where(wrong, (tokens + 1) % 200, tokens)
+        return torch.nn.functional.one_hot(tokens, self.vocab).float()
+
+
+@contextlib.contextmanager
+def oracle_static_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int):
+    original = DFlashStaticStep.step
+
+    def step(self):
+        real_head = self.generator.lm_head
+        self.generator.lm_head = OracleHead(self, reference, wrong_every, vocab)
+        try:
+            original(self)
+        finally:
+            self.generator.lm_head = real_head
+
+    DFlashStaticStep.step = step
+    try:
+        yield
+    finally:
+        DFlashStaticStep.step = original
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.LongTensor, torch.Tensor]:
+    ids = random_prompt(length, seed=seed, batch=batch)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("wrong_every", [3, 1000])
+def test_static_step_equals_plain_greedy_with_varied_acceptance(family, wrong_every):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, block_size=5)
+    ids, mask = left_padded(3, 10, [0, 4, 7])
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    with oracle_static_drafts(reference, wrong_every, target.config.vocab_size):
+        out = target.generate(
+            ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, assistant_model=drafter,
+            dflash_fast_path=True, return_dict_in_generate=True,
+        )
+    assert torch.equal(out.sequences, reference)
+    taus = [sum(lengths) / len(lengths) for lengths in out.acceptance_lengths]
+    if wrong_every == 1000:
+        assert min(taus) > 4  # almost every draft accepted
+    else:
+        assert max(max(lengths) for lengths in out.acceptance_lengths) > 1
+    release_fast_path(drafter)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_drafts_equal_the_eager_paths_drafts(family):
+    """The drafter inside the static step (context keys/values written in-step, every slot read under a mask) proposes
+    what the eager runtime proposes, step after step."""
+    target = tiny_target(family, seed=3)
+    drafter = tiny_drafter(target, seed=4, num_layers=2, block_size=6)
+    ids, mask = left_padded(2, 12, [0, 5], seed=2)
+    draft_logits = {}
+    original_init = DFlashCandidateGenerator.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        head, calls = self.lm_head, draft_logits.setdefault(len(draft_logits), [])
+
+        def record(hidden):
+            logits = head(hidden)
+            if hidden.shape[1] > 1:  # drafts, not a prefill
+                calls.append(logits.detach().clone())
+            return logits
+
+        self.lm_head = record
+        self.lm_head.weight = head.weight
+
+    DFlashCandidateGenerator.__init__ = recording_init
+    try:
+        outputs = [
+            target.generate(
+                ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=drafter,
+                dflash_fast_path=fast,
+            )
+            for fast in (False, True)
+        ]
+    finally:
+        DFlashCandidateGenerator.__init__ = original_init
+        release_fast_path(drafter)
+    assert torch.equal(outputs[0], outputs[1])
+    eager, static = draft_logits[0], draft_logits[1]
+    # The eager loop drops finished rows from the batch; compare the steps where both rows still run.
+    steps = [i for i, logits in enumerate(eager) if logits.shape[0] == 2]
+    assert len(steps) > 5
+    for i in steps:
+        torch.testing.assert_close(static[i], eager[i], atol=1e-5, rtol=1e-5)
+
+
+def test_static_step_stops_at_eos_and_max_length_like_plain_generate():
+    target = tiny_target("llama", seed=5)
+    drafter = tiny_drafter(target, block_size=4)
+    ids, mask = left_padded(3, 8, [0, 2, 5], seed=5)
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    eos = int(reference[1, 8 + 6])  # a token row 1 emits early: rows end at different steps
+    for kwargs in (dict(max_new_tokens=40, eos_token_id=eos), dict(max_new_tokens=13), dict(max_new_tokens=1)):
+        plain = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kwargs)
+        with oracle_static_drafts(reference, 5, target.config.vocab_size):
+            fast = target.generate(
+                ids, attention_mask=mask, do_sample=False, pad_token_id=0, assistant_model=drafter,
+                dflash_fast_path=True, **kwargs,
+            )
+        assert torch.equal(fast, plain), kwargs
+    release_fast_path(drafter)
+
+
+def test_static_step_is_reused_across_calls_and_rebuilt_for_a_new_shape():
+    target = tiny_target("qwen3", seed=6)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(n, seed=n) for n in (5, 9, 9)]
+    held = []
+    for ids in prompts:
+        plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+        fast = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
+        assert torch.equal(fast, plain)
+        held.append(drafter._dflash_static_step[1])
+    assert held[0] is held[1] is held[2]  # one cache-length bucket, one set of buffers
+    batch = random_prompt(6, seed=1, batch=2)
+    target.generate(batch, max_new_tokens=4, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
+    assert drafter._dflash_static_step[1] is not held[0]
+    release_fast_path(drafter)
+    assert drafter._dflash_static_step is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, blocker",
+    [
+        (dict(do_sample=True), "do_sample=True"),
+        (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+        (dict(stopping_criteria=StoppingCriteriaList([NeverStop()])), "stopping criteria"),
+        (dict(dflash_verify_rows=2), "dflash_verify_rows"),
+    ],
+)
+def test_insisting_on_the_fast_path_names_what_blocks_it(kwargs, blocker):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match=f"dflash_fast_path=True, but .*{blocker}"):
+        target.generate(
+            random_prompt(5), max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True, **kwargs
+        )
+
+
+def test_right_padding_is_not_served_by_the_fast_path():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = random_prompt(6, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    with pytest.raises(ValueError, match="not left padding"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True)
