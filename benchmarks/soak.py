@@ -1,0 +1,232 @@
+"""Soak: many consecutive DFlash generate calls; memory must come back, nothing may stay attached to the target.
+
+Call i draws (from its seed) a batch size 1..4, left-padded prompts of 1..32 tokens, 1..48 new tokens, greedy or
+sampled (either acceptance rule), sometimes an eos; one call in 16 fails on purpose part-way (a stopping criterion
+that raises, ctrl-c in a streamer, an out-of-memory error from the drafter's forward). After every call: no forward
+hook left on the target or drafter. Every 8th greedy call is checked against plain generate (identical tokens).
+Every `--every` calls: resident memory (RSS), CUDA allocated memory on a GPU, and the DFlash generators still alive
+(must be 0). The first `--warmup` calls fill the allocator's caches; memory is compared from there to the end.
+usage: python benchmarks/soak.py [--calls 1000] [--device cpu] [--name soak_cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+from hf_dflash import DFlashCandidateGenerator, DFlashConfig, DFlashDraftModel
+
+VOCAB = 512
+PAD = 0
+
+
+class _RaiseAt(StoppingCriteria):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, **kwargs: Any) -> torch.BoolTensor:
+        if input_ids.shape[1] >= self.length:
+            raise ValueError("soak: a stopping criterion that raises")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class _InterruptAt:
+    def __init__(self, calls: int):
+        self.calls = calls
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls -= 1
+        if self.calls == 0:
+            raise KeyboardInterrupt("soak: ctrl-c in a streamer")
+
+    def end(self) -> None:
+        pass
+
+
+def small_pair(device: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A small random Llama target (4 layers, width 128, GQA 2) and a 2-layer drafter with block size 8."""
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(
+        LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    ).eval().to(device)
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=2, block_size=8, mask_token_id=VOCAB - 1)
+    return target, DFlashDraftModel(config).eval().to(device)
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def live_generators() -> int:
+    gc.collect()
+    # type() rather than isinstance: isinstance would touch lazy module attributes of every object (warnings)
+    return sum(issubclass(type(o), DFlashCandidateGenerator) for o in gc.get_objects())
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _call(rng: random.Random, device: str) -> dict[str, Any]:
+    """The arguments of one generate call, and the fault it carries (None for a normal call)."""
+    batch = rng.choice([1, 1, 2, 3, 4])
+    lengths = [rng.choice([1, rng.randint(2, 32)]) for _ in range(batch)]
+    width = max(lengths)
+    ids = torch.full((batch, width), PAD, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.tensor([rng.randrange(1, VOCAB - 1) for _ in range(n)])
+        mask[row, width - n :] = 1
+    kwargs: dict[str, Any] = dict(
+        input_ids=ids.to(device), attention_mask=mask.to(device), pad_token_id=PAD,
+        max_new_tokens=rng.randint(1, 48), do_sample=rng.random() < 0.4,
+    )
+    if kwargs["do_sample"]:
+        kwargs.update(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 20]),
+                      dflash_sampling=rng.choice(["rejection", "point_mass"]))
+    if rng.random() < 0.2:
+        kwargs["eos_token_id"] = rng.randrange(1, VOCAB - 1)
+    fault = rng.choice(["criterion", "streamer", "oom"]) if rng.random() < 1 / 16 else None
+    if fault == "criterion":
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_RaiseAt(width + 1 + rng.randrange(4))])
+        kwargs["max_new_tokens"] = max(kwargs["max_new_tokens"], 8)
+    elif fault == "streamer":  # streamers take one sequence; generate's own first put is the prompt
+        kwargs.update(input_ids=kwargs["input_ids"][:1], attention_mask=kwargs["attention_mask"][:1],
+                      streamer=_InterruptAt(calls=2 + rng.randrange(4)), max_new_tokens=max(kwargs["max_new_tokens"], 8))
+    elif fault == "oom":
+        kwargs["max_new_tokens"] = max(kwargs["max_new_tokens"], 8)
+    return {"kwargs": kwargs, "fault": fault}
+
+
+def _fail_drafter_forward(drafter: torch.nn.Module) -> None:
+    """The drafter's next-but-one forward raises an out-of-memory error (an instance attribute, deleted after)."""
+    original, count = drafter.forward, [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] == 2:
+            raise torch.OutOfMemoryError("soak: out of memory raised on purpose in the drafter")
+        return original(*args, **kwargs)
+
+    drafter.forward = forward
+
+
+def run_soak(
+    target: torch.nn.Module, drafter: torch.nn.Module, calls: int, seed: int = 0, warmup: int = 50, every: int = 50
+) -> dict[str, Any]:
+    """Run the soak; returns its measurements (see the module docstring). Raises nothing on a failed check: the
+    caller reads `problems`."""
+    device = str(next(target.parameters()).device)
+    rng = random.Random(seed)
+    hooks = (hook_count(target), hook_count(drafter))
+    problems: list[str] = []
+    # a fault planned after the call's last token (every sequence ended on eos first) is counted, not raised
+    counts = {"calls": 0, "greedy": 0, "sampled": 0, "faults": 0, "faults_not_reached": 0, "checked_against_plain": 0,
+              "tokens": 0}
+    samples: list[dict[str, float]] = []
+    start = time.perf_counter()
+    for i in range(calls):
+        call = _call(rng, device)
+        kwargs, fault = call["kwargs"], call["fault"]
+        counts["calls"] += 1
+        counts["sampled" if kwargs["do_sample"] else "greedy"] += 1
+        if fault is not None:
+            counts["faults"] += 1
+            expected = {"criterion": ValueError, "streamer": KeyboardInterrupt, "oom": torch.OutOfMemoryError}[fault]
+            if fault == "oom":
+                _fail_drafter_forward(drafter)
+            try:
+                target.generate(**kwargs, assistant_model=drafter)
+                counts["faults_not_reached"] += 1
+            except expected:
+                pass
+            finally:
+                if fault == "oom":
+                    del drafter.forward
+        else:
+            out = target.generate(**kwargs, assistant_model=drafter)
+            counts["tokens"] += out.numel() - kwargs["input_ids"].numel()
+            if not kwargs["do_sample"] and counts["greedy"] % 8 == 0:
+                counts["checked_against_plain"] += 1
+                if not torch.equal(out, target.generate(**kwargs)):
+                    problems.append(f"call {i}: greedy DFlash output differs from plain generate")
+        if (hook_count(target), hook_count(drafter)) != hooks:
+            problems.append(f"call {i}: a forward hook stayed attached after the call (fault: {fault})")
+            hooks = (hook_count(target), hook_count(drafter))
+        if (i + 1) % every == 0 or i + 1 == calls or i + 1 == warmup:
+            alive = live_generators()
+            if alive:
+                problems.append(f"after call {i}: {alive} DFlash generators still alive")
+            sample = {"call": i + 1, "rss_mb": round(rss_mb(), 1), "seconds": round(time.perf_counter() - start, 1)}
+            if device.startswith("cuda"):
+                sample["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 2)
+            samples.append(sample)
+    at_warmup = next(s for s in samples if s["call"] >= min(warmup, calls))
+    end = samples[-1]
+    result = {
+        **counts,
+        "problems": problems,
+        "rss_mb_after_warmup": at_warmup["rss_mb"],
+        "rss_mb_end": end["rss_mb"],
+        "rss_growth_mb": round(end["rss_mb"] - at_warmup["rss_mb"], 1),
+        "samples": samples,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if device.startswith("cuda"):
+        result["cuda_allocated_mb_after_warmup"] = at_warmup["cuda_allocated_mb"]
+        result["cuda_allocated_mb_end"] = end["cuda_allocated_mb"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (small models: 1 is fastest)")
+    parser.add_argument("--max-rss-growth-mb", type=float, default=16.0)
+    parser.add_argument("--name", default=None, help="result file name (default: soak_<device>)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, drafter = small_pair(args.device, args.seed)
+    rss_before = rss_mb()
+    result = run_soak(target, drafter, args.calls, args.seed, args.warmup, args.every)
+    if result["rss_growth_mb"] > args.max_rss_growth_mb:
+        result["problems"].append(
+            f"resident memory grew {result['rss_growth_mb']} MB after warm-up (limit {args.max_rss_growth_mb})"
+        )
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {psutil.cpu_count()} cores"
+        + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": args.device,
+        "threads": args.threads,
+        "rss_mb_before_first_call": round(rss_before, 1),
+        **result,
+    }
+    out = Path(__file__).parent / "results" / f"{args.name or 'soak_' + args.device.split(':')[0]}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    print(f"written to {out}")
+    raise SystemExit(1 if result["problems"] else 0)
+
+
+if __name__ == "__main__":
+    main()
