@@ -279,7 +279,9 @@ def _native_config(config: DFlashConfig) -> dict[str, Any]:
     }
 
 
-def _speculators_config(config: DFlashConfig, target: str, target_config: dict[str, Any], draft_vocab_size: int):
+def _speculators_config(
+    config: DFlashConfig, target: str | os.PathLike, target_config: dict[str, Any], draft_vocab_size: int
+) -> dict[str, Any]:
     return {
         "architectures": ["DFlashSpeculator"],
         "speculators_model_type": "dflash",
