@@ -21,7 +21,9 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 QUANTIZATIONS = {
     "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
     "fp4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float32),
-    "int8": BitsAndBytesConfig(load_in_8bit=True),
+    # LLM.int8's outlier columns (llm_int8_threshold, default 6.0) are chosen over all rows of a forward, so a verify
+    # can round differently from a one-row decode step; without them every row is quantized on its own (exact).
+    "int8": BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0),
 }
 
 
@@ -63,3 +65,25 @@ def test_capture_reads_the_quantized_layers(tmp_path):
         hidden = target(prompt, output_hidden_states=True).hidden_states
     expected = torch.cat([hidden[i + 1][0] for i in drafter.config.target_layer_ids], dim=-1)
     torch.testing.assert_close(generator.scratch[0, :7], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("quantization, independent", [("nf4", True), ("int8", True), ("int8-outliers", False)])
+def test_which_quantized_layers_compute_each_row_on_its_own(quantization, independent):
+    """Exactness rests on this: a verify forward computes each row as a one-row decode step would. LLM.int8 with its
+    outlier threshold does not (an outlier in one row moves a column to float16 for every row): README caveat."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(128, 64, bias=False)
+    if quantization == "nf4":
+        layer = bnb.nn.Linear4bit(128, 64, bias=False, quant_type="nf4", compute_dtype=torch.float32)
+        layer.weight = bnb.nn.Params4bit(dense.weight.data.clone(), requires_grad=False, quant_type="nf4")
+    else:
+        threshold = 6.0 if quantization == "int8-outliers" else 0.0
+        layer = bnb.nn.Linear8bitLt(128, 64, bias=False, has_fp16_weights=False, threshold=threshold)
+        layer.weight = bnb.nn.Int8Params(dense.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+    layer = layer.to("cpu").eval()
+    rows = torch.randn(1, 16, 128)
+    rows[0, 3, 7] = 20.0  # an outlier in one row only
+    with torch.no_grad():
+        together = layer(rows)
+        alone = torch.cat([layer(rows[:, i : i + 1]) for i in range(16)], dim=1)
+    assert torch.equal(together, alone) == independent
