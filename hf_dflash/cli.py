@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import generate_cli, hub_cli
+from . import bench, generate_cli, hub_cli
 from .training import cli as training_cli
 
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate_cli.register(subparsers)
+    bench.register(subparsers)
     training_cli.register(subparsers)
     hub_cli.register(subparsers)
     return parser

@@ -1,0 +1,34 @@
+"""`hf-dflash bench` end to end on the CPU: real stories260K target, every method that runs on a CPU, one report."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hf_dflash import DFlashConfig, DFlashDraftModel
+from hf_dflash.bundled_models import load_stories260k
+from hf_dflash.cli import main
+
+
+def test_bench_reports_every_method_side_by_side(tmp_path):
+    target, _ = load_stories260k()
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Once upon a time", "The dog ran", "Tom saw"]))
+    out = tmp_path / "report.json"
+    main([
+        "bench", "--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+        "--max-new-tokens", "12", "--batch-sizes", "1", "2", "--methods", "plain", "plain-static", "dflash",
+        "--dtype", "fp32", "--out", str(out),
+    ])
+    report = json.loads(out.read_text())
+    assert {"date", "machine", "versions", "command"} <= report.keys()
+    rows = {(r["setting"].split()[-1], r["method"]): r for r in report["results"]}
+    assert set(rows) == {(b, m) for b in ("b1", "b2") for m in ("plain", "plain-static", "dflash")}
+    for row in rows.values():
+        assert row["prompts"] == 3 and 0 < row["new_tokens"] <= 36 and row["tokens_per_s"] > 0
+        assert row["identical_to_plain"] == 1.0  # float32 on a CPU: every method gives plain greedy's tokens
+    assert rows["b1", "dflash"]["tau"] >= 1 and rows["b1", "plain"]["tau"] == 1
