@@ -72,6 +72,14 @@ def fit_problems(
         problems.append(
             f"target_layer_ids {bad_layers} do not exist in the target ({text.num_hidden_layers} layers, 0-based)"
         )
+    # A config that states its target's depth (ours, z-lab's) otherwise gets max(target_layer_ids) + 1: only a stated
+    # depth that differs from the target's says the drafter was trained on another model of the same width.
+    stated_depth = config.num_target_layers not in (None, max(config.target_layer_ids) + 1)
+    if stated_depth and config.num_target_layers != text.num_hidden_layers:
+        problems.append(
+            f"the drafter was built for a target of {config.num_target_layers} layers, this one has "
+            f"{text.num_hidden_layers}"
+        )
     return problems
 
 
@@ -106,6 +114,36 @@ def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) 
         )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("DFlash needs input_ids (the drafter embeds tokens with the target); pass input_ids")
+    if generation_config.constraints is not None or generation_config.force_words_ids is not None:
+        raise ValueError("constrained beam search (constraints / force_words_ids) is not supported with a DFlash drafter")
+    if generation_config.dola_layers is not None:
+        raise ValueError(
+            "DoLa decoding (dola_layers) changes the target's distribution, which the DFlash path reproduces exactly: "
+            "drop dola_layers or the drafter"
+        )
+    # Other assistants generate would otherwise ignore silently: the DFlash drafter is the assistant of this call.
+    other_assistants = {
+        name: getattr(generation_config, name, None)
+        for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+        if getattr(generation_config, name, None) not in (None, False)
+    }
+    if other_assistants:
+        raise ValueError(
+            f"{other_assistants} choose another assistant; with assistant_model=<DFlash drafter> drop them"
+        )
+    # Settings of transformers' own assistants; a DFlash drafter always drafts block_size - 1 tokens per step. generate
+    # fills unset fields from these defaults, so only a value that differs from them was asked for.
+    defaults = generation_config._get_default_generation_params()
+    tuned = sorted(
+        name
+        for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+        if getattr(generation_config, name, None) not in (None, defaults.get(name))
+    )
+    if tuned:
+        raise ValueError(
+            f"{tuned} do not apply to a DFlash drafter (it drafts block_size - 1 tokens per step); drop them, or pass "
+            "dflash_verify_rows=N to verify fewer rows per step"
+        )
 
 
 def _process_scores(
@@ -302,7 +340,9 @@ def dflash_generate(
         raise ValueError("streamers take one sequence; generate with a batch of 1 to stream")
     cache_arg = _cache_argument(target)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is None or not hasattr(cache, "crop") or not hasattr(cache, "batch_select_indices"):
+    # every layer must crop too: transformers < 5.24 gives StaticCache the method but not its layers
+    croppable = cache is not None and all(hasattr(layer, "crop") for layer in getattr(cache, "layers", []))
+    if not croppable or not hasattr(cache, "crop") or not hasattr(cache, "batch_select_indices"):
         raise ValueError(
             "the DFlash path needs a cache that can be cropped after each verify (DynamicCache, the default); "
             f"got {type(cache).__name__}. Drop cache_implementation / the cache argument"

@@ -29,6 +29,23 @@ def _asks_for_native_dflash(arguments: dict[str, Any]) -> bool:
     return getattr(config, "speculation_type", None) == "dflash"
 
 
+def _refuse_what_generate_would_drop(model: Any, arguments: dict[str, Any]) -> None:
+    """Options generate handles before the decoding loop in a way that loses the drafter or the option itself."""
+    kwargs = arguments["kwargs"]
+    if kwargs.get("cache_implementation") == "paged":
+        raise ValueError(
+            "cache_implementation='paged' switches generate to continuous batching, which would drop the DFlash "
+            "drafter; leave cache_implementation unset (the DFlash path batches left-padded prompts itself)"
+        )
+    config = arguments.get("generation_config") or model.generation_config
+    if kwargs.get("stop_strings") or getattr(config, "stop_strings", None):
+        # generate hands the tokenizer only to its own loops, so it would refuse stop strings for want of one
+        raise ValueError(
+            "stop_strings cannot reach a custom decoding loop such as DFlash's; pass them as a stopping criterion "
+            "instead: stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, stop_strings)])"
+        )
+
+
 def install_generate_dispatch() -> None:
     """Wrap `GenerationMixin.generate` (idempotent: a second bundle copy finds it wrapped and does nothing)."""
     original = GenerationMixin.generate
@@ -45,6 +62,7 @@ def install_generate_dispatch() -> None:
             return original(self, *args, **kwargs)
         if arguments.get("custom_generate") is not None:
             raise ValueError("assistant_model=<DFlash drafter> already sets the decoding loop; drop custom_generate")
+        _refuse_what_generate_would_drop(self, arguments)
         from .dflash_decoding import dflash_generate
 
         bound.arguments["assistant_model"] = None

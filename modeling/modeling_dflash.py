@@ -13,7 +13,8 @@ Two ways in:
   runtime, where context keys/values are computed once per row and kept in a paged cache (dflash_paged_cache.py)
   whose adapter speaks the Cache API the attention below needs.
 
-This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+This file is part of the remote-code bundle: it imports only torch, transformers (and safetensors, which transformers
+requires) and its sibling files.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
@@ -218,6 +220,35 @@ class DFlashDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _pickle_refusal(source: Any) -> str:
+    return (
+        f"{source} has no safetensors weights, only pickled ones (pytorch_model.bin), which can run code while they "
+        "are read. Convert them to safetensors, or if you trust their source pass allow_pickle=True to "
+        "DFlashDraftModel.from_pretrained (they are then read with torch.load(weights_only=True))"
+    )
+
+
+def _choose_weight_format(source: Any, allow_pickle: bool, kwargs: dict[str, Any]) -> None:
+    """Make transformers read safetensors only, or with `allow_pickle` pickles through weights_only=True (edits kwargs).
+
+    A local folder is checked here, so its refusal names the opt-in; a Hub repo's comes from the OSError transformers
+    raises when asked for safetensors it does not have."""
+    if allow_pickle:
+        if kwargs.get("weights_only") is False:
+            raise ValueError("allow_pickle=True reads pickles with torch.load(weights_only=True) only; drop weights_only=False")
+        kwargs["weights_only"] = True
+        return
+    if kwargs.get("use_safetensors") is False:
+        raise ValueError(_pickle_refusal(source))
+    kwargs["use_safetensors"] = True
+    folder = Path(source) / kwargs.get("subfolder", "")
+    if folder.is_dir() and not any(folder.glob("*.safetensors*")) and any((folder / n).is_file() for n in PICKLED_WEIGHTS):
+        raise ValueError(_pickle_refusal(source))
+
+
 class DFlashPreTrainedModel(PreTrainedModel):
     config_class = DFlashConfig
     config: DFlashConfig
@@ -257,17 +288,30 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.post_init()
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> "DFlashDraftModel":
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: Any, *args: Any, allow_pickle: bool = False, **kwargs: Any
+    ) -> "DFlashDraftModel":
         """Load any published layout (z-lab, transformers-native, ours). Every tensor in the file must be consumed
-        and every parameter filled: a missing, unexpected or mis-shaped tensor is an error, not a warning."""
+        and every parameter filled: a missing, unexpected or mis-shaped tensor is an error, not a warning.
+
+        Weights load from safetensors only. A pickled `pytorch_model.bin` can run code while it is read, so it is
+        refused unless `allow_pickle=True`, and then read with `torch.load(weights_only=True)`."""
         wants_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
+        _choose_weight_format(pretrained_model_name_or_path, allow_pickle, kwargs)
         try:
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
             )
+        except SafetensorError as error:
+            raise ValueError(
+                f"a safetensors file of {pretrained_model_name_or_path} is truncated or corrupted ({error}); download "
+                "it again (from_pretrained(..., force_download=True)) or save the drafter again"
+            ) from error
         except OSError as error:
             if str(pretrained_model_name_or_path) not in DFlashConfig.published_configs:
+                if not allow_pickle and "does not appear to have a file named" in str(error):
+                    raise OSError(_pickle_refusal(pretrained_model_name_or_path)) from error
                 raise
             raise OSError(
                 f"the weights of {pretrained_model_name_or_path} are not on this machine and the Hub is out of reach "

@@ -56,11 +56,67 @@ def test_vocabulary_mismatch():
         ({"num_beams": 2}, "beam search"),
         ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive"),
         ({"return_dict_in_generate": True, "output_hidden_states": True}, "output_hidden_states"),
+        ({"force_words_ids": [[3]]}, "constrained beam search"),
+        ({"dola_layers": "high"}, "drop dola_layers"),
+        # other assistants generate would silently drop for ours
+        ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens.*choose another assistant.*drop them"),
+        ({"assistant_early_exit": 2}, "assistant_early_exit.*choose another assistant"),
+        ({"use_mtp": True}, "use_mtp.*choose another assistant"),
+        ({"num_assistant_tokens": 5}, r"\['num_assistant_tokens'\] do not apply.*dflash_verify_rows"),
+        ({"assistant_confidence_threshold": 0.1}, "assistant_confidence_threshold.*do not apply"),
+        ({"num_assistant_tokens_schedule": "heuristic"}, "num_assistant_tokens_schedule.*do not apply"),
+        # options generate acts on before the loop: continuous batching would run without the drafter
+        ({"cache_implementation": "paged"}, "continuous batching.*leave cache_implementation unset"),
+        ({"stop_strings": ["end"]}, r"StopStringCriteria\(tokenizer, stop_strings\)"),
+        ({"num_return_sequences": 2}, "num_return_sequences"),  # greedy: transformers' own refusal
     ],
 )
 def test_generation_modes_dflash_cannot_serve(kwargs, match):
     target = tiny_target("llama")
     refuse(target, tiny_drafter(target), match, **kwargs)
+
+
+def test_drafter_built_for_a_target_of_another_depth():
+    """Same width and vocabulary, layer ids that exist, but the config states a deeper target: another model."""
+    target = tiny_target("llama", num_hidden_layers=6)
+    deep = tiny_target("llama", num_hidden_layers=12)
+    refuse(target, tiny_drafter(deep, target_layer_ids=[1, 4]), "built for a target of 12 layers, this one has 6")
+
+
+def test_static_cache_is_lossless_or_refused():
+    """transformers 5.24 crops a StaticCache; before that its layers cannot crop, and the call is refused up front."""
+    from transformers.cache_utils import StaticLayer
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    if hasattr(StaticLayer, "crop"):
+        prompt = random_prompt(5)
+        plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+        out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                              cache_implementation="static")
+        assert torch.equal(out, plain)
+    else:
+        refuse(target, drafter, "cropped after each verify.*got StaticCache.*Drop cache_implementation",
+               cache_implementation="static")
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncated to half", "cut inside the header", "zeros", "empty", "header overwritten"]
+)
+def test_corrupted_safetensors_name_the_fix(tmp_path, damage):
+    target = tiny_target("llama")
+    tiny_drafter(target).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({
+        "truncated to half": data[: len(data) // 2],
+        "cut inside the header": data[:20],
+        "zeros": bytes(100),
+        "empty": b"",
+        "header overwritten": data[:8] + b"{" * 10 + data[18:],
+    }[damage])
+    with pytest.raises(ValueError, match="truncated or corrupted.*download it again.*force_download=True"):
+        DFlashDraftModel.from_pretrained(tmp_path)
 
 
 def test_context_longer_than_the_drafter_allocation():
