@@ -309,6 +309,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 "it again (from_pretrained(..., force_download=True)) or save the drafter again"
             ) from error
         except OSError as error:
+            # A published drafter's Hub id failing here means its weights are not reachable (offline, not cached).
             if str(pretrained_model_name_or_path) not in DFlashConfig.published_configs:
                 if not allow_pickle and "does not appear to have a file named" in str(error):
                     raise OSError(_pickle_refusal(pretrained_model_name_or_path)) from error
