@@ -22,7 +22,7 @@ QUANTIZATIONS = {
     "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
     "fp4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float32),
     # LLM.int8's outlier columns (llm_int8_threshold, default 6.0) are chosen over all rows of a forward, so a verify
-    # can round differently from a one-row decode step; without them every row is quantized on its own (exact).
+    # can round differently from a one-row decode step; without them every row is quantized on its own.
     "int8": BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0),
 }
 
