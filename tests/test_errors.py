@@ -83,6 +83,7 @@ def test_drafter_built_for_a_target_of_another_depth():
     refuse(target, tiny_drafter(deep, target_layer_ids=[1, 4]), "built for a target of 12 layers, this one has 6")
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_static_cache_is_lossless_or_refused():
     """transformers 5.24 crops a StaticCache; before that its layers cannot crop, and the call is refused up front."""
     from transformers.cache_utils import StaticLayer

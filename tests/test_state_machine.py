@@ -218,7 +218,7 @@ class DrafterStateMachine(RuleBasedStateMachine):
 
 
 DrafterStateMachine.TestCase.settings = settings(
-    max_examples=400 if SOAK else 30,
+    max_examples=400 if SOAK else 50,
     stateful_step_count=40 if SOAK else 20,
     deadline=None,
     database=None,
