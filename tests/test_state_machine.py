@@ -100,6 +100,7 @@ class DrafterStateMachine(RuleBasedStateMachine):
             [[data.draw(st.integers(0, VOCAB - 2), label="anchor")] for _ in self.reference], dtype=torch.long
         )
         candidates, logits = self.generator.get_candidates(anchors)
+        self.block = candidates  # what the target verifies next
         assert candidates.shape == (len(self.reference), self.block_size)
         assert torch.equal(candidates[:, :1], anchors)
         assert torch.equal(candidates[:, 1:], logits.argmax(-1))
@@ -129,7 +130,7 @@ class DrafterStateMachine(RuleBasedStateMachine):
         self.generator.capture_rows(num_rows)
         self.write_target_rows(num_rows)
         scratch = self.generator.scratch
-        self.generator.update_candidate_strategy(None, None, accepted)
+        self.generator.update_candidate_strategy(self.block, None, accepted)
         for i, (ref, taken) in enumerate(zip(self.reference, accepted)):
             ref.positions.extend(range(len(ref.rows), len(ref.rows) + taken + 1))
             ref.rows.extend(scratch[i, : taken + 1].clone())
