@@ -242,7 +242,10 @@ def _choose_weight_format(source: Any, allow_pickle: bool, kwargs: dict[str, Any
         kwargs["weights_only"] = True
         return
     if kwargs.get("use_safetensors") is False:
-        raise ValueError(_pickle_refusal(source))
+        raise ValueError(
+            "use_safetensors=False asks for pickled weights, which can run code while they are read; if you trust "
+            "their source pass allow_pickle=True (they are then read with torch.load(weights_only=True))"
+        )
     kwargs["use_safetensors"] = True
     folder = Path(source) / kwargs.get("subfolder", "")
     if folder.is_dir() and not any(folder.glob("*.safetensors*")) and any((folder / n).is_file() for n in PICKLED_WEIGHTS):
