@@ -258,7 +258,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         texts = load_prompts(args.prompts)[: args.limit]
         prompts = [encode(tokenizer, text, "cpu")["input_ids"][0].tolist() for text in texts]
         for batch_size in args.batch_sizes:
-            settings.append((f"{Path(str(args.target)).name} {args.prompts} b{batch_size}", prompts))
+            settings.append((f"{Path(str(args.target)).name} {Path(args.prompts).stem} b{batch_size}", prompts))
     target.eval()
     cache_argument = _cache_argument(target)
     results: list[Measurement] = []
@@ -283,6 +283,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 )
             results.append(measurement)
             print(_row(measurement), flush=True)
+        _add_ratios([m for m in results if m.setting == setting])
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "hf-dflash bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
@@ -290,11 +291,27 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "versions": _versions(),
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
+        "arguments": {k: v for k, v in vars(args).items() if k != "func"},
         "results": [
             {**asdict(m), "tokens_per_s": m.tokens_per_s, "ms_per_step": m.ms_per_step}
             for m in results
         ],
     }
+
+
+def _add_ratios(setting_results: list[Measurement]) -> None:
+    """Speedups in tokens/s over each plain method of the same setting, and our step over the target's own 1-token
+    graph step where both were measured."""
+    for base in setting_results:
+        if base.method.startswith("plain"):
+            for m in setting_results:
+                m.extra[f"speedup_over_{base.method}"] = m.tokens_per_s / base.tokens_per_s
+    for m in setting_results:
+        if "target_1_token_graph_ms" in m.extra:
+            m.extra["step_over_target_1_token_graph"] = m.ms_per_step / m.extra["target_1_token_graph_ms"]
+        print(f"{m.setting:32s} {m.method:13s} " + "  ".join(
+            f"{k} {v:.2f}" for k, v in m.extra.items() if k.startswith(("speedup", "step_over"))
+        ))
 
 
 def _versions() -> dict[str, str]:
@@ -309,7 +326,8 @@ def _versions() -> dict[str, str]:
 def _row(m: Measurement) -> str:
     return (
         f"{m.setting:32s} {m.method:13s} tau {m.tau:5.2f}  {m.tokens_per_s:8.1f} tok/s  {m.ms_per_step:7.2f} ms/step  "
-        f"ttft {1000 * m.ttft_s / m.prompts:7.1f} ms  identical {m.identical_to_plain}  {m.extra or ''}"
+        f"ttft {1000 * m.ttft_s / m.prompts:7.1f} ms  identical {m.identical_to_plain}  "
+        + "  ".join(f"{k} {v:.2f}" for k, v in m.extra.items())
     )
 
 

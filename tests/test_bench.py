@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
@@ -32,3 +33,7 @@ def test_bench_reports_every_method_side_by_side(tmp_path):
         assert row["prompts"] == 3 and 0 < row["new_tokens"] <= 36 and row["tokens_per_s"] > 0
         assert row["identical_to_plain"] == 1.0  # float32 on a CPU: every method gives plain greedy's tokens
     assert rows["b1", "dflash"]["tau"] >= 1 and rows["b1", "plain"]["tau"] == 1
+    for batch in ("b1", "b2"):  # speedups are tokens/s ratios within one setting
+        ours, plain = rows[batch, "dflash"], rows[batch, "plain"]
+        assert ours["extra"]["speedup_over_plain"] == pytest.approx(ours["tokens_per_s"] / plain["tokens_per_s"])
+        assert plain["extra"]["speedup_over_plain"] == 1
