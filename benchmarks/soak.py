@@ -27,6 +27,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from hf_dflash import DFlashCandidateGenerator, DFlashConfig, DFlashDraftModel
+from hf_dflash.modeling.dflash_fast_path import release_fast_path
 
 VOCAB = 512
 PAD = 0
@@ -167,6 +168,9 @@ def run_soak(
             problems.append(f"call {i}: a forward hook stayed attached after the call (fault: {fault})")
             hooks = (hook_count(target), hook_count(drafter))
         if (i + 1) % every == 0 or i + 1 == calls or i + 1 == warmup:
+            # On a GPU the fast path keeps one step's buffers and graph on the drafter on purpose, between calls;
+            # let them go so that what stays is a leak.
+            release_fast_path(drafter)
             alive = live_generators()
             if alive:
                 problems.append(f"after call {i}: {alive} DFlash generators still alive")
