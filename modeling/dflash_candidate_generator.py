@@ -98,8 +98,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             self.cache.reserve(state, state.ctx_len + self.block_size)
         slots = torch.cat([self.cache.slot_mapping(s, s.ctx_committed, s.ctx_len) for s in fresh])
         for layer, (key, value) in enumerate(self.drafter.context_key_values(rows, positions)):
-            # (1, g, n, d) -> (n, g, d)
-            self.cache.write(layer, slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+            self.cache.write_rows(layer, slots, key, value)  # (1, g, n, d) at n slots
         for state in fresh:
             state.ctx_committed = state.ctx_count_drafter = state.ctx_len
 

@@ -25,8 +25,8 @@ import torch
 
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
-from .dflash_paged_cache import PAGE_SIZE
-from .dflash_static_cache import StaticPagedView, StaticTargetCache, page_slots
+from .dflash_paged_cache import PAGE_SIZE, PagedView
+from .dflash_static_cache import StaticTargetCache, page_slots
 
 # Target cache lengths are rounded up to this, so prompts of similar length share one captured graph.
 SLOT_BUCKET = 256
@@ -102,7 +102,7 @@ class DFlashStaticStep:
         self.block_tables = block_tables
         draft_slots = block_tables.shape[1] * PAGE_SIZE
         self.draft_key_positions = torch.arange(draft_slots, device=device)
-        self.drafter_view = StaticPagedView(
+        self.drafter_view = PagedView(
             self.generator.cache,
             block_slots=torch.zeros(batch_size, block, dtype=torch.long, device=device),
             read_slots=page_slots(block_tables, self.draft_key_positions.expand(batch_size, -1)),
@@ -148,12 +148,9 @@ class DFlashStaticStep:
         # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
         #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
         context_positions = self.prev_pos[:, None] + self.block_offsets  # (b, B)
-        context_slots = page_slots(self.block_tables, context_positions).reshape(-1)
+        context_slots = page_slots(self.block_tables, context_positions)
         for layer, (key, value) in enumerate(drafter.context_key_values(self.verify_rows, context_positions)):
-            b, g, n, d = key.shape  # (b, g, B, d)
-            generator.cache.write(
-                layer, context_slots, key.transpose(1, 2).reshape(b * n, g, d), value.transpose(1, 2).reshape(b * n, g, d)
-            )
+            generator.cache.write_rows(layer, context_slots, key, value)  # (b, g, B, d) at (b, B) slots
         # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
         positions = self.anchor_pos[:, None] + self.block_offsets  # (b, B)
         self.drafter_view.block_slots.copy_(page_slots(self.block_tables, positions))

@@ -134,21 +134,42 @@ class PagedDrafterCache:
         self.key_pools[layer].index_copy_(0, slots, key.to(self.key_pools[layer].dtype))
         self.value_pools[layer].index_copy_(0, slots, value.to(self.value_pools[layer].dtype))
 
+    def write_rows(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store attention-layout keys/values (b, g, n, d) at `slots` (b, n), row by row."""
+        b, g, n, d = key.shape
+        self.write(
+            layer, slots.reshape(b * n), key.transpose(1, 2).reshape(b * n, g, d), value.transpose(1, 2).reshape(b * n, g, d)
+        )
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values at flat `slots` (b, n) -> two (b, g, n, d) tensors."""
         return self.key_pools[layer][slots].transpose(1, 2), self.value_pools[layer][slots].transpose(1, 2)
 
 
-class PagedCacheView:
-    """Adapter that lets the drafter's attention use the paged cache through the Cache API (`update`).
+class PagedView:
+    """The paged cache seen by one drafter forward through the Cache API's `update`: the block rows' keys/values
+    (b, g, q, d) go to `block_slots` (b * q or (b, q)), and every layer reads back the slots `read_slots` (b, kv) as
+    (b, g, kv, d). Which of those a block row may see is the attention mask's business."""
 
-    For one propose over a batch of states: `update(key, value, layer)` stores the block rows' keys/values (b, g, q, d)
-    in slots [ctx_committed, ctx_committed + q) of each sequence and returns every valid slot's keys/values, padded
-    to the longest sequence. `attention_mask` (b, 1, q, kv) says which padded slots each block row may see.
+    def __init__(self, cache: PagedDrafterCache, block_slots: torch.Tensor, read_slots: torch.Tensor):
+        self.cache = cache
+        self.block_slots = block_slots
+        self.read_slots = read_slots
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.write_rows(layer_idx, self.block_slots, key, value)
+        return self.cache.read(layer_idx, self.read_slots)
+
+
+class PagedCacheView(PagedView):
+    """The eager loop's view for one propose over a batch of states: the block rows go to slots
+    [ctx_committed, ctx_committed + q) of each sequence, and each reads its valid slots, padded to the longest
+    sequence. `attention_masks` says which padded slots each block row may see.
     """
 
     def __init__(self, cache: PagedDrafterCache, states: list[DflashProposerState], block_size: int, window: int | None):
-        self.cache = cache
         self.states = states
         lengths = [s.ctx_committed + block_size for s in states]
         kv_len = max(lengths)
@@ -157,15 +178,14 @@ class PagedCacheView:
             cache.reserve(state, length)
         # Block rows' slots (b*q,) and every row's readable slots (b, kv_len); short rows repeat their slot 0,
         # which the mask hides.
-        self.block_slots = torch.cat(
-            [cache.slot_mapping(s, s.ctx_committed, s.ctx_committed + block_size) for s in states]
-        )
-        self.read_slots = torch.stack(
+        block_slots = torch.cat([cache.slot_mapping(s, s.ctx_committed, s.ctx_committed + block_size) for s in states])
+        read_slots = torch.stack(
             [
                 torch.nn.functional.pad(cache.slot_mapping(s, 0, n), (0, kv_len - n), value=int(s.block_table[0]))
                 for s, n in zip(states, lengths)
             ]
         )
+        super().__init__(cache, block_slots, read_slots)
         key_pos = torch.arange(kv_len, device=device)
         query_pos = torch.tensor([s.ctx_committed for s in states], device=device)[:, None] + torch.arange(
             block_size, device=device
@@ -184,17 +204,5 @@ class PagedCacheView:
         """Per layer type, the boolean mask (b, 1, q, kv) of slots each block row may see (None: all)."""
         return {"full_attention": self.full_mask, "sliding_attention": self.window_mask}
 
-    def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, g, q, d = key.shape
-        self.cache.write(
-            layer_idx,
-            self.block_slots,
-            key.transpose(1, 2).reshape(b * q, g, d),
-            value.transpose(1, 2).reshape(b * q, g, d),
-        )
-        return self.cache.read(layer_idx, self.read_slots)
 
-
-__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PAGE_SIZE"]
+__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE"]

@@ -7,10 +7,11 @@ length on the host after construction; every index is a device tensor that the s
   s of its left-padded row, so every sequence writes its own block at its own slots. Rejecting drafts needs no crop:
   the sequence's anchor simply stays behind, the rejected slots fall outside its mask and the next block overwrites
   them. The target's attention reads all L slots under a 4D mask that the fast path builds.
-- `StaticPagedView`: the drafter's paged cache (dflash_paged_cache.py) through fixed slot tensors: the block rows'
-  slots (a buffer the step refills) and, per sequence, the slots of every position it may reach.
+- `page_slots`: the drafter's paged cache (dflash_paged_cache.py) addressed from device tensors, so the fast path's
+  `PagedView` can take fixed slot tensors: the block rows' (a buffer the step refills) and, per sequence, those of
+  every position it may reach.
 
-Both speak the one method of transformers' Cache API that attention layers call: `update(key, value, layer_idx)`.
+`StaticTargetCache` speaks the one method of transformers' Cache API that attention layers call: `update`.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache
+from .dflash_paged_cache import PAGE_SIZE
 
 
 class StaticTargetCache:
@@ -61,30 +62,4 @@ def page_slots(block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return block_tables.gather(1, positions // PAGE_SIZE) * PAGE_SIZE + positions % PAGE_SIZE
 
 
-class StaticPagedView:
-    """The drafter's paged cache for fixed-shape proposes.
-
-    block_slots (b, q): where the block rows' keys/values go (refilled by the step before each drafter forward);
-    read_slots (b, S): the slots of positions 0..S-1 of each sequence, all of them, every propose. Which of those a
-    block row may see is the attention mask's business (position < anchor + q).
-    """
-
-    def __init__(self, cache: PagedDrafterCache, block_slots: torch.Tensor, read_slots: torch.Tensor):
-        self.cache = cache
-        self.block_slots = block_slots
-        self.read_slots = read_slots
-
-    def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, g, q, d = key.shape
-        self.cache.write(
-            layer_idx,
-            self.block_slots.reshape(b * q),
-            key.transpose(1, 2).reshape(b * q, g, d),
-            value.transpose(1, 2).reshape(b * q, g, d),
-        )
-        return self.cache.read(layer_idx, self.read_slots)
-
-
-__all__ = ["StaticPagedView", "StaticTargetCache", "page_slots"]
+__all__ = ["StaticTargetCache", "page_slots"]
