@@ -30,6 +30,9 @@ from .dflash_static_cache import StaticTargetCache, page_slots
 
 # Target cache lengths are rounded up to this, so prompts of similar length share one captured graph.
 SLOT_BUCKET = 256
+# Target families whose forward the fast path is tested with (a 4D mask and our static cache go straight through
+# their attention); others take the eager loop rather than risk a forward that reads the cache differently.
+FAST_PATH_FAMILIES = ("llama", "qwen3")
 
 
 def fast_path_blocker(
@@ -48,6 +51,8 @@ def fast_path_blocker(
     devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
     if len(devices) != 1:
         return f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device"
+    if text.model_type not in FAST_PATH_FAMILIES:
+        return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
     if generation_config.do_sample:
         return "do_sample=True (the fast path decodes greedily)"
     if len(logits_processor) > 0:
