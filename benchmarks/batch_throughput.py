@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import transformers
 
 from hf_dflash import DFlashDraftModel
+from hf_dflash.bench import run_environment
 from hf_dflash.generate_cli import load_target, timed
 from hf_dflash.training.data import load_prompts
 
@@ -54,7 +52,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(list(xs), [str(s) for s in sizes])
     ax.set_xlabel("batch size")
     ax.set_ylabel("new tokens / s")
-    ax.set_title(f"{result['target']} on {result['device']}, greedy, {result['max_new_tokens']} new tokens", fontsize=9)
+    ax.set_title(f"{result['target']} on {result['machine']}, greedy, {result['max_new_tokens']} new tokens", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -117,12 +115,8 @@ def main() -> None:
         }
         runs.append(run)
         print(json.dumps(run))
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.machine()} CPU"
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        **run_environment(args.device),
         "target": args.target,
         "drafter": str(args.drafter),
         "dtype": str(dtype).replace("torch.", ""),

@@ -17,19 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import bitsandbytes
 import torch
-import transformers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from hf_dflash import DFlashDraftModel, place_drafter
+from hf_dflash.bench import run_environment
 from hf_dflash.bundled_models import load_smollm2
 from hf_dflash.generate_cli import DEFAULT_DRAFTER
 from hf_dflash.training import load_prompts, measure_tau
@@ -60,13 +58,8 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     prompts = load_prompts("humaneval")[: args.prompts]
     dense, tokenizer = load_smollm2(dtype=dtype)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.machine()} CPU"
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "bitsandbytes": bitsandbytes.__version__,
+        **run_environment(args.device, bitsandbytes=bitsandbytes.__version__),
         "target": "smollm2",
         "drafter": Path(args.drafter).name,
         "dtype": str(dtype).replace("torch.", ""),

@@ -20,7 +20,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +30,8 @@ from tqdm.auto import tqdm
 
 from .modeling import DFlashConfig, DFlashDraftModel
 from .modeling.dflash_decoding import _cache_argument
-from .modeling.dflash_fast_path import DFlashStaticStep
+from .generate_cli import timed
+from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
 from .modeling.dflash_static_cache import StaticTargetCache
 
 METHODS = ("plain", "plain-static", "native", "dflash")
@@ -70,19 +70,6 @@ class Measurement:
     def ms_per_step(self) -> float:
         """Decode time after the first token per verify step (per token for plain methods)."""
         return 1000 * (self.seconds - self.ttft_s) / max(self.steps, 1)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _clock(fn: Any) -> tuple[Any, float]:
-    _sync()
-    start = time.perf_counter()
-    out = fn()
-    _sync()
-    return out, time.perf_counter() - start
 
 
 class StepCounter:
@@ -133,9 +120,9 @@ def run_method(
     outputs: list[list[int]] = []
     for batch in tqdm(batches, desc=f"{setting} {method}", leave=False):
         prompt_len = batch["input_ids"].shape[1]
-        ttft += _clock(lambda: target.generate(**batch, max_new_tokens=1, **kwargs))[1]
+        ttft += timed(lambda: target.generate(**batch, max_new_tokens=1, **kwargs))[1]
         with StepCounter() as counter:
-            out, elapsed = _clock(lambda: target.generate(**batch, max_new_tokens=max_new_tokens, **kwargs))
+            out, elapsed = timed(lambda: target.generate(**batch, max_new_tokens=max_new_tokens, **kwargs))
         sequences = out.sequences if hasattr(out, "sequences") else out
         seconds += elapsed
         for row in sequences[:, prompt_len:].tolist():
@@ -180,16 +167,8 @@ def target_graph_step_ms(target: torch.nn.Module, batch_size: int, num_slots: in
 
 
 def _graph_ms(fn: Any, replays: int = 30) -> float:
-    """Median ms of a CUDA graph replay of `fn` (warmed up on a side stream first, as graphs require)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Median ms of a CUDA graph replay of `fn`."""
+    graph = record_cuda_graph(fn)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -285,10 +264,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             print(_row(measurement), flush=True)
         _add_ratios([m for m in results if m.setting == setting])
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_environment(device),
         "command": "hf-dflash bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
-        "machine": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
-        "versions": _versions(),
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "arguments": {k: v for k, v in vars(args).items() if k != "func"},
@@ -314,13 +291,16 @@ def _add_ratios(setting_results: list[Measurement]) -> None:
         ))
 
 
-def _versions() -> dict[str, str]:
+def run_environment(device: str, **more_versions: str) -> dict[str, Any]:
+    """What a benchmark report records about its run: date (UTC), machine and library versions."""
     import transformers
 
     from . import __version__
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_dflash": __version__,
-            "python": platform.python_version()}
+    machine = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{platform.machine()} CPU"
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "hf_dflash": __version__,
+                "python": platform.python_version(), **more_versions}
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine, "versions": versions}
 
 
 def _row(m: Measurement) -> str:

@@ -79,6 +79,20 @@ def fast_path_blocker(
     return None
 
 
+def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Record `fn` as a CUDA graph, after `warmup` calls on a side stream (CUDA graphs require a warmed-up stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 class DFlashStaticStep:
     """Buffers and the step function of the fast path for one batch size and one cache length.
 
@@ -240,18 +254,9 @@ class DFlashStaticStep:
         return first.tolist()
 
     def capture_graph(self) -> None:
-        """Record `step` as a CUDA graph (after warming up on a side stream, as CUDA graphs require), leaving the
-        device state as it was."""
+        """Record `step` as a CUDA graph, leaving the device state as it was."""
         saved = [t.clone() for t in (self.anchor_ids, self.anchor_pos, self.prev_pos)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+        self.graph = record_cuda_graph(self.step)
         # Warm-up steps wrote only slots at or after each anchor, which the first real step overwrites.
         for tensor, value in zip((self.anchor_ids, self.anchor_pos, self.prev_pos), saved):
             tensor.copy_(value)
@@ -290,4 +295,4 @@ def release_fast_path(drafter: torch.nn.Module) -> None:
     drafter._dflash_static_step = None
 
 
-__all__ = ["DFlashStaticStep", "fast_path_blocker", "release_fast_path", "static_step_for"]
+__all__ = ["DFlashStaticStep", "fast_path_blocker", "record_cuda_graph", "release_fast_path", "static_step_for"]
