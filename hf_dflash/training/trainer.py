@@ -47,6 +47,7 @@ class TrainingArguments:
     attention: str = "auto"  # "flex" (BlockMask), "dense" (boolean mask), or "auto": flex on GPU, dense on CPU
     mixed_precision: str = "auto"  # "auto": bf16 autocast on GPU, none on CPU
     save_every: int = 0  # checkpoint every N steps (0: only the final one)
+    time_limit_s: float | None = None  # stop after this much wall time, checkpointed: `resume` carries on from there
     keep_checkpoints: int = 2  # older ones are deleted (a checkpoint holds the optimizer: 3x the drafter's size)
     resume: str | None = None  # a checkpoint directory, or "latest" under out_dir/checkpoints
     save_bf16: bool = False  # write the final drafter weights in bfloat16
@@ -56,10 +57,10 @@ class TrainingArguments:
 
 @dataclass
 class TrainingResult:
-    steps: int
+    steps: int  # optimizer steps done so far (fewer than planned when the time limit stopped the run)
     final_loss: float  # mean over the last (up to) 50 steps
     final_tau: float
-    wall_time_s: float
+    wall_time_s: float  # this run's and those it resumed from
     out_dir: Path
 
 
@@ -75,14 +76,16 @@ def _latest_checkpoint(out_dir: Path) -> Path:
 
 
 def _save_checkpoint(
-    accelerator: Accelerator, out_dir: Path, step: int, anchor_rng: torch.Generator, keep: int
+    accelerator: Accelerator, out_dir: Path, state: dict[str, float], anchor_rng: torch.Generator, keep: int
 ) -> None:
+    """`state`: {"step": n, "wall_time_s": training time of all runs so far}."""
+    step = state["step"]
     path = out_dir / "checkpoints" / f"step_{step}"
     accelerator.save_state(str(path))
     torch.save(anchor_rng.get_state(), path / f"anchor_rng_{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (path / "trainer_state.json").write_text(json.dumps({"step": step}))  # written last: marks it complete
+        (path / "trainer_state.json").write_text(json.dumps(state))  # written last: marks it complete
         for old in _checkpoints(out_dir)[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -141,16 +144,26 @@ def train(
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(args.warmup_ratio * total_steps), total_steps)
     scheduler = accelerator.prepare(scheduler)
 
-    step = 0
+    step, earlier_runs_s = 0, 0.0
     if args.resume:
         checkpoint = _latest_checkpoint(out_dir) if args.resume == "latest" else Path(args.resume)
         accelerator.load_state(str(checkpoint))
         anchor_rng.set_state(torch.load(checkpoint / f"anchor_rng_{accelerator.process_index}.pt"))
-        step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        step, earlier_runs_s = state["step"], state.get("wall_time_s", 0.0)
+
+    def progress_state() -> dict[str, float]:
+        return {"step": step, "wall_time_s": earlier_runs_s + time.perf_counter() - start_time}
+
+    def out_of_time() -> bool:
+        # Every process must stop at the same step, or the others would wait forever in the next all-reduce.
+        late = torch.tensor(float(time.perf_counter() - start_time > args.time_limit_s), device=accelerator.device)
+        return bool(accelerator.reduce(late, "max"))
 
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (args.progress and accelerator.is_main_process))
     recent: deque[tuple[float, float]] = deque(maxlen=50)
-    while step < total_steps:
+    stopped_early = False
+    while step < total_steps and not stopped_early:
         epoch, skip = divmod(step, steps_per_epoch)
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
@@ -167,15 +180,18 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tau=f"{tau:.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
             if args.save_every and step % args.save_every == 0 and step < total_steps:
-                _save_checkpoint(accelerator, out_dir, step, anchor_rng, args.keep_checkpoints)
+                _save_checkpoint(accelerator, out_dir, progress_state(), anchor_rng, args.keep_checkpoints)
             if step >= total_steps:
                 break
+            if args.time_limit_s is not None and out_of_time():
+                stopped_early = True
+                break
     bar.close()
-    _save_checkpoint(accelerator, out_dir, step, anchor_rng, args.keep_checkpoints)
+    _save_checkpoint(accelerator, out_dir, progress_state(), anchor_rng, args.keep_checkpoints)
 
     final_loss = sum(r[0] for r in recent) / max(len(recent), 1)
     final_tau = sum(r[1] for r in recent) / max(len(recent), 1)
-    result = TrainingResult(step, final_loss, final_tau, time.perf_counter() - start_time, out_dir)
+    result = TrainingResult(step, final_loss, final_tau, progress_state()["wall_time_s"], out_dir)
     model = accelerator.unwrap_model(drafter)
     model.eval()
     if attention == "flex":
@@ -189,6 +205,8 @@ def train(
             "mixed_precision": accelerator.mixed_precision,
             "data": {"sequences": len(dataset), "response_tokens": data.num_response_tokens},
             "steps": step,
+            "planned_steps": total_steps,
+            "stopped_at_time_limit": stopped_early,
             "steps_per_epoch": steps_per_epoch,
             "wall_time_s": round(result.wall_time_s, 1),
             "device": _device_description(accelerator),
