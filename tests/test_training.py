@@ -316,6 +316,8 @@ def test_regeneration_leaves_out_long_prompts_whole(stories, capsys):
     assert "left out 1 of 3 prompts longer than" in capsys.readouterr().out
     kept = [p for p, n in zip(prompts, lengths) if n < max(lengths)]
     assert [data[i][0][: -2].tolist() for i in range(len(data))] == [tokenizer(p)["input_ids"] for p in kept]
+    with pytest.raises(ValueError, match=r"the shortest has \d+ tokens\); raise max_prompt_tokens"):
+        regenerate(target, tokenizer, ["Sue"], max_new_tokens=2, max_prompt_tokens=1)
 
 
 def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
@@ -345,9 +347,14 @@ def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
     assert record["steps"] == result.steps == 600 and record["final_tau"] == pytest.approx(result.final_tau)
 
 
+def short_sequences(data: RegeneratedData) -> RegeneratedData:
+    """Eight 40-token sequences (12 prompt, 28 answer): a few quick steps of training."""
+    return RegeneratedData.from_sequences([(data[i][0][:12].tolist(), data[i][0][12:40].tolist()) for i in range(8)])
+
+
 def test_resume_continues_exactly(stories, tmp_path):
     target, _, data = stories
-    small = RegeneratedData.from_sequences([(data[i][0][:12].tolist(), data[i][0][12:40].tolist()) for i in range(8)])
+    small = short_sequences(data)
 
     def run(out, steps, resume=None, save_every=0):
         torch.manual_seed(0)
@@ -369,7 +376,7 @@ def test_resume_continues_exactly(stories, tmp_path):
 
 def test_time_limit_stops_with_a_checkpoint_that_resumes_exactly(stories, tmp_path):
     target, _, data = stories
-    small = RegeneratedData.from_sequences([(data[i][0][:12].tolist(), data[i][0][12:40].tolist()) for i in range(8)])
+    small = short_sequences(data)
 
     def run(out, resume=None, time_limit_s=None):
         torch.manual_seed(0)

@@ -243,6 +243,10 @@ def regenerate(
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     if max_prompt_tokens is not None:
         kept = [ids for ids in encoded if len(ids) <= max_prompt_tokens]
+        if not kept:
+            shortest = min(map(len, encoded), default=0)
+            raise ValueError(f"all {len(encoded)} prompts are longer than max_prompt_tokens={max_prompt_tokens} "
+                             f"(the shortest has {shortest} tokens); raise max_prompt_tokens")
         if progress:
             print(f"regenerate: left out {len(encoded) - len(kept)} of {len(encoded)} prompts longer than "
                   f"{max_prompt_tokens} tokens")
