@@ -33,7 +33,9 @@ VOCAB = 512
 PAD = 0
 
 
-class _RaiseAt(StoppingCriteria):
+class RaiseAtLength(StoppingCriteria):
+    """A stopping criterion that raises ValueError once the sequences are `length` tokens long (a fault on purpose)."""
+
     def __init__(self, length: int):
         self.length = length
 
@@ -43,7 +45,9 @@ class _RaiseAt(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-class _InterruptAt:
+class InterruptingStreamer:
+    """A streamer whose `put` is interrupted (ctrl-c) on its `calls`-th call; generate's own first put is the prompt."""
+
     def __init__(self, calls: int):
         self.calls = calls
 
@@ -102,11 +106,11 @@ def _call(rng: random.Random, device: str) -> dict[str, Any]:
         kwargs["eos_token_id"] = rng.randrange(1, VOCAB - 1)
     fault = rng.choice(["criterion", "streamer", "oom"]) if rng.random() < 1 / 16 else None
     if fault == "criterion":
-        kwargs["stopping_criteria"] = StoppingCriteriaList([_RaiseAt(width + 1 + rng.randrange(4))])
+        kwargs["stopping_criteria"] = StoppingCriteriaList([RaiseAtLength(width + 1 + rng.randrange(4))])
         kwargs["max_new_tokens"] = max(kwargs["max_new_tokens"], 8)
     elif fault == "streamer":  # streamers take one sequence; generate's own first put is the prompt
         kwargs.update(input_ids=kwargs["input_ids"][:1], attention_mask=kwargs["attention_mask"][:1],
-                      streamer=_InterruptAt(calls=2 + rng.randrange(4)), max_new_tokens=max(kwargs["max_new_tokens"], 8))
+                      streamer=InterruptingStreamer(calls=2 + rng.randrange(4)), max_new_tokens=max(kwargs["max_new_tokens"], 8))
     elif fault == "oom":
         kwargs["max_new_tokens"] = max(kwargs["max_new_tokens"], 8)
     return {"kwargs": kwargs, "fault": fault}

@@ -13,40 +13,14 @@ import weakref
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
+from benchmarks.soak import InterruptingStreamer, RaiseAtLength
 from hf_dflash import DFlashCandidateGenerator
 from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
 from tests.test_batched import PAD, left_pad
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class RaiseAfter(StoppingCriteria):
-    """A stopping criterion that raises ValueError once the sequence is `length` tokens long."""
-
-    def __init__(self, length: int):
-        self.length = length
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
-        if input_ids.shape[1] >= self.length:
-            raise ValueError("a broken stopping criterion")
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
-class InterruptingStreamer:
-    """A streamer whose `put` is interrupted (ctrl-c) on its `calls`-th call; generate's own first put is the prompt."""
-
-    def __init__(self, calls: int):
-        self.calls = calls
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls -= 1
-        if self.calls == 0:
-            raise KeyboardInterrupt("ctrl-c in the streamer")
-
-    def end(self) -> None:
-        pass
 
 
 def fail_on_call(module: torch.nn.Module, call: int, where: str) -> None:
@@ -114,7 +88,7 @@ def test_a_fault_leaves_everything_usable(fault, generators):
     before_target, before_drafter = snapshot(target), snapshot(drafter)
     kwargs, module, error_type = {}, None, torch.OutOfMemoryError
     if fault == "stopping criterion raises":
-        kwargs, error_type = {"stopping_criteria": StoppingCriteriaList([RaiseAfter(12)])}, ValueError
+        kwargs, error_type = {"stopping_criteria": StoppingCriteriaList([RaiseAtLength(12)])}, ValueError
     elif fault == "ctrl-c in streamer.put":
         kwargs, error_type = {"streamer": InterruptingStreamer(calls=4)}, KeyboardInterrupt
     elif fault == "drafter out of memory":
