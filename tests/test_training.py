@@ -24,8 +24,9 @@ from hf_dflash.training import (
     train,
     write_jsonl_prompts,
 )
+from hf_dflash.cli import main as cli_main
 from hf_dflash.training.cli import register
-from hf_dflash.training.data import TrainingSequences, collate_right_padded
+from hf_dflash.training.data import LengthGroupedSampler, TrainingSequences, collate_right_padded
 from hf_dflash.training.objective import (
     IGNORE,
     DFlashObjective,
@@ -35,7 +36,9 @@ from hf_dflash.training.objective import (
     dense_block_mask,
     row_weights,
     sample_anchors,
+    sparse_block_loss,
 )
+from hf_dflash.training.trainer import portable_command
 from tests.conftest import MASK_ID, tiny_target
 
 # --------------------------------------------------------------------------------------------------
@@ -167,7 +170,7 @@ def test_batched_blocks_equal_one_drafter_call_per_anchor():
     drafter = new_drafter(target, num_layers=2, block_size=4, mask_token_id=MASK_ID).eval()
     objective = DFlashObjective(target, drafter.config, max_anchors=4)
     batch = random_batch(1, batch=2, seq_len=24)
-    context = objective.context(batch["input_ids"], batch["attention_mask"])
+    context, _ = objective.context(batch["input_ids"], batch["attention_mask"])
     with torch.no_grad():
         hidden_states = target(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
     expected = torch.cat([hidden_states.hidden_states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
@@ -205,6 +208,113 @@ def test_loss_weights_and_simulated_tau():
     # block 0: all 3 accepted -> 4; block 1: 2 accepted, the third row has no label -> 3; block 2: first wrong -> 1
     assert out.tau.item() == pytest.approx((4 + 3 + 1) / 3)
     assert out.num_blocks == 3
+
+
+def random_rows(seed: int, batch: int = 2, anchors: int = 3, block: int = 4, hidden: int = 8, vocab: int = 11):
+    """Drafter rows, a frozen lm_head and labels with IGNORE at every anchor row, a dropped anchor and a cut block."""
+    torch.manual_seed(seed)
+    rows = torch.randn(batch, anchors * block, hidden, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, hidden, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (batch, anchors, block))
+    labels[:, :, 0] = IGNORE
+    labels[0, -1, :] = IGNORE
+    labels[-1, 1, -1] = IGNORE
+    return rows, weight, labels, row_weights(block, 2.0).double()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sparse_loss_equals_plain_loss_gradient_and_tau(seed):
+    """Labelled rows only, in chunks, gradient formed in the forward: the same loss, gradient and tau as full logits."""
+    rows, weight, labels, weights = random_rows(seed)
+    reference = block_loss((rows @ weight.T).view(*labels.shape, -1), labels, weights)
+    (expected_grad,) = torch.autograd.grad(reference.loss, rows)
+    out = sparse_block_loss(rows, weight, labels, weights, chunk_rows=3)  # chunks cut across blocks
+    (grad,) = torch.autograd.grad(out.loss, rows)
+    torch.testing.assert_close(out.loss.double(), reference.loss, rtol=1e-6, atol=1e-6)  # float32 softmax inside
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    assert out.tau == reference.tau and out.num_blocks == reference.num_blocks
+
+
+def test_sparse_loss_with_soft_targets_is_cross_entropy_to_the_mix():
+    rows, weight, labels, weights = random_rows(2)
+    valid = labels != IGNORE
+    num_rows, k, alpha = int(valid.sum()), 3, 0.3
+    soft_ids = torch.randint(0, weight.shape[0], (num_rows, k))
+    soft_ids[0] = labels[valid][0]  # an id repeated, and equal to the label: the mix adds up
+    soft_probs = torch.rand(num_rows, k).softmax(-1).double()
+    out = sparse_block_loss(rows, weight, labels, weights, (soft_ids, soft_probs), alpha, chunk_rows=5)
+    (grad,) = torch.autograd.grad(out.loss, rows)
+
+    log_q = (rows.flatten(0, 1)[valid.flatten()] @ weight.T).log_softmax(-1)  # (R, V)
+    mix = torch.zeros_like(log_q)
+    mix[torch.arange(num_rows), labels[valid]] += 1 - alpha
+    mix.scatter_add_(1, soft_ids, alpha * soft_probs)
+    w = (weights * valid)[valid]
+    expected = (w * -(mix * log_q).sum(-1)).sum() / w.sum()
+    (expected_grad,) = torch.autograd.grad(expected, rows)
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_distillation_targets_are_the_targets_top_k_at_the_previous_position():
+    """Row k of anchor a learns the target's own distribution for token a + k: its output at position a + k - 1."""
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    drafter = new_drafter(target, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    batch = random_batch(3, batch=2, seq_len=24)
+    objective = DFlashObjective(target, drafter.config, max_anchors=4, distill_topk=5, distill_weight=1.0)
+    captured = {}
+    real_loss = sparse_block_loss
+
+    def spy(hidden, weight, labels, weights, soft_targets, soft_weight, **kwargs):
+        captured.update(labels=labels, soft=soft_targets)
+        return real_loss(hidden, weight, labels, weights, soft_targets, soft_weight, **kwargs)
+
+    objective_module = __import__("hf_dflash.training.objective", fromlist=["sparse_block_loss"])
+    original, objective_module.sparse_block_loss = objective_module.sparse_block_loss, spy
+    try:
+        generator = torch.Generator().manual_seed(0)
+        objective(drafter, batch, generator)
+    finally:
+        objective_module.sparse_block_loss = original
+    anchors, keep = sample_anchors(batch["loss_mask"], 4, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    expected_ids, expected_probs = [], []
+    for b, i, k in (captured["labels"] != IGNORE).nonzero().tolist():
+        top = logits[b, int(anchors[b, i]) + k - 1].topk(5)
+        expected_ids.append(top.indices)
+        expected_probs.append(top.values.softmax(-1))
+    ids, probs = captured["soft"]
+    assert torch.equal(ids, torch.stack(expected_ids))
+    torch.testing.assert_close(probs, torch.stack(expected_probs), rtol=1e-4, atol=1e-6)
+
+
+def test_length_grouped_batches_are_a_seeded_permutation_with_less_padding():
+    torch.manual_seed(0)
+    lengths = torch.randint(10, 500, (1000,)).tolist()
+    sampler = LengthGroupedSampler(lengths, batch_size=16, seed=3, window_batches=8)
+    order = list(sampler)
+    assert sorted(order) == list(range(1000)) and order == list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != order
+
+    def padding(indices):
+        batches = [indices[i : i + 16] for i in range(0, len(indices), 16)]
+        return sum(16 * max(lengths[j] for j in b) - sum(lengths[j] for j in b) for b in batches) / sum(lengths)
+
+    shuffled = torch.randperm(1000, generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"padding: random {padding(shuffled):.2f}, grouped {padding(order):.2f}")
+    assert padding(order) < padding(shuffled) / 4
+
+
+def test_portable_command_has_no_machine_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/someone")
+    argv = ["/somewhere/hf_dflash/cli.py", "train", "--prompts", f"{tmp_path}/p.jsonl.gz", "--out",
+            "/home/someone/drafter", "--target-description", "a model (from somewhere)"]
+    assert portable_command(argv) == ("hf-dflash train --prompts p.jsonl.gz --out ~/drafter "
+                                      "--target-description 'a model (from somewhere)'")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,3 +506,57 @@ def test_time_limit_stops_with_a_checkpoint_that_resumes_exactly(stories, tmp_pa
     assert finished.steps == 6 and finished.wall_time_s > stopped.wall_time_s  # time of both runs
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, msg=name)
+
+
+def test_checkpoints_write_the_drafter_and_the_curve(stories, tmp_path):
+    """Each checkpoint also leaves a loadable drafter (here in shards) and log lines with growing anchor blocks."""
+    target, _, data = stories
+    torch.manual_seed(0)
+    drafter = new_drafter(target, num_layers=1, block_size=4, mask_token_id=0)
+    args = TrainingArguments(out_dir=str(tmp_path), steps=4, batch_size=2, max_anchors=4, save_every=2, log_every=1,
+                             max_shard_size="20KB", save_bf16=True, group_by_length=True, progress=False)
+    result = train(target, drafter, short_sequences(data), args)
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert loaded.dtype == torch.bfloat16
+    lines = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    blocks = [line["anchor_blocks"] for line in lines]
+    assert blocks == sorted(blocks) and blocks[0] > 0 and blocks[-1] == result.anchor_blocks
+    record = json.loads((tmp_path / "training_args.json").read_text())
+    assert record["anchor_blocks"] == result.anchor_blocks and len(record["history"]) == 1
+
+
+def test_init_from_continues_a_drafter_and_keeps_its_history(tmp_path, monkeypatch):
+    """`train --init-from` starts from a drafter's weights; training_args.json lists every run and the tau measured
+    after each; the recorded command re-runs from the repository root (no machine paths)."""
+    monkeypatch.chdir(tmp_path)
+
+    def cli(argv):  # as from a shell: the recorded command comes from sys.argv
+        monkeypatch.setattr("sys.argv", ["/usr/bin/hf-dflash", *argv])
+        return cli_main(argv)
+
+    prompts = [f"Once upon a time, {n} had {t}." for n in NAMES[:4] for t in THINGS[:2]]
+    write_jsonl_prompts(prompts, tmp_path / "p.jsonl.gz", sources=["made up here"] * len(prompts))
+    common = ["train", "--target", "stories260k", "--prompts", str(tmp_path / "p.jsonl.gz"), "--max-new-tokens", "12",
+              "--batch-size", "4", "--max-anchors", "4", "--regenerated", str(tmp_path / "data.safetensors")]
+    assert cli([*common, "--out", str(tmp_path / "first"), "--mask-token-id", "0", "--block-size", "4",
+                "--steps", "3"]) == 0
+    assert cli(["eval", "--target", "stories260k", "--drafter", str(tmp_path / "first"), "--prompts",
+                str(tmp_path / "p.jsonl.gz"), "--limit", "2", "--max-new-tokens", "8", "--record"]) == 0
+    first = DFlashDraftModel.from_pretrained(tmp_path / "first")
+    assert cli([*common, "--out", str(tmp_path / "second"), "--init-from", str(tmp_path / "first"),
+                "--steps", "2", "--lr", "0"]) == 0  # lr 0: the weights stay the first drafter's
+    second = DFlashDraftModel.from_pretrained(tmp_path / "second")
+    for name, tensor in first.state_dict().items():
+        torch.testing.assert_close(second.state_dict()[name], tensor, msg=name)
+    record = json.loads((tmp_path / "second" / "training_args.json").read_text())
+    runs = record["history"]
+    assert [run["steps"] for run in runs] == [3, 2]
+    assert runs[0]["tau"][0]["mean_tau"] >= 1.0 and "tau" not in runs[1]
+    assert all(run["anchor_blocks"] > 0 and run["device_seconds"] > 0 for run in runs)
+    assert runs[1]["data"]["prompt_sources"] == {"made up here": len(prompts)}
+    assert record["command"].startswith("hf-dflash train --target stories260k --prompts p.jsonl.gz")
+    assert str(tmp_path) not in json.dumps(record)
+    with pytest.raises(SystemExit, match="no drafter there"):
+        cli([*common, "--out", str(tmp_path / "third"), "--init-from", str(tmp_path / "missing")])

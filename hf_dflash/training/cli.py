@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -19,10 +20,10 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..modeling import DFlashDraftModel
-from .data import RegeneratedData, load_prompts, regenerate, write_jsonl_prompts
+from .data import RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
 from .drafter import new_drafter
 from .evaluate import measure_tau
-from .trainer import TrainingArguments, train
+from .trainer import TrainingArguments, portable_command, portable_path, train
 
 BUNDLED_TARGETS = ("smollm2", "stories260k")
 
@@ -71,25 +72,50 @@ def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: Partia
     return RegeneratedData.load(path)
 
 
+def _history(drafter_dir: str) -> list[dict]:
+    """The runs recorded in a drafter's training_args.json, oldest first (a record from before histories were kept
+    counts as one run)."""
+    path = Path(drafter_dir) / "training_args.json"
+    if not path.is_file():
+        return []
+    record = json.loads(path.read_text())
+    if "history" in record:
+        return record["history"]
+    keys = ("command", "steps", "anchor_blocks", "wall_time_s", "device", "data", "final_loss", "final_tau", "eval",
+            "tau")
+    return [{k: record[k] for k in keys if k in record}]
+
+
 def run(args: argparse.Namespace) -> int:
     """`hf-dflash train`: regenerate (or reuse) data, train a drafter, save it, optionally measure tau."""
     if args.export_prompts:
         write_jsonl_prompts(load_prompts(args.prompts), args.export_prompts)
         return 0
+    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
+        raise SystemExit(f"--init-from {args.init_from}: no drafter there (no config.json); give a drafter directory")
+    if args.init_from and (args.init_from_target or args.num_layers is not None):
+        raise SystemExit("--init-from takes the drafter's shape and weights: leave out --init-from-target and "
+                         "--num-layers")
     started = time.perf_counter()
     state = PartialState(cpu=not torch.cuda.is_available())
     target, tokenizer = load_target(args.target, state.device)
     data = _regenerated_data(args, target, tokenizer, state)
+    if args.regenerate_only:
+        return 0
     torch.manual_seed(args.seed)  # the drafter's initial weights
-    drafter = new_drafter(
-        target,
-        num_layers=args.num_layers,
-        block_size=args.block_size,
-        mask_token_id=args.mask_token_id,
-        tokenizer_size=len(tokenizer),
-        target_layer_ids=args.target_layer_ids,
-        init_from_target=args.init_from_target,
-    )
+    if args.init_from:
+        # Weights in float32 whatever they were saved in: the optimizer keeps float32 master weights.
+        drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+    else:
+        drafter = new_drafter(
+            target,
+            num_layers=args.num_layers or 1,
+            block_size=args.block_size,
+            mask_token_id=args.mask_token_id,
+            tokenizer_size=len(tokenizer),
+            target_layer_ids=args.target_layer_ids,
+            init_from_target=args.init_from_target,
+        )
     training_args = TrainingArguments(
         out_dir=args.out,
         steps=args.steps,
@@ -106,24 +132,48 @@ def run(args: argparse.Namespace) -> int:
         time_limit_s=None if args.time_limit is None else args.time_limit - (time.perf_counter() - started),
         resume=args.resume,
         save_bf16=args.bf16,
+        max_shard_size=args.max_shard_size,
+        group_by_length=args.group_by_length,
+        distill_topk=args.distill_topk,
+        distill_weight=args.distill_weight,
+        log_every=args.log_every,
+        compile_loss={"auto": None, "on": True, "off": False}[args.compile_loss],
         attention=args.attention,
-        extra={"target": args.target, "prompts": args.prompts, "init_from_target": args.init_from_target,
-               "regeneration_tokens_per_second": round(data.tokens_per_second, 1)},
+        extra={"command": portable_command(sys.argv), "target": args.target_description or args.target,
+               "prompts": portable_path(args.prompts), "init_from_target": args.init_from_target,
+               "init_from": args.init_from and portable_path(args.init_from),
+               "data": {"prompt_sources": prompt_sources(args.prompts)},
+               "regeneration_tokens_per_second": round(data.tokens_per_second, 1),
+               "history": _history(args.init_from) if args.init_from else []},
     )
     result = train(target, drafter, data, training_args)
     if args.eval_prompts and state.is_main_process:
         drafter = DFlashDraftModel.from_pretrained(args.out).to(target.device, target.dtype)
         report = measure_tau(target, drafter, load_prompts(args.eval_prompts)[: args.eval_limit],
                              args.eval_max_new_tokens, tokenizer)
-        record_path = Path(args.out) / "training_args.json"
-        record = json.loads(record_path.read_text())
-        record["eval"] = {"prompts": args.eval_prompts, "mean_tau": report.mean_tau,
-                          "matches_greedy": report.matches_greedy}
-        record_path.write_text(json.dumps(record, indent=2))
+        record_tau(args.out, {"prompts": portable_path(args.eval_prompts), "limit": args.eval_limit,
+                              "max_new_tokens": args.eval_max_new_tokens, "mean_tau": report.mean_tau,
+                              "matches_greedy": report.matches_greedy, **_where(target)})
         print(f"eval tau {report.mean_tau:.2f} (greedy-identical: {report.matches_greedy})")
     print(f"saved {args.out}: {result.steps} steps, loss {result.final_loss:.3f}, tau {result.final_tau:.2f}, "
           f"{result.wall_time_s:.0f} s")
     return 0
+
+
+def _where(target: PreTrainedModel) -> dict[str, str]:
+    device = target.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return {"device": name, "dtype": str(target.dtype).removeprefix("torch.")}
+
+
+def record_tau(drafter_dir: str | Path, measurement: dict) -> None:
+    """Add a tau measurement to the last run of the drafter's training_args.json (its "history"), and as "eval"."""
+    path = Path(drafter_dir) / "training_args.json"
+    record = json.loads(path.read_text())
+    record["eval"] = measurement
+    if record.get("history"):
+        record["history"][-1].setdefault("tau", []).append(measurement)
+    path.write_text(json.dumps(record, indent=2))
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -133,8 +183,13 @@ def run_eval(args: argparse.Namespace) -> int:
     drafter = DFlashDraftModel.from_pretrained(args.drafter).to(device, target.dtype)
     start = time.perf_counter()
     report = measure_tau(target, drafter, load_prompts(args.prompts)[: args.limit], args.max_new_tokens, tokenizer)
-    print(json.dumps({"mean_tau": report.mean_tau, "matches_greedy": report.matches_greedy,
-                      "verify_steps": report.verify_steps, "seconds": round(time.perf_counter() - start, 1)}))
+    result = {"mean_tau": report.mean_tau, "matches_greedy": report.matches_greedy,
+              "verify_steps": report.verify_steps, "seconds": round(time.perf_counter() - start, 1)}
+    print(json.dumps(result))
+    if args.record:
+        record_tau(args.drafter, {"prompts": portable_path(args.prompts), "limit": args.limit,
+                                  "max_new_tokens": args.max_new_tokens, "mean_tau": report.mean_tau,
+                                  "matches_greedy": report.matches_greedy, **_where(target)})
     return 0 if report.matches_greedy else 1
 
 
@@ -154,7 +209,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--export-prompts", metavar="JSONL",
                    help="only write the --prompts to this jsonl and exit (to carry to a machine without PyPI)")
     p.add_argument("--out", required=True, help="output directory of the drafter (and checkpoints)")
-    p.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers (published drafters: 5 or 8)")
+    p.add_argument("--regenerate-only", action="store_true",
+                   help="only regenerate the data (to --regenerated, or <out>/regenerated.safetensors) and exit")
+    p.add_argument("--target-description",
+                   help="what the target is, for the recipe (e.g. where a bundled model comes from)")
+    p.add_argument("--init-from", metavar="DRAFTER",
+                   help="continue from this drafter's weights and shape (a fresh optimizer); its recorded runs "
+                   "become this drafter's history")
+    p.add_argument("--num-layers", type=int, help="drafter decoder layers (default 1; published drafters: 5 or 8)")
     p.add_argument("--block-size", type=int, default=16, help="block size B, anchor included")
     p.add_argument("--mask-token-id", type=int,
                    help="embedding row for mask rows; default: the first row past the tokenizer, if there is one")
@@ -183,6 +245,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", nargs="?", const="latest",
                    help="resume from a checkpoint directory (no value: the latest under <out>/checkpoints)")
     p.add_argument("--bf16", action="store_true", help="save the drafter's weights in bfloat16")
+    p.add_argument("--max-shard-size", help="save the weights in shards of at most this size (e.g. 15MB)")
+    p.add_argument("--group-by-length", action="store_true",
+                   help="batches of sequences of similar length, in random order (less padding)")
+    p.add_argument("--distill-topk", type=int, default=0,
+                   help="also learn the target's top-k distribution at each labelled row (0: hard labels only)")
+    p.add_argument("--distill-weight", type=float, default=0.5,
+                   help="weight of that distribution against the hard label")
+    p.add_argument("--log-every", type=int, default=50, help="steps per line of <out>/train_log.jsonl")
+    p.add_argument("--compile-loss", choices=["auto", "on", "off"], default="auto",
+                   help="the loss's element-wise work through torch.compile (auto: on GPU)")
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto",
                    help="block attention in training: FlexAttention BlockMask, a dense boolean mask, or auto "
                    "(flex on GPU, dense on CPU)")
@@ -197,6 +269,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--prompts", default="humaneval", help="a {'prompt': ...} jsonl, 'sharegpt:N' or 'humaneval'")
     e.add_argument("--limit", type=int, default=20, help="how many prompts")
     e.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    e.add_argument("--record", action="store_true",
+                   help="add the measurement to the drafter's training_args.json (its last run's tau)")
     e.set_defaults(func=run_eval)
 
 

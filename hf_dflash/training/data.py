@@ -118,14 +118,28 @@ def load_jsonl_prompts(path: str | Path) -> list[str]:
         return [json.loads(line)["prompt"] for line in fh if line.strip()]
 
 
-def write_jsonl_prompts(prompts: list[str], path: str | Path) -> Path:
+def prompt_sources(spec: str) -> dict[str, int]:
+    """How many prompts of a jsonl file came from each "source" (a field that mixed prompt files carry, naming the
+    package, version and file); {} for other specs or files without it."""
+    path = Path(spec)
+    if not path.is_file():
+        return {}
+    counts: dict[str, int] = {}
+    with _open_text(path, "r") as fh:
+        for line in fh:
+            if line.strip() and (source := json.loads(line).get("source")):
+                counts[source] = counts.get(source, 0) + 1
+    return counts
+
+
+def write_jsonl_prompts(prompts: list[str], path: str | Path, sources: list[str] | None = None) -> Path:
     """Write prompts as {"prompt": ...} lines (gzip-compressed for a .gz name): a small file to carry to a machine
-    without PyPI."""
+    without PyPI. `sources`, one per prompt, adds a "source" field (where the prompt comes from)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _open_text(path, "w") as fh:
-        for prompt in prompts:
-            fh.write(json.dumps({"prompt": prompt}) + "\n")
+        for i, prompt in enumerate(prompts):
+            fh.write(json.dumps({"prompt": prompt, **({"source": sources[i]} if sources else {})}) + "\n")
     return path
 
 
@@ -284,6 +298,11 @@ class TrainingSequences(torch.utils.data.Dataset):
         ids, mask = self.data[self.keep[i]]
         return ids[: self.max_length], mask[: self.max_length]
 
+    def lengths(self) -> list[int]:
+        """Token count of every sequence, as cut."""
+        spans = self.data.offsets[1:] - self.data.offsets[:-1]
+        return [min(int(spans[i]), self.max_length) for i in self.keep]
+
 
 def collate_right_padded(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence: padding carries loss_mask 0 and attention_mask 0."""
@@ -296,3 +315,39 @@ def collate_right_padded(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict
         loss_mask[row, : len(ids)] = mask
         attention_mask[row, : len(ids)] = 1
     return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+
+
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """A random order in which each run of `batch_size` indices has similar lengths: less right-padding per batch.
+
+    Shuffle all indices, sort each window of `batch_size * window_batches` by length (longest first), cut it into
+    batches, and shuffle the batches. Deterministic in (seed, epoch); `set_epoch` picks the epoch, as the
+    DataLoader wrappers of accelerate call it.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, window_batches: int = 64):
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.seed = seed
+        self.window = batch_size * window_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        batches = []
+        for start in range(0, len(order), self.window):
+            window = sorted(order[start : start + self.window], key=lambda i: -self.lengths[i])
+            batches += [window[i : i + self.batch_size] for i in range(0, len(window), self.batch_size)]
+        # The last, short batch stays last: a DataLoader that drops or pads it still sees only full batches before.
+        full, short = batches, []
+        if batches and len(batches[-1]) < self.batch_size:
+            full, short = batches[:-1], batches[-1:]
+        shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
+        return iter([i for batch in shuffled + short for i in batch])

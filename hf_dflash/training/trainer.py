@@ -3,6 +3,9 @@
 The target is frozen and replicated on every process (not wrapped: it has no gradients to synchronize); only the
 drafter goes through `accelerator.prepare`. Checkpoints (`accelerator.save_state`: drafter, optimizer, scheduler,
 RNG states, plus the step counter) go to `<out_dir>/checkpoints/step_<n>` and resume exactly where they left off.
+Every checkpoint also writes the drafter itself (weights, config, training_args.json) to `<out_dir>`, so a job
+stopped from outside still leaves a usable drafter; `<out_dir>/train_log.jsonl` holds the curve (loss, simulated
+tau, anchor blocks and training seconds so far).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
+import shlex
 import shutil
 import sys
 import time
@@ -24,7 +29,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
-from .data import RegeneratedData, TrainingSequences, collate_right_padded
+from .data import LengthGroupedSampler, RegeneratedData, TrainingSequences, collate_right_padded
 from .objective import DFlashObjective
 
 
@@ -51,8 +56,15 @@ class TrainingArguments:
     keep_checkpoints: int = 2  # older ones are deleted (a checkpoint holds the optimizer: 3x the drafter's size)
     resume: str | None = None  # a checkpoint directory, or "latest" under out_dir/checkpoints
     save_bf16: bool = False  # write the final drafter weights in bfloat16
+    max_shard_size: str | None = None  # e.g. "15MB": drafter weights in shards (files that must stay small)
+    group_by_length: bool = False  # batches of similar lengths (less padding), in a random order
+    distill_topk: int = 0  # > 0: also learn the target's top-k distribution (see DFlashObjective)
+    distill_weight: float = 0.5  # its weight against the hard label
+    compile_loss: bool | None = None  # the loss's element-wise work through torch.compile; None: on GPU only
+    log_every: int = 50  # steps per line of train_log.jsonl (means over those steps)
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)  # recorded as-is in training_args.json (command, data, ...)
+    # Recorded as-is in training_args.json (command, data, ...); "history": the runs this one continues.
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,6 +74,7 @@ class TrainingResult:
     final_tau: float
     wall_time_s: float  # this run's and those it resumed from
     out_dir: Path
+    anchor_blocks: int = 0  # blocks with a label trained on, over all processes (this run's and those it resumed)
 
 
 def _checkpoints(out_dir: Path) -> list[Path]:
@@ -78,7 +91,7 @@ def _latest_checkpoint(out_dir: Path) -> Path:
 def _save_checkpoint(
     accelerator: Accelerator, out_dir: Path, state: dict[str, float], anchor_rng: torch.Generator, keep: int
 ) -> None:
-    """`state`: {"step": n, "wall_time_s": training time of all runs so far}."""
+    """`state`: {"step": n, "wall_time_s": training time of all runs so far, "anchor_blocks": blocks so far}."""
     step = state["step"]
     path = out_dir / "checkpoints" / f"step_{step}"
     accelerator.save_state(str(path))
@@ -131,10 +144,15 @@ def train(
     if attention == "flex":
         drafter.set_attn_implementation("flex_attention")
     target.to(accelerator.device)
-    objective = DFlashObjective(target, drafter.config, args.max_anchors, args.gamma, attention)
+    compile_loss = args.compile_loss if args.compile_loss is not None else accelerator.device.type == "cuda"
+    objective = DFlashObjective(target, drafter.config, args.max_anchors, args.gamma, attention, args.distill_topk,
+                                args.distill_weight, compile_loss)
     dataset = TrainingSequences(data, args.max_length)
+    order = dict(shuffle=True)
+    if args.group_by_length:
+        order = dict(sampler=LengthGroupedSampler(dataset.lengths(), args.batch_size, args.seed))
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate_right_padded
+        dataset, batch_size=args.batch_size, collate_fn=collate_right_padded, **order
     )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     drafter.train()
@@ -144,16 +162,73 @@ def train(
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(args.warmup_ratio * total_steps), total_steps)
     scheduler = accelerator.prepare(scheduler)
 
-    step, earlier_runs_s = 0, 0.0
+    step, earlier_runs_s, anchor_blocks = 0, 0.0, 0
     if args.resume:
         checkpoint = _latest_checkpoint(out_dir) if args.resume == "latest" else Path(args.resume)
         accelerator.load_state(str(checkpoint))
         anchor_rng.set_state(torch.load(checkpoint / f"anchor_rng_{accelerator.process_index}.pt"))
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         step, earlier_runs_s = state["step"], state.get("wall_time_s", 0.0)
+        anchor_blocks = state.get("anchor_blocks", 0)
 
     def progress_state() -> dict[str, float]:
-        return {"step": step, "wall_time_s": earlier_runs_s + time.perf_counter() - start_time}
+        return {"step": step, "wall_time_s": earlier_runs_s + time.perf_counter() - start_time,
+                "anchor_blocks": anchor_blocks}
+
+    def export(stopped: bool) -> None:
+        """The drafter as it is now, with its record, in out_dir (main process)."""
+        if not accelerator.is_main_process:
+            return
+        model = accelerator.unwrap_model(drafter)
+        saved = copy.deepcopy(model).to(torch.bfloat16) if args.save_bf16 else copy.deepcopy(model)
+        if attention == "flex":
+            saved.set_attn_implementation(original_attention)  # decoding builds no BlockMask
+        shards = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}
+        saved.save_pretrained(out_dir, **shards)
+        final_loss, final_tau = _means(recent)
+        wall = progress_state()["wall_time_s"]
+        run = {
+            "steps": step,
+            "anchor_blocks": anchor_blocks,
+            "wall_time_s": round(wall, 1),
+            "device": _device_description(accelerator),
+            "device_seconds": round(wall * accelerator.num_processes, 1),
+            "data": {"sequences": len(dataset), "response_tokens": data.num_response_tokens,
+                     **args.extra.get("data", {})},
+            "final_loss": final_loss,
+            "final_tau": final_tau,
+        }
+        record = {
+            "command": args.extra.get("command", portable_command(sys.argv)),
+            **{k: v for k, v in asdict(args).items() if k != "extra"},
+            "out_dir": portable_path(str(args.out_dir)),
+            "resume": args.resume and portable_path(str(args.resume)),
+            "attention": attention,
+            "mixed_precision": accelerator.mixed_precision,
+            "planned_steps": total_steps,
+            "stopped_at_time_limit": stopped,
+            "steps_per_epoch": steps_per_epoch,
+            **{k: v for k, v in args.extra.items() if k not in ("command", "data", "history")},
+            **run,
+            # One entry per run that shaped these weights, this one last (a resumed run is the same run).
+            "history": [*args.extra.get("history", []), {"command": args.extra.get("command",
+                                                                                  portable_command(sys.argv)),
+                                                         **run}],
+        }
+        (out_dir / "training_args.json").write_text(json.dumps(record, indent=2))
+
+    log_path = out_dir / "train_log.jsonl"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logged: list[tuple[float, float, float]] = []  # (loss, tau, lr) since the last log line
+
+    def log_line() -> None:
+        if accelerator.is_main_process and logged:
+            loss, tau = _means([(l, t) for l, t, _ in logged])
+            row = {"step": step, "loss": round(loss, 4), "tau": round(tau, 4), "lr": logged[-1][2],
+                   "anchor_blocks": anchor_blocks, "wall_time_s": round(progress_state()["wall_time_s"], 2)}
+            with log_path.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        logged.clear()
 
     def out_of_time() -> bool:
         # Every process must stop at the same step, or the others would wait forever in the next all-reduce.
@@ -175,48 +250,67 @@ def train(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            loss, tau = accelerator.reduce(torch.stack([out.loss.detach(), out.tau]).float(), "mean").tolist()
+            blocks = torch.tensor(float(out.num_blocks), device=accelerator.device)
+            loss, tau, blocks = accelerator.reduce(
+                torch.stack([out.loss.detach().float(), out.tau.float(), blocks]), "sum"
+            ).tolist()
+            loss, tau = loss / accelerator.num_processes, tau / accelerator.num_processes
+            anchor_blocks += round(blocks)
             recent.append((loss, tau))
+            logged.append((loss, tau, scheduler.get_last_lr()[0]))
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tau=f"{tau:.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+            if step % args.log_every == 0:
+                log_line()
             if args.save_every and step % args.save_every == 0 and step < total_steps:
                 _save_checkpoint(accelerator, out_dir, progress_state(), anchor_rng, args.keep_checkpoints)
+                export(stopped=False)
             if step >= total_steps:
                 break
             if args.time_limit_s is not None and out_of_time():
                 stopped_early = True
                 break
     bar.close()
+    log_line()
     _save_checkpoint(accelerator, out_dir, progress_state(), anchor_rng, args.keep_checkpoints)
 
-    final_loss = sum(r[0] for r in recent) / max(len(recent), 1)
-    final_tau = sum(r[1] for r in recent) / max(len(recent), 1)
-    result = TrainingResult(step, final_loss, final_tau, progress_state()["wall_time_s"], out_dir)
+    final_loss, final_tau = _means(recent)
+    result = TrainingResult(step, final_loss, final_tau, progress_state()["wall_time_s"], out_dir, anchor_blocks)
+    export(stopped=stopped_early)
     model = accelerator.unwrap_model(drafter)
     model.eval()
     if attention == "flex":
         model.set_attn_implementation(original_attention)  # decoding builds no BlockMask
-    if accelerator.is_main_process:
-        (copy.deepcopy(model).to(torch.bfloat16) if args.save_bf16 else model).save_pretrained(out_dir)
-        record = {
-            "command": " ".join(sys.argv),
-            **{k: v for k, v in asdict(args).items() if k != "extra"},
-            "attention": attention,
-            "mixed_precision": accelerator.mixed_precision,
-            "data": {"sequences": len(dataset), "response_tokens": data.num_response_tokens},
-            "steps": step,
-            "planned_steps": total_steps,
-            "stopped_at_time_limit": stopped_early,
-            "steps_per_epoch": steps_per_epoch,
-            "wall_time_s": round(result.wall_time_s, 1),
-            "device": _device_description(accelerator),
-            "final_loss": final_loss,
-            "final_tau": final_tau,
-            **args.extra,
-        }
-        (out_dir / "training_args.json").write_text(json.dumps(record, indent=2))
     accelerator.wait_for_everyone()
     return result
 
 
-__all__ = ["TrainingArguments", "TrainingResult", "train"]
+def _means(rows) -> tuple[float, float]:
+    """Means of (loss, tau) pairs; (nan, nan) when there are none yet."""
+    rows = list(rows)
+    if not rows:
+        return math.nan, math.nan
+    return sum(r[0] for r in rows) / len(rows), sum(r[1] for r in rows) / len(rows)
+
+
+def portable_command(argv: list[str]) -> str:
+    """The command line as a user re-runs it from the repository root: `hf-dflash ...` for the CLI, paths under
+    the current directory made relative and the home directory written `~` (no machine's own paths)."""
+    program = Path(argv[0]).name if argv else ""
+    words = ["hf-dflash"] if program in ("cli.py", "hf-dflash", "__main__.py") else [program]
+    words += [portable_path(word) for word in argv[1:]]
+    # Quoted for a shell where needed; a leading ~ stays bare, so that the shell expands it.
+    return " ".join(w if re.fullmatch(r"~?[\w@%+=:,./-]*", w) else shlex.quote(w) for w in words)
+
+
+def portable_path(word: str) -> str:
+    """A path under the current directory made relative, one under the home directory written `~`."""
+    cwd, home = str(Path.cwd()) + "/", str(Path.home())
+    if word.startswith(cwd):
+        return word[len(cwd):]
+    if word == home or word.startswith(home + "/"):
+        return "~" + word[len(home):]
+    return word
+
+
+__all__ = ["TrainingArguments", "TrainingResult", "portable_command", "train"]
