@@ -376,7 +376,10 @@ class DFlashObjective:
             valid = (blocks.labels != IGNORE).flatten()
             predicted_from = (blocks.position_ids[:, seq_len:] - 1).clamp(min=0)  # (b, nA*B)
             batch_index = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(predicted_from)
-            soft_targets = self.target_topk(final[batch_index.flatten()[valid], predicted_from.flatten()[valid]])
+            # Top-k once per position (b * L rows), not per block row (about B times as many), then gathered.
+            ids, probs = self.target_topk(final.flatten(0, 1))  # (b * L, k) each
+            at = (batch_index * seq_len + predicted_from).flatten()[valid]
+            soft_targets = ids[at], probs[at]
         # Gradients flow through the frozen lm_head into the drafter; it is applied to labelled rows only.
         return sparse_block_loss(hidden, self.target.get_output_embeddings().weight, blocks.labels, self.weights,
                                  soft_targets, self.distill_weight, compiled=self.compile_loss)
