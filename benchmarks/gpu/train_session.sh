@@ -18,7 +18,7 @@ set -u
 : "${PROMPTS:=.stage/prompts/mix.jsonl.gz}"
 : "${INIT_FROM:=hf_dflash/drafters/smollm2-135m-instruct}"
 : "${RUN:=$HOME/run}"
-: "${AB_SECONDS:=100}"
+: "${AB_SECONDS:=75}"
 : "${STEPS:=4000}"
 : "${MS_PER_STEP:=}"
 : "${BATCH:=64}"
