@@ -121,7 +121,7 @@ def measure(target, pool: TrainingSequences, loss: str, batch_size: int, grouped
     objective = DFlashObjective(target, drafter.config, max_anchors=512, attention=attention, distill_topk=topk,
                                 compile_loss=loss == "compiled")
     if grouped:
-        order = list(LengthGroupedSampler(pool.lengths(), batch_size, seed=0))
+        order = list(LengthGroupedSampler(pool.answer_lengths(), batch_size, seed=0))
     else:
         order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [order[i : i + batch_size] for i in range(0, (warmup + steps) * batch_size, batch_size)]
@@ -157,7 +157,7 @@ def measure(target, pool: TrainingSequences, loss: str, batch_size: int, grouped
         flops += 4 * hidden * vocab * rows + (2 * hidden * vocab * tokens if topk else 0)
     return {"loss": loss, "batch_size": batch_size, "grouped": grouped, "distill_topk": topk, "attention": attention,
             "steps": steps, "ms_per_step": round(1000 * seconds / steps, 1),
-            "anchor_blocks_per_s": round(blocks / seconds), "padding_share": round(1 - real / padded, 3),
+            "anchor_blocks_per_s": round(blocks / seconds), "token_padding_share": round(1 - real / padded, 3),
             "model_tflops_per_s": round(flops / seconds / 1e12, 1),
             "mfu": round(flops / seconds / PEAK_BF16_FLOPS, 4),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if on_gpu else None}
@@ -208,7 +208,7 @@ def main() -> None:
             continue
         speedup = row["anchor_blocks_per_s"] / base if base else float("nan")
         print(f"{row['setting']:45s} {row['anchor_blocks_per_s']:9d} {speedup:7.2f} {row['ms_per_step']:8.1f} "
-              f"{row['mfu']:6.3f} {row['padding_share']:5.2f} {row['peak_gib'] or 0:6.1f}")
+              f"{row['mfu']:6.3f} {row['token_padding_share']:5.2f} {row['peak_gib'] or 0:6.1f}")
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
 

@@ -247,7 +247,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bf16", action="store_true", help="save the drafter's weights in bfloat16")
     p.add_argument("--max-shard-size", help="save the weights in shards of at most this size (e.g. 15MB)")
     p.add_argument("--group-by-length", action="store_true",
-                   help="batches of sequences of similar length, in random order (less padding)")
+                   help="batches of sequences of similar answer length, in random order (less padding)")
     p.add_argument("--distill-topk", type=int, default=0,
                    help="also learn the target's top-k distribution at each labelled row (0: hard labels only)")
     p.add_argument("--distill-weight", type=float, default=0.5,

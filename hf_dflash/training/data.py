@@ -298,10 +298,9 @@ class TrainingSequences(torch.utils.data.Dataset):
         ids, mask = self.data[self.keep[i]]
         return ids[: self.max_length], mask[: self.max_length]
 
-    def lengths(self) -> list[int]:
-        """Token count of every sequence, as cut."""
-        spans = self.data.offsets[1:] - self.data.offsets[:-1]
-        return [min(int(spans[i]), self.max_length) for i in self.keep]
+    def answer_lengths(self) -> list[int]:
+        """Answer (loss-mask) token count of every sequence, as cut: its number of anchor candidates, plus one."""
+        return [int(self[i][1].sum()) for i in range(len(self))]
 
 
 def collate_right_padded(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -318,7 +317,13 @@ def collate_right_padded(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
-    """A random order in which each run of `batch_size` indices has similar lengths: less right-padding per batch.
+    """A random order in which each run of `batch_size` indices has similar lengths: less padding per batch.
+
+    Training groups by answer length: a batch's anchor slots are as many as its longest answer has candidates, and
+    every slot is a block of drafter rows (about 90% of a step's FLOPs), while padded tokens cost only the target
+    forward. On a pool whose prompt and answer lengths vary independently (training_throughput.py's), grouping by
+    answer length left 1% of anchor slots and 30% of tokens as padding at batch 64, against 44% and 42% in random
+    order; grouping by sequence length left 37% and 1%.
 
     Shuffle all indices, sort each window of `batch_size * window_batches` by length (longest first), cut it into
     batches, and shuffle the batches. Deterministic in (seed, epoch); `set_epoch` picks the epoch, as the

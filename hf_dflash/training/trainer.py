@@ -57,7 +57,7 @@ class TrainingArguments:
     resume: str | None = None  # a checkpoint directory, or "latest" under out_dir/checkpoints
     save_bf16: bool = False  # write the final drafter weights in bfloat16
     max_shard_size: str | None = None  # e.g. "15MB": drafter weights in shards (files that must stay small)
-    group_by_length: bool = False  # batches of similar lengths (less padding), in a random order
+    group_by_length: bool = False  # batches of similar answer lengths (less padding), in a random order
     distill_topk: int = 0  # > 0: also learn the target's top-k distribution (see DFlashObjective)
     distill_weight: float = 0.5  # its weight against the hard label
     compile_loss: bool | None = None  # the loss's element-wise work through torch.compile; None: on GPU only
@@ -150,7 +150,7 @@ def train(
     dataset = TrainingSequences(data, args.max_length)
     order = dict(shuffle=True)
     if args.group_by_length:
-        order = dict(sampler=LengthGroupedSampler(dataset.lengths(), args.batch_size, args.seed))
+        order = dict(sampler=LengthGroupedSampler(dataset.answer_lengths(), args.batch_size, args.seed))
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, collate_fn=collate_right_padded, **order
     )
