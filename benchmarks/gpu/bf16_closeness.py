@@ -38,12 +38,14 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--target", default="smollm2", help="a bundled target (stories260k for a CPU smoke run)")
+    parser.add_argument("--device", default="cuda", help="cpu runs float32: a smoke run of the script only")
     args = parser.parse_args()
-    target, tokenizer = load_target("smollm2", "cuda")
-    drafter = DFlashDraftModel.from_pretrained(args.drafter).to("cuda", target.dtype)
+    target, tokenizer = load_target(args.target, args.device)
+    drafter = DFlashDraftModel.from_pretrained(args.drafter).to(args.device, target.dtype)
     rows = []
     for prompt in load_prompts(args.prompts)[: args.limit]:
-        ids = torch.tensor([encode_prompt(tokenizer, prompt)], device="cuda")
+        ids = torch.tensor([encode_prompt(tokenizer, prompt)], device=args.device)
         common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
         eager = target.generate(ids, **common)
         ours = target.generate(ids, assistant_model=drafter, **common)
@@ -53,7 +55,7 @@ def main() -> None:
                      "static_first_difference": first_difference(static, eager, ids.shape[1])})
         print(json.dumps(rows[-1]), flush=True)
     summary = {name: sum(r[f"{name}_first_difference"] is not None for r in rows) for name in ("dflash", "static")}
-    report = {**run_environment("cuda"), "drafter": args.drafter, "prompts": args.prompts, "outputs": len(rows),
+    report = {**run_environment(args.device), "target": args.target, "drafter": args.drafter, "prompts": args.prompts, "outputs": len(rows),
               "max_new_tokens": args.max_new_tokens, "differ_from_eager": summary, "rows": rows}
     print(f"of {len(rows)} outputs, differing from eager plain greedy: DFlash fast path {summary['dflash']}, "
           f"compiled static-cache generate {summary['static']}")
