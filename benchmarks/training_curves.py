@@ -3,8 +3,9 @@ the real (HumanEval) tau measured after a run as points.
 
 A run is a `train_log.jsonl` written by `hf-dflash train` (one line per --log-every steps: step, loss, simulated
 tau, anchor blocks and training seconds so far), or an older progress-bar log (carriage returns turned into
-newlines: `... 2>&1 | tr '\\r' '\\n' > run.log`), which has steps only: give it the anchor blocks per step and
-the seconds per step to place it on the same axes (`LABEL=LOG@BLOCKS_PER_STEP@SECONDS_PER_STEP`). A run that
+newlines: `... 2>&1 | tr '\\r' '\\n' > run.log`) or a run of an earlier report of this script
+(`REPORT.json#RUN_LABEL`, steps, loss and tau per step), which have steps only: give them the anchor blocks per
+step and the seconds per step to place them on the same axes (`LABEL=LOG@BLOCKS_PER_STEP@SECONDS_PER_STEP`). A run that
 continues another starts where that one ended: `--offset LABEL=BLOCKS@SECONDS`. Real tau: `--tau
 "LABEL=TAU@BLOCKS@SECONDS"` (a point per measurement).
 
@@ -29,11 +30,18 @@ def parse_progress_log(path: Path, blocks_per_step: float, seconds_per_step: flo
         if match := STEP.match(line):
             steps[int(match[1])] = (float(match[3]), float(match[4]))
     order = sorted(steps)
+    return steps_to_rows(order, [steps[s][0] for s in order], [steps[s][1] for s in order], blocks_per_step,
+                         seconds_per_step)
+
+
+def steps_to_rows(steps: list[int], loss: list[float], tau: list[float], blocks_per_step: float,
+                  seconds_per_step: float) -> list[dict]:
+    """Per-step values as 50-step means, placed by anchor blocks and seconds."""
     rows = []
-    for i, step in enumerate(order):
-        window = [steps[s] for s in order[max(0, i - WINDOW + 1) : i + 1]]
-        rows.append({"step": step, "loss": sum(w[0] for w in window) / len(window),
-                     "tau": sum(w[1] for w in window) / len(window), "anchor_blocks": step * blocks_per_step,
+    for i, step in enumerate(steps):
+        window = slice(max(0, i - WINDOW + 1), i + 1)
+        rows.append({"step": step, "loss": sum(loss[window]) / len(loss[window]),
+                     "tau": sum(tau[window]) / len(tau[window]), "anchor_blocks": step * blocks_per_step,
                      "wall_time_s": step * seconds_per_step})
     return rows
 
@@ -43,6 +51,10 @@ def parse_run(spec: str) -> tuple[str, list[dict]]:
     path, *scale = rest.split("@")
     if path.endswith(".jsonl"):
         return label, [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if "#" in path:  # a run of an earlier report: {label: {"steps", "loss", "tau"}}
+        report, _, key = path.partition("#")
+        run = json.loads(Path(report).read_text())[key]
+        return label, steps_to_rows(run["steps"], run["loss"], run["tau"], float(scale[0]), float(scale[1]))
     return label, parse_progress_log(Path(path), float(scale[0]), float(scale[1]))
 
 

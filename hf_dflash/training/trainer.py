@@ -187,6 +187,7 @@ def train(
         saved.save_pretrained(out_dir, **shards)
         final_loss, final_tau = _means(recent)
         wall = progress_state()["wall_time_s"]
+        command = args.extra.get("command", portable_command(sys.argv))
         run = {
             "steps": step,
             "anchor_blocks": anchor_blocks,
@@ -199,7 +200,7 @@ def train(
             "final_tau": final_tau,
         }
         record = {
-            "command": args.extra.get("command", portable_command(sys.argv)),
+            "command": command,
             **{k: v for k, v in asdict(args).items() if k != "extra"},
             "out_dir": portable_path(str(args.out_dir)),
             "resume": args.resume and portable_path(str(args.resume)),
@@ -211,9 +212,7 @@ def train(
             **{k: v for k, v in args.extra.items() if k not in ("command", "data", "history")},
             **run,
             # One entry per run that shaped these weights, this one last (a resumed run is the same run).
-            "history": [*args.extra.get("history", []), {"command": args.extra.get("command",
-                                                                                  portable_command(sys.argv)),
-                                                         **run}],
+            "history": [*args.extra.get("history", []), {"command": command, **run}],
         }
         (out_dir / "training_args.json").write_text(json.dumps(record, indent=2))
 
