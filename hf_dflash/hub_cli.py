@@ -110,7 +110,8 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"block       {config.block_size}, mask token {config.mask_token_id}, vocabulary {config.vocab_size}")
     published = published_drafters().get(args.drafter)
     if published is not None:
-        print(f"published   https://huggingface.co/{published.repo_id}; config values from: {published.source}")
+        print(f"published   https://huggingface.co/{published.repo_id}/blob/main/config.json")
+        print(f"values from {published.source}")
         for note in published.unverified:
             print(f"unverified  {note}")
     if not args.target:

@@ -174,7 +174,7 @@ def test_info_on_a_published_drafter_answers_at_once_offline(capsys, unreachable
     assert time.perf_counter() - start < 5, "the Hub look-up retried instead of answering from hub_configs/"
     out = capsys.readouterr().out
     assert "target      Qwen/Qwen3-8B" in out and "block       16, mask token 151669" in out
-    assert f"https://huggingface.co/{PUBLISHED}" in out
+    assert f"https://huggingface.co/{PUBLISHED}/blob/main/config.json" in out and "find_string" not in out
 
 
 def test_info_prints_the_target_recorded_in_training_args(small_drafter, tmp_path, capsys):
