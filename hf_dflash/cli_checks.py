@@ -280,8 +280,8 @@ def check_train(args: argparse.Namespace) -> None:
     if args.regenerated and Path(args.regenerated).is_dir():
         raise BadArgument(f"--regenerated {args.regenerated} is a folder; pass a .safetensors file")
     if args.resume == "latest":
-        if not (Path(args.out) / "checkpoints").is_dir():
-            raise BadArgument(f"--resume: {args.out}/checkpoints does not exist; train once before resuming")
+        if not any((Path(args.out) / "checkpoints").glob("step_*/trainer_state.json")):
+            raise BadArgument(f"--resume: no checkpoint under {args.out}/checkpoints yet; leave --resume out for a first run")
     elif args.resume is not None and not Path(args.resume).is_dir():
         raise BadArgument(f"--resume {args.resume}: no such checkpoint folder")
     check_prompts("--eval-prompts", args.eval_prompts)

@@ -88,6 +88,7 @@ def refused(argv, capsys) -> str:
         (["train", "--target", "smollm2", "--out", "o", "--prompts", "sharegpt:0"], "N in sharegpt:N must be"),
         (["train", "--target", "smollm2", "--out", "o", "--target-layer-ids", "1,1"], "--target-layer-ids must be"),
         (["train", "--target", "smollm2", "--out", "o", "--resume", "/nowhere"], "no such checkpoint folder"),
+        (["train", "--target", "smollm2", "--out", "o", "--resume"], "no checkpoint under o/checkpoints yet"),
         (["eval", "--target", "smollm2", "--drafter", "/nonexistent"], "--drafter /nonexistent: no such folder"),
         (["eval", "--target", "smollm2", "--drafter", "x", "--limit", "0"], "--limit must be at least 1"),
         (["convert", "/nonexistent", "out", "--to", "ours"], "/nonexistent is not a checkpoint folder"),
