@@ -127,11 +127,12 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[args.dtype]
     dtype_name = str(dtype).replace("torch.", "")
-    drafter_path = Path(args.drafter) if args.drafter else DEFAULT_DRAFTER
+    drafter_source = args.drafter or DEFAULT_DRAFTER
+    drafter_name = args.drafter or f"{DEFAULT_DRAFTER.name} (ours, shipped with hf-dflash)"
     say(f"loading the target {args.target} ({device}, {dtype_name}) ...")
     target, tokenizer = load_target(args.target, dtype, device)
-    say(f"loading the drafter {drafter_path} ...")
-    drafter = DFlashDraftModel.from_pretrained(drafter_path, dtype=dtype).to(device).eval()
+    say(f"loading the drafter {drafter_name} ...")
+    drafter = DFlashDraftModel.from_pretrained(drafter_source, dtype=dtype).to(device).eval()
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     dflash_settings = dict(dflash_verify_rows=args.verify_rows) if args.verify_rows else {}
     say("warming up (one short run of each) ...")
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     tau = sum(committed) / max(len(committed), 1)
     excluded = f" (timings exclude {printing_seconds:.2f} s of printing)" if live else ""
     print(
-        f"\ntarget {args.target} | drafter {drafter_path.name} | {device} {dtype_name} | DFlash on the {path}\n"
+        f"\ntarget {args.target} | drafter {drafter_name} | {device} {dtype_name} | DFlash on the {path}\n"
         f"tau (tokens per verify step): {tau:.2f}\n"
         f"plain generate: {new_tokens / plain_seconds:.1f} tok/s | DFlash: {new_tokens / dflash_seconds:.1f} tok/s | "
         f"speedup {plain_seconds / dflash_seconds:.2f}x{excluded}"
