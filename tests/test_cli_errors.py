@@ -169,6 +169,19 @@ def test_hf_hub_offline_is_honoured_without_a_connection(monkeypatch, unreachabl
     assert hf_dflash.hub.use_offline_hub_when_unreachable() == "HF_HUB_OFFLINE is set"
 
 
+def test_a_hub_that_does_not_answer_switches_to_offline_mode(monkeypatch, unreachable_hub):
+    """A firewall that drops packets: the probe's timeout decides, and later look-ups are offline at once."""
+    from huggingface_hub import constants
+
+    def silent(address, timeout):
+        assert timeout == hf_dflash.hub.HUB_CONNECT_TIMEOUT_S
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(hf_dflash.hub.socket, "create_connection", silent)
+    assert hf_dflash.hub.use_offline_hub_when_unreachable() == "127.0.0.1:9 cannot be reached: timed out"
+    assert constants.is_offline_mode()
+
+
 def test_info_on_a_published_drafter_answers_at_once_offline(capsys, unreachable_hub):
     start = time.perf_counter()
     assert main(["info", PUBLISHED]) == 0
