@@ -14,7 +14,7 @@ import hf_dflash.generate_cli
 import hf_dflash.hub
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.cli import main
-from tests.conftest import tiny_target
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
 
 PUBLISHED = "z-lab/Qwen3-8B-DFlash-b16"
 
@@ -231,3 +231,16 @@ def test_generate_streams_on_the_eager_loop_and_keeps_its_comparison(tmp_path, c
     # the streamed text is the decoded DFlash output: the words between the prompt line and the verdict
     streamed = captured.out.split("Once upon a time\n", 1)[1].split("[identical", 1)[0]
     assert streamed.strip(), "no text was streamed"
+
+
+def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
+    """On a GPU the warm-up asks for the fast path and reports the blocker when there is one. The fast path's step
+    also runs on a CPU (without a CUDA graph), so the branch is exercised here with the device name alone."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    prompt = {"input_ids": random_prompt(5), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    monkeypatch.setattr(hf_dflash.generate_cli, "encode", lambda tokenizer, text, device: prompt)
+    warm_up = hf_dflash.generate_cli.warm_up
+    assert warm_up(target, drafter, None, "cuda", {}) == "CUDA-graph fast path"
+    assert warm_up(target, drafter, None, "cuda", {"dflash_verify_rows": 2}) == "eager loop (dflash_verify_rows is set)"
+    assert warm_up(target, drafter, None, "cpu", {}) == "eager loop (the CUDA-graph fast path runs on a GPU)"
