@@ -95,8 +95,9 @@ class DFlashConfig(PreTrainedConfig):
         intermediate_size: width of the SwiGLU MLP.
         num_hidden_layers: number of drafter decoder layers.
         num_attention_heads / num_key_value_heads / head_dim: attention shape (GQA).
-        target_hidden_size: width of the target's hidden states (defaults to `hidden_size`, as in every published
-            drafter); `fc` maps `len(target_layer_ids) * target_hidden_size` features to `hidden_size`.
+        target_hidden_size: width of the target's hidden states; `fc` maps `len(target_layer_ids) *
+            target_hidden_size` features to `hidden_size`. It must equal `hidden_size` (its default): block tokens
+            are embedded with the target's embedding and drafts read through the target's lm_head, both that wide.
         num_target_layers: number of decoder layers of the target the drafter was built for.
         target_layer_ids: 0-based target decoder layers whose OUTPUTS are captured as context.
         block_size: tokens per drafted block, the anchor included (B).
@@ -225,6 +226,12 @@ class DFlashConfig(PreTrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def _validate_dflash_fields(self) -> None:
+        if self.target_hidden_size != self.hidden_size:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} differs from the target's {self.target_hidden_size}: a DFlash drafter "
+                "embeds its block with the target's embedding and drafts through the target's lm_head, so it is as "
+                f"wide as its target; set hidden_size={self.target_hidden_size}"
+            )
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (the anchor plus one mask row), got {self.block_size}")
         if len(self.layer_types) != self.num_hidden_layers:

@@ -80,6 +80,7 @@ def test_round_trip_through_dict():
         ({"layer_types": ["full_attention"]}, "layer_types"),
         ({"layer_types": ["sliding_attention"] * 5}, "sliding_window"),
         ({"num_key_value_heads": 5}, "multiple"),
+        ({"target_hidden_size": 2048}, "as wide as its target"),
         ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 40]}}, "outside the target"),
     ],
 )
