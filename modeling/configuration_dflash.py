@@ -60,7 +60,9 @@ def reference_config(model_type: str, fields: dict[str, Any]) -> PreTrainedConfi
     try:
         return AutoConfig.for_model(model_type, **given)
     except ValueError as error:
-        raise ValueError(f"this drafter config has model_type {model_type!r}, which transformers does not know: {error}")
+        raise ValueError(
+            f"this drafter config has model_type {model_type!r}, which this transformers does not know: {error}"
+        ) from error
     finally:
         logging.set_verbosity(verbosity)
 
@@ -191,33 +193,28 @@ class DFlashConfig(PreTrainedConfig):
                     f"this {layout} drafter config has no block_size (top level or in dflash_config), and its reader has "
                     "no default; add the drafter's block size to its config.json"
                 )
-        hidden_size, num_hidden_layers, num_attention_heads = (
-            resolved["hidden_size"], resolved["num_hidden_layers"], resolved["num_attention_heads"]
-        )
-        num_key_value_heads, head_dim = resolved["num_key_value_heads"], resolved["head_dim"]
-
-        self.hidden_size = hidden_size
+        self.hidden_size = resolved["hidden_size"]
         self.intermediate_size = resolved["intermediate_size"]
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.num_hidden_layers = resolved["num_hidden_layers"]
+        self.num_attention_heads = resolved["num_attention_heads"]
+        self.num_key_value_heads = resolved["num_key_value_heads"] or self.num_attention_heads
+        self.head_dim = resolved["head_dim"] or self.hidden_size // self.num_attention_heads
         self.hidden_act = resolved["hidden_act"]
         self.rms_norm_eps = resolved["rms_norm_eps"]
         self.max_position_embeddings = resolved["max_position_embeddings"]
         self.rope_parameters = dict(resolved["rope_parameters"]) if resolved["rope_parameters"] else None
         self.attention_bias = resolved["attention_bias"]
         self.attention_dropout = resolved["attention_dropout"]
-        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * self.num_hidden_layers
         self.sliding_window = sliding_window
         self.vocab_size = resolved["vocab_size"]
-        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
+        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else self.hidden_size
         self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
         if num_target_layers is None and self.target_layer_ids:
             num_target_layers = max(self.target_layer_ids) + 1
         self.num_target_layers = num_target_layers
         if self.target_layer_ids is None and num_target_layers is not None:
-            self.target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+            self.target_layer_ids = default_target_layer_ids(num_target_layers, self.num_hidden_layers)
         self.block_size = block_size if block_size is not None else 16
         self.mask_token_id = mask_token_id
         self.initializer_range = initializer_range
