@@ -19,7 +19,11 @@ from typing import Any
 
 from .modeling import DFlashConfig
 
-HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"
+# Installed, hub_configs/ is package data inside hf_dflash/ (pyproject.toml maps it there); in a checkout (an editable
+# install) it is the repository's top-level folder beside hf_dflash/.
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_INSTALLED_CONFIGS = _PACKAGE_DIR / "hub_configs"
+HUB_CONFIGS = _INSTALLED_CONFIGS if _INSTALLED_CONFIGS.is_dir() else _PACKAGE_DIR.parent / "hub_configs"
 
 
 @dataclass(frozen=True)
