@@ -14,10 +14,11 @@ accepted. Plain decoding never writes a row it does not keep, so what "keep" mea
   front after each step, so a sliding layer holds about W + B slots, as in plain decoding. gpt-oss's attention sinks
   are learned per-head logits, not cached rows, so no row is kept for them.
 - linear attention (Gated DeltaNet in Qwen3-Next / Qwen3.5: a conv state and a recurrent state per sequence, no rows
-  to crop): the verify runs each such layer one token at a time, through transformers' own single-token decode path
-  (the one plain decoding takes), and keeps the states after each of the B tokens; after acceptance every sequence
-  takes the states after its own last accepted token. Why this and not re-advancing from a snapshot:
-  benchmarks/NOTES.md, "Target families".
+  to crop): the verify runs each such layer over the block as transformers does (one chunk, continuing from the
+  states), after keeping the states from before the block and the layer's input rows; after acceptance the states
+  are put back and the layer runs again over each sequence's accepted rows only (one call per distinct acceptance
+  count of the batch). Why this and not keeping the states after every verified row: benchmarks/NOTES.md, "Target
+  families" (measured: about half the time and 1/B of the memory).
 
 `TargetCacheRollback` is the one object the decoding loop talks to about the target's cache.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,6 +98,19 @@ def rollback_problem(target: torch.nn.Module, cache: Any) -> str | None:
     return None
 
 
+@dataclass
+class BlockInput:
+    """A linear-attention layer's call in a verify: its forward, input rows (b, q, H) and other arguments, and its
+    states from before the block (conv (b, conv_dim, K), recurrent (b, heads, dk, dv))."""
+
+    forward: Any
+    hidden_states: torch.Tensor
+    args: tuple
+    kwargs: dict
+    conv_before: torch.Tensor
+    recurrent_before: torch.Tensor
+
+
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean (b, q, L) visibility as the additive (b, 1, q, L) mask every attention backend takes."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
@@ -129,8 +144,8 @@ class TargetCacheRollback:
         self.sliding_start = 0  # slots of the full layout that the sliding layers have dropped from their front
         layers = decoder_layers(target)
         self.linear_modules = {i: layers[i].linear_attn for i, kind in enumerate(self.kinds) if kind == LINEAR}
-        # Per linear layer, the (conv, recurrent) states after each row of the verify in flight.
-        self.verify_states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Per linear layer, what `rollback` needs of the verify in flight.
+        self.block_inputs: dict[int, BlockInput] = {}
 
     # ---- the verify forward ------------------------------------------------------------------------------------
 
@@ -154,13 +169,13 @@ class TargetCacheRollback:
 
     @contextlib.contextmanager
     def verifying(self) -> Iterator[None]:
-        """Inside the block, each linear-attention layer reads the verify's rows one at a time and keeps its states
-        after each; outside it, the layers are as transformers made them."""
-        self.verify_states = {i: [] for i in self.linear_modules}
+        """Inside the block, each linear-attention layer keeps its states from before the verify and its input rows,
+        for `rollback`; outside it, the layers are as transformers made them."""
+        self.block_inputs = {}
         # A forward set on the instance (accelerate's offload hooks) is put back as it was; else the class's.
         own = {i: module.__dict__.get("forward") for i, module in self.linear_modules.items()}
         for i, module in self.linear_modules.items():
-            module.forward = self._one_row_at_a_time(i, module.forward)
+            module.forward = self._remembering(i, module.forward)
         try:
             yield
         finally:
@@ -170,19 +185,13 @@ class TargetCacheRollback:
                 else:
                     module.forward = own[i]
 
-    def _one_row_at_a_time(self, layer: int, forward: Any) -> Any:
-        cache_layer = self.cache.layers[layer]
+    def _remembering(self, layer: int, forward: Any) -> Any:
+        states = self.cache.layers[layer]
 
         def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            # Every verify row is a real token (padding is only in the prompt): the padding mask is not needed.
-            kwargs.pop("attention_mask", None)
-            outputs = []
-            for row in range(hidden_states.shape[1]):
-                outputs.append(forward(hidden_states[:, row : row + 1], *args, **kwargs))
-                self.verify_states[layer].append(
-                    (cache_layer.conv_states[0].clone(), cache_layer.recurrent_states[0].clone())
-                )
-            return torch.cat(outputs, dim=1)
+            before = (states.conv_states[0].clone(), states.recurrent_states[0].clone())
+            self.block_inputs[layer] = BlockInput(forward, hidden_states, args, kwargs, *before)
+            return forward(hidden_states, *args, **kwargs)
 
         return run
 
@@ -203,17 +212,25 @@ class TargetCacheRollback:
         for row, taken in enumerate(accepted):  # rows a sequence rejected are masked out for good
             if taken < most:
                 attention_mask[row, taken - most :] = 0
-        index = torch.tensor(accepted)
-        for i, states in self.verify_states.items():
-            conv = torch.stack([c for c, _ in states])  # (q, b, conv_dim, K)
-            recurrent = torch.stack([r for _, r in states])  # (q, b, h, dk, dv)
-            rows = torch.arange(conv.shape[1])
-            layer = self.cache.layers[i]
-            layer.conv_states[0].copy_(conv[index.to(conv.device), rows.to(conv.device)])
-            layer.recurrent_states[0].copy_(recurrent[index.to(recurrent.device), rows.to(recurrent.device)])
-        self.verify_states = {}
+        for layer, block in self.block_inputs.items():
+            self._re_advance(self.cache.layers[layer], block, accepted)
+        self.block_inputs = {}
         self._drop_unseen_sliding_slots(attention_mask)
         return attention_mask
+
+    @staticmethod
+    def _re_advance(states: Any, block: BlockInput, accepted: list[int]) -> None:
+        """Put a linear layer's states back to before the block, then advance them over the accepted rows only: the
+        sequences that accepted the same count run together, through transformers' own forward of the layer."""
+        conv, recurrent = states.conv_states[0], states.recurrent_states[0]  # (b, ...) each, kept by the cache
+        kwargs = {name: value for name, value in block.kwargs.items() if name != "attention_mask"}  # no padding
+        for taken in sorted(set(accepted)):
+            rows = torch.tensor([row for row, a in enumerate(accepted) if a == taken], device=conv.device)
+            # the layer reads and updates the cache's tensors in place: give it these sequences' own copies
+            states.conv_states[0], states.recurrent_states[0] = block.conv_before[rows], block.recurrent_before[rows]
+            block.forward(block.hidden_states[rows, : taken + 1], *block.args, **kwargs)
+            conv[rows], recurrent[rows] = states.conv_states[0], states.recurrent_states[0]
+        states.conv_states[0], states.recurrent_states[0] = conv, recurrent
 
     def after_prefill(self, attention_mask: torch.Tensor) -> None:
         """The prompt's forward is done; attention_mask (b, P) is its mask."""
