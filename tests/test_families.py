@@ -13,6 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from hf_dflash import DFlashConfig
+from hf_dflash.hub import published_drafters
 from hf_dflash.modeling.dflash_capture import decoder_layers
 from hf_dflash.modeling.dflash_fast_path import FAST_PATH_FAMILIES
 from tests.conftest import VOCAB, random_prompt, tiny_drafter
@@ -218,3 +220,78 @@ def test_fast_path_treats_a_mistral_style_window_as_windowed():
         target.generate(
             random_prompt(5), max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True
         )
+
+
+def reference_draft_logits(target, drafter, context: torch.Tensor, anchor: int) -> torch.Tensor:
+    """The published drafters' attention restated plainly (z-lab's reference, vLLM): context rows at positions
+    0..c-1, the block at c..c+B-1; a full layer's rows see everything, a sliding layer's row at position p sees
+    positions p - W + 1 .. p only. context (c, k*H) -> draft logits (B - 1, V)."""
+    block = drafter.config.block_size
+    rows = context.shape[0] + block
+    query = torch.arange(context.shape[0], rows)[:, None]
+    behind = query - torch.arange(rows)[None, :]  # (B, c + B)
+    sliding = (behind >= 0) & (behind < drafter.config.sliding_window)
+    block_ids = torch.tensor([[anchor] + [drafter.config.mask_token_id] * (block - 1)])
+    hidden = drafter(
+        noise_embeds=target.get_input_embeddings()(block_ids),
+        context_hidden_states=context[None],
+        position_ids=torch.arange(rows)[None],
+        attention_mask={"full_attention": None, "sliding_attention": sliding[None, None]},
+    ).last_hidden_state
+    return target.get_output_embeddings()(hidden[0, 1:])
+
+
+@torch.no_grad()
+def test_drafter_sliding_window_matches_the_reference():
+    """A drafter with a sliding layer whose window binds (3 < context + block) drafts, through the runtime's paged
+    cache, exactly the logits of the reference semantics, and differently from the same weights unwindowed."""
+    from hf_dflash import DFlashCandidateGenerator
+
+    target = family_target("qwen3", seed=6)
+    layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    drafter = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **layout)
+    context_rows = 9
+    generator = DFlashCandidateGenerator(drafter, target, 1, max_length=32, max_rows=context_rows)
+    generator.capture_rows(context_rows)
+    generator.scratch[0, :context_rows].copy_(torch.randn(context_rows, generator.scratch.shape[-1]))
+    generator.commit_prefill(torch.ones(1, context_rows, dtype=torch.long))
+    context = generator.scratch[0, :context_rows].clone()
+    _, logits = generator.get_candidates(torch.tensor([[5]]))
+    expected = reference_draft_logits(target, drafter, context, anchor=5)
+    torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
+    unwindowed = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **dict(layout, sliding_window=100))
+    assert not torch.allclose(reference_draft_logits(target, unwindowed, context, anchor=5), expected, atol=1e-3)
+
+
+def published_target_family(target_name: str) -> str:
+    """The family of a published drafter's target, by its Hub name."""
+    name = target_name.lower()
+    for marker, family in (
+        ("llama", "llama"), ("gpt-oss", "gpt_oss"), ("coder-next", "qwen3_next"), ("coder-30b", "qwen3_moe"),
+        ("-a3b", "qwen3_5_moe"), ("-a10b", "qwen3_5_moe"), ("qwen3.5", "qwen3_5"), ("qwen3.6", "qwen3_5"),
+    ):
+        if marker in name:
+            return family
+    return "qwen3"
+
+
+@pytest.mark.parametrize("repo_id", sorted(published_drafters()))
+def test_published_layout_runs_on_its_target_family(repo_id):
+    """Each published drafter's layout (depth, layer_types, RoPE, attention bias, block size; widths shrunk and a
+    window of 5 so that it binds) drafts for a tiny target of its target's family, losslessly."""
+    entry = published_drafters()[repo_id]
+    published = DFlashConfig(**entry.config)
+    target = family_target(published_target_family(entry.target), seed=8)
+    drafter = tiny_drafter(
+        target, seed=9, num_layers=published.num_hidden_layers, block_size=published.block_size,
+        layer_types=published.layer_types, sliding_window=5 if published.sliding_window else None,
+        rope_parameters=published.rope_parameters, attention_bias=published.attention_bias,
+    )
+    prompt = random_prompt(6, seed=8)
+    plain = target.generate(prompt, max_new_tokens=16, do_sample=False)
+    with oracle_drafts(plain, wrong_every=5):
+        out = target.generate(
+            prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+        )
+    assert torch.equal(out.sequences, plain)
+    assert drafter.config.layer_types == published.layer_types
