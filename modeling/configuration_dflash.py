@@ -160,6 +160,11 @@ class DFlashConfig(PreTrainedConfig):
         # `hidden_states` indices, where index 0 is the embedding output: their id is ours + 1.
         if target_layer_ids is None and "aux_hidden_state_layer_ids" in kwargs:
             target_layer_ids = [i - 1 for i in kwargs.pop("aux_hidden_state_layer_ids")]
+        # A causality override for every layer: z-lab's newest reference, vLLM and SGLang read a top-level `is_causal`,
+        # vLLM also `dflash_config.causal` (the top-level one wins). Checked against the layer types below, not kept.
+        declared_causal = kwargs.pop("is_causal", None)
+        if declared_causal is None:
+            declared_causal = nested.get("causal")
 
         # Fields the file left out take the defaults of its layout's reader (see the module docstring).
         given = dict(
@@ -220,6 +225,7 @@ class DFlashConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         self.target_model = target_model
         self._validate_dflash_fields()  # before the base class, whose own checks give vaguer messages
+        self._check_declared_causality(declared_causal)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def _validate_dflash_fields(self) -> None:
@@ -251,6 +257,25 @@ class DFlashConfig(PreTrainedConfig):
                 raise ValueError(
                     f"target_layer_ids {bad} are outside the target's {self.num_target_layers} layers (0-based)"
                 )
+
+    def _check_declared_causality(self, declared_causal: bool | None) -> None:
+        """What we run: a sliding layer is causal (a block row sees the `sliding_window` positions up to its own), a
+        full layer bidirectional (block rows see each other). A config that declares one causality for every layer
+        asks for something else as soon as one layer's type disagrees with it; it is refused rather than run
+        differently from the reader it was published for."""
+        if declared_causal is None:
+            return
+        differing = [
+            i for i, kind in enumerate(self.layer_types) if (kind == "sliding_attention") != bool(declared_causal)
+        ]
+        if differing:
+            kind = "causal" if declared_causal else "bidirectional"
+            raise ValueError(
+                f"this drafter config makes every layer {kind} (is_causal or dflash_config.causal: {declared_causal}), "
+                f"but hf-dflash runs sliding layers causal and full layers bidirectional, so layers {differing} "
+                f"({', '.join(sorted({self.layer_types[i] for i in differing}))}) would compute differently here; "
+                "this drafter is not supported"
+            )
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Any:

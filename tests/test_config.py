@@ -89,6 +89,45 @@ def test_bad_configs_are_refused(fields, message):
         DFlashConfig(**{**ZLAB_QWEN3_8B, **fields})
 
 
+SLIDING_THEN_FULL = {"layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {**SLIDING_THEN_FULL, "is_causal": True},  # would make the full layer causal
+        {**SLIDING_THEN_FULL, "is_causal": False},  # would make the sliding layers bidirectional
+        {"is_causal": True},  # every layer full: all would be causal
+        {
+            **SLIDING_THEN_FULL,
+            "dflash_config": {**ZLAB_QWEN3_8B["dflash_config"], "causal": False},
+        },
+    ],
+)
+def test_declared_causality_we_do_not_run_is_refused(fields):
+    """z-lab's reference, vLLM and SGLang let `is_causal` (vLLM also `dflash_config.causal`) set every layer's
+    causality; we run sliding layers causal and full ones bidirectional, so any other pattern is refused."""
+    with pytest.raises(ValueError, match="hf-dflash runs sliding layers causal and full layers bidirectional"):
+        DFlashConfig(**{**ZLAB_QWEN3_8B, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"is_causal": False},  # every layer full: bidirectional, as we run them
+        {"layer_types": ["sliding_attention"] * 5, "sliding_window": 2048, "is_causal": True},
+        {"dflash_config": {**ZLAB_QWEN3_8B["dflash_config"], "causal": False}},
+        {**SLIDING_THEN_FULL, "is_causal": None},
+        # the top-level flag wins over dflash_config's, as in vLLM
+        {"is_causal": False, "dflash_config": {**ZLAB_QWEN3_8B["dflash_config"], "causal": True}},
+    ],
+)
+def test_declared_causality_we_run_is_read_and_not_kept(fields):
+    config = DFlashConfig(**{**ZLAB_QWEN3_8B, **fields})
+    assert config.layer_types == fields.get("layer_types", ["full_attention"] * 5)
+    assert "is_causal" not in config.to_dict() and "causal" not in config.to_dict()
+
+
 def test_for_target_copies_the_target_shape():
     target = Qwen3Config(
         vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=12, num_attention_heads=4,
