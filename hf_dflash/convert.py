@@ -18,10 +18,15 @@ speculators is then exact. A field a file leaves out takes the default of that l
 resolves zlab and native; here speculators' DFlashSpeculatorConfig and the transformers config of its decoder's
 model_type).
 
+Sliding-window layers are causal as we run them (a block row sees the window up to its own position, earlier block
+rows included), full layers bidirectional: speculators' `sliding_window_non_causal` is written false, and a zlab config
+that declares one causality for all its layers (`is_causal`, `dflash_config.causal`) is read only where that agrees.
+
 What a layout cannot represent is refused before anything is written, with the reason: the target's last layer, a
-sliding window that can cut context (speculators measure it from the block's anchor, we from each row), block-causal
-sliding layers, a captured embedding output (speculators' aux layer 0; we capture decoder-layer outputs). Files are
-written to a temporary folder that becomes the output folder only once complete.
+sliding window that can cut context (speculators measure it from the block's anchor, we from each row), sliding layers
+bidirectional inside a block (speculators' `sliding_window_non_causal: true`), a captured embedding output
+(speculators' aux layer 0; we capture decoder-layer outputs). Files are written to a temporary folder that becomes the
+output folder only once complete.
 """
 
 from __future__ import annotations
@@ -62,15 +67,16 @@ DECODER_FIELDS = (
 )
 # Why a sliding window that can cut context does not convert between our layout and speculators, either way.
 WINDOW_MISMATCH = (
-    "speculators measure a window from the block's anchor (every block row sees the sliding_window context rows "
-    "before it) and hf-dflash, as transformers' sliding attention does, from each row's own position (block row k "
-    "sees the keys within sliding_window of anchor + k), so the two differ as soon as the context outgrows the window. "
-    "Only a window of at least max_position_embeddings, which never cuts anything, converts"
+    "speculators window the context from the block's anchor (every block row sees the sliding_window context rows "
+    "before the anchor, then the block rows up to its own) while hf-dflash, as vLLM and z-lab's reference do, windows "
+    "each row from its own position (block row k sees positions anchor + k - sliding_window + 1 to anchor + k), so "
+    "they see different context rows once the context outgrows the window. Only a window of at least "
+    "max_position_embeddings, which never cuts anything, converts"
 )
 # Fields of a zlab or native config besides the decoder ones: its layout (model_type), RoPE as written, DFlash fields.
 LAYOUT_FIELDS = (
     "model_type", "rope_parameters", "rope_theta", "rope_scaling", "num_target_layers", "target_model", "dflash_config",
-    "block_size", "mask_token_id", "target_layer_ids",
+    "block_size", "mask_token_id", "target_layer_ids", "is_causal",
 )
 # Defaults of vLLM speculators' DFlashSpeculatorConfig (speculators 0.9.0) for the fields read here.
 SPECULATORS_DEFAULTS = {"block_size": 8, "draft_vocab_size": 32000, "sliding_window_non_causal": False,
@@ -211,10 +217,11 @@ def _speculators_fields(config: dict[str, Any]) -> dict[str, Any]:
     sliding = [t == "sliding_attention" for t in (getattr(layer, "layer_types", None) or [])]
     if any(sliding) and layer.sliding_window is None:
         fields.update(layer_types=["full_attention"] * layer.num_hidden_layers, sliding_window=None)
-    elif any(sliding) and not config["sliding_window_non_causal"]:
+    elif any(sliding) and config["sliding_window_non_causal"]:
         raise ValueError(
-            "this speculators drafter's sliding-window layers are causal inside a block (sliding_window_non_causal: "
-            "false); hf-dflash drafters let every block row see the whole block, so it has no hf-dflash equivalent"
+            "this speculators drafter's sliding-window layers let every block row see the whole block "
+            "(sliding_window_non_causal: true); hf-dflash runs sliding layers causally (a block row sees the rows up "
+            "to its own), as speculators' default, vLLM and z-lab's reference do, so it has no hf-dflash equivalent"
         )
     elif any(sliding) and layer.sliding_window < layer.max_position_embeddings:
         raise ValueError(f"this speculators drafter has sliding-window layers; {WINDOW_MISMATCH}")
@@ -343,8 +350,8 @@ def _speculators_config(
         "num_target_layers": config.num_target_layers,  # not a speculators field: kept so a conversion back is exact
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "mask_token_id": config.mask_token_id,
-        # Our block rows see each other in every layer; speculators' default (false) makes sliding layers causal.
-        "sliding_window_non_causal": True,
+        # Our sliding layers are causal inside the block too (full layers bidirectional), as speculators' default.
+        "sliding_window_non_causal": False,
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": "dflash",

@@ -191,7 +191,7 @@ def speculators_load_problems(folder) -> list[str]:
       [vocab, H], lm_head [draft_vocab_size, H]; t2d/d2t when draft_vocab_size differs from vocab; decoder layers
       shaped as Qwen3 layers.
     - A "sliding_attention" layer gets a window only if that config keeps one (Qwen3Config needs use_sliding_window),
-      and is causal inside a block unless sliding_window_non_causal is true.
+      and is causal inside a block, as ours are, unless sliding_window_non_causal is true.
     - aux_hidden_state_layer_ids count hidden_states (0 = the embedding output)."""
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
@@ -224,8 +224,8 @@ def speculators_load_problems(folder) -> list[str]:
     if "sliding_attention" in (layer.layer_types or []):
         if layer.sliding_window is None:
             problems.append("sliding layers without a window (dropped by the decoder config)")
-        if not config.get("sliding_window_non_causal", False):
-            problems.append("sliding layers causal inside a block")
+        if config.get("sliding_window_non_causal", False):
+            problems.append("sliding layers bidirectional inside a block")
     return problems
 
 
@@ -268,11 +268,33 @@ def test_sliding_window_that_never_cuts_converts_to_speculators(saved, tmp_path)
     drafter = sliding_drafter(target, window=target.config.max_position_embeddings)
     drafter.save_pretrained(tmp_path / "ours")
     conversion.convert(tmp_path / "ours", tmp_path / "spec", "speculators", target=saved / "target")
-    assert speculators_load_problems(tmp_path / "spec") == []  # window kept, block rows see each other
+    assert speculators_load_problems(tmp_path / "spec") == []  # window kept, sliding layers causal as ours
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
-    assert config["transformer_layer_config"]["use_sliding_window"] and config["sliding_window_non_causal"]
+    assert config["transformer_layer_config"]["use_sliding_window"] is True
+    assert config["sliding_window_non_causal"] is False
     conversion.convert(tmp_path / "spec", tmp_path / "back", "ours")
     assert_same_drafter(conversion.load(tmp_path / "ours"), conversion.load(tmp_path / "back"))
+    # A speculators file that leaves the flag to its default (false: causal sliding layers) reads the same.
+    del config["sliding_window_non_causal"]
+    assert conversion.core_fields(conversion.config_from_layout(config)) == conversion.core_fields(drafter.config)
+
+
+def test_speculators_bidirectional_sliding_layers_are_refused(saved, tmp_path):
+    """speculators' sliding_window_non_causal: true lets every block row of a sliding layer see the whole block; we run
+    sliding layers causally, so such a drafter would draft differently here: refused before anything is written."""
+    target = tiny_target("qwen3")
+    drafter = sliding_drafter(target, window=target.config.max_position_embeddings)
+    config, _ = write_speculators_checkpoint(tmp_path / "theirs", saved / "target", drafter, draft_vocab_size=100)
+    config["transformer_layer_config"]["use_sliding_window"] = True
+    (tmp_path / "theirs" / "config.json").write_text(json.dumps({**config, "sliding_window_non_causal": True}))
+    with pytest.raises(ValueError, match="sliding_window_non_causal: true"):
+        conversion.convert(tmp_path / "theirs", tmp_path / "ours", "ours")
+    assert not (tmp_path / "ours").exists()
+    # The flag only concerns sliding layers: a drafter of full layers alone converts whatever it says.
+    full = tiny_drafter(target)
+    config, _ = write_speculators_checkpoint(tmp_path / "full", saved / "target", full, draft_vocab_size=100)
+    read = conversion.config_from_layout({**config, "sliding_window_non_causal": True})
+    assert conversion.core_fields(read) == conversion.core_fields(conversion.config_from_layout(config))
 
 
 def test_sliding_window_that_cuts_context_is_refused_both_ways(saved, tmp_path):
@@ -282,19 +304,30 @@ def test_sliding_window_that_cuts_context_is_refused_both_ways(saved, tmp_path):
         conversion.convert(tmp_path / "ours", tmp_path / "spec", "speculators", target=saved / "target")
     assert not (tmp_path / "spec").exists()
 
-    # The same drafter as a speculators checkpoint (written by hand) is refused on the way in, for the same reason,
-    # and so is one whose sliding layers are causal inside a block.
+    # The same drafter as a speculators checkpoint (written by hand, causal sliding layers as ours) is refused on the
+    # way in, for the same reason.
     drafter = sliding_drafter(target, window=8)
     config, _ = write_speculators_checkpoint(tmp_path / "theirs", saved / "target", drafter, draft_vocab_size=100)
     config["transformer_layer_config"]["use_sliding_window"] = True
-    config["sliding_window_non_causal"] = True
+    assert config["sliding_window_non_causal"] is False
     with pytest.raises(ValueError, match="from the block's anchor"):
         conversion.config_from_layout(config)
-    with pytest.raises(ValueError, match="causal inside a block"):
-        conversion.config_from_layout({**config, "sliding_window_non_causal": False})
     # Without use_sliding_window, speculators' Qwen3Config drops the window: those layers attend to everything.
     del config["transformer_layer_config"]["use_sliding_window"]
     assert conversion.config_from_layout(config).layer_types == ["full_attention"] * 2
+
+
+def test_zlab_config_that_declares_other_causality_is_refused(saved, tmp_path):
+    """z-lab's reference and vLLM read a top-level `is_causal` as every layer's causality; with a sliding and a full
+    layer, `true` makes the full layer causal, which we do not run: refused when read, nothing written."""
+    target = tiny_target("qwen3")
+    sliding_drafter(target, window=8).save_pretrained(tmp_path / "ours")
+    conversion.convert(tmp_path / "ours", tmp_path / "zlab", "zlab")
+    config = json.loads((tmp_path / "zlab" / "config.json").read_text())
+    (tmp_path / "zlab" / "config.json").write_text(json.dumps({**config, "is_causal": True}))
+    with pytest.raises(ValueError, match=r"layers \[1\] \(full_attention\) would compute differently"):
+        conversion.convert(tmp_path / "zlab", tmp_path / "back", "ours")
+    assert not (tmp_path / "back").exists()
 
 
 def test_speculators_embedding_output_layer_is_refused(saved, tmp_path):
