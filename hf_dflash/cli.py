@@ -1,18 +1,37 @@
-"""`hf-dflash`: the command line. Each subcommand lives with the part it drives and registers itself here."""
+"""`hf-dflash`: the command line. Each subcommand lives with the part it drives and registers itself here.
+
+Every argument is checked (`cli_checks.py`) before any model loads. A bad one is one line on stderr that names the
+fix, with exit status 2 (argparse's convention); an error after that (while loading or generating) is one line with
+exit status 1. `HF_DFLASH_DEBUG=1` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import NoReturn
 
 from . import bench, generate_cli, hub_cli
+from .cli_checks import BadArgument, check_arguments, describe_failure
 from .training import cli as training_cli
+
+DEBUG_ENV = "HF_DFLASH_DEBUG"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (`hf-dflash generate: error: ...`) instead of usage + error.
+    Subparsers are made of the same class, so this covers every subcommand."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="hf-dflash",
         description="DFlash speculative decoding for Hugging Face transformers.",
+        epilog=f"Bad arguments are refused before any model loads; {DEBUG_ENV}=1 shows tracebacks.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate_cli.register(subparsers)
@@ -24,7 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    prog = f"hf-dflash {args.command}"
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        check_arguments(args)
+    except BadArgument as error:
+        if debug:
+            raise
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None  # as argparse does for the errors it finds itself
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # the top of the program: one line for the user, the traceback on request
+        if debug:
+            raise
+        print(f"{prog}: error: {describe_failure(error)} ({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

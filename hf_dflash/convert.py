@@ -12,15 +12,31 @@ Every layout holds the same drafter tensors (fc, hidden_norm, layers.*, norm); t
   the lm_head cut to a reduced draft vocabulary when there is one, with `d2t` (target id = draft id + d2t[draft id])
   and `t2d` (which target ids the draft vocabulary keeps).
 Our drafter borrows the target's embedding and lm_head, so writing `speculators` needs the target's weights
-(`target=`). A reduced draft vocabulary's maps are kept in our layout as `draft_vocab.safetensors` (the config
-records `draft_vocab_size`): our runtime drafts over the full vocabulary and does not read them, but a conversion
-back to speculators is then exact.
+(`target=`). A reduced draft vocabulary's maps are kept in our layout as `draft_vocab.safetensors` (the config records
+`draft_vocab_size`): our runtime drafts over the full vocabulary and does not read them, but a conversion back to
+speculators is then exact. A field a file leaves out takes the default of that layout's own reader (DFlashConfig
+resolves zlab and native; here speculators' DFlashSpeculatorConfig and the transformers config of its decoder's
+model_type).
+
+Sliding-window layers are causal as we run them (a block row sees the window up to its own position, earlier block
+rows included), full layers bidirectional: speculators' `sliding_window_non_causal` is written false, and a zlab config
+that declares one causality for all its layers (`is_causal`, `dflash_config.causal`) is read only where that agrees.
+
+What a layout cannot represent is refused before anything is written, with the reason: the target's last layer, a
+sliding window that can cut context (speculators measure it from the block's anchor, we from each row), sliding layers
+bidirectional inside a block (speculators' `sliding_window_non_causal: true`), a captured embedding output
+(speculators' aux layer 0; we capture decoder-layer outputs). Files are written to a temporary folder that becomes the
+output folder only once complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from .modeling import DFlashConfig, DFlashDraftModel
 
@@ -48,6 +65,22 @@ DECODER_FIELDS = (
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias", "attention_dropout", "layer_types",
     "sliding_window", "vocab_size",
 )
+# Why a sliding window that can cut context does not convert between our layout and speculators, either way.
+WINDOW_MISMATCH = (
+    "speculators window the context from the block's anchor (every block row sees the sliding_window context rows "
+    "before the anchor, then the block rows up to its own) while hf-dflash, as vLLM and z-lab's reference do, windows "
+    "each row from its own position (block row k sees positions anchor + k - sliding_window + 1 to anchor + k), so "
+    "they see different context rows once the context outgrows the window. Only a window of at least "
+    "max_position_embeddings, which never cuts anything, converts"
+)
+# Fields of a zlab or native config besides the decoder ones: its layout (model_type), RoPE as written, DFlash fields.
+LAYOUT_FIELDS = (
+    "model_type", "rope_parameters", "rope_theta", "rope_scaling", "num_target_layers", "target_model", "dflash_config",
+    "block_size", "mask_token_id", "target_layer_ids", "is_causal",
+)
+# Defaults of vLLM speculators' DFlashSpeculatorConfig (speculators 0.9.0) for the fields read here.
+SPECULATORS_DEFAULTS = {"block_size": 8, "draft_vocab_size": 32000, "sliding_window_non_causal": False,
+                        "sample_from_anchor": False}
 NATIVE_NAMES = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
 SPECULATORS_TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 SPECULATORS_VOCAB_TENSORS = ("d2t", "t2d")
@@ -64,8 +97,12 @@ class Drafter:
 
 
 def core_fields(config: DFlashConfig) -> dict[str, Any]:
-    """The fields that define the drafter (for comparing configs across layouts)."""
-    return {name: getattr(config, name) for name in CORE_FIELDS}
+    """The fields that define the drafter (for comparing configs across layouts). A window without sliding layers
+    changes nothing (and the native layout always has one), so it is left out then."""
+    fields = {name: getattr(config, name) for name in CORE_FIELDS}
+    if "sliding_attention" not in config.layer_types:
+        fields["sliding_window"] = None
+    return fields
 
 
 def detect_format(config: dict[str, Any]) -> str:
@@ -137,53 +174,71 @@ def target_vocab_tensors(target: str | os.PathLike, progress: bool = False) -> t
         raise ValueError(f"expected one *embed_tokens.weight in {target}, found {sorted(embed) or 'none'}")
     tensors = _read_tensors(files, progress, names)
     head = [k for k in names if k.endswith("lm_head.weight")]
-    # Tied targets (tie_word_embeddings) store no lm_head: it is the embedding.
-    lm_head = tensors[head[0]] if head else tensors[embed[0]]
+    # Tied targets (tie_word_embeddings) store no lm_head: it is the embedding. The speculators layout holds both, as
+    # two tensors (safetensors refuses to write tensors that share memory), hence a copy.
+    lm_head = tensors[head[0]] if head else tensors[embed[0]].clone()
     return tensors[embed[0]], lm_head, config
 
 
-def _rope_from_zlab(config: dict[str, Any]) -> dict[str, Any] | None:
-    """rope_parameters from z-lab's transformers-4.57 fields (rope_theta, rope_scaling), or as they are."""
-    if config.get("rope_parameters"):
-        return dict(config["rope_parameters"])
-    if "rope_theta" not in config:
-        return None
-    scaling = dict(config.get("rope_scaling") or {"rope_type": "default"})
-    scaling.setdefault("rope_type", scaling.pop("type", "default"))
-    return {**scaling, "rope_theta": config["rope_theta"]}
-
-
 def _dflash_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The flat fields of a zlab or native config that DFlashConfig takes."""
-    fields = {k: config[k] for k in DECODER_FIELDS + ("num_target_layers", "target_model") if k in config}
-    nested = config.get("dflash_config") or {}
-    for name in ("block_size", "mask_token_id", "target_layer_ids"):
-        value = config.get(name, nested.get(name))
-        if value is not None:
-            fields[name] = value
-    fields["rope_parameters"] = _rope_from_zlab(config)
-    return fields
+    """The fields of a zlab or native config that DFlashConfig takes, as written: DFlashConfig fills what is missing
+    with the defaults of that layout's reader (it names the layout by `model_type`)."""
+    return {k: config[k] for k in DECODER_FIELDS + LAYOUT_FIELDS if k in config}
+
+
+def _speculators_layer_config(config: dict[str, Any]) -> Any:
+    """The decoder config speculators builds from `transformer_layer_config`: the transformers config class of its
+    model_type (Qwen3Config without one), from every field written there, so its defaults apply as there."""
+    layer = dict(config["transformer_layer_config"])
+    return AutoConfig.for_model(layer.pop("model_type", "qwen3"), **layer)
 
 
 def _speculators_fields(config: dict[str, Any]) -> dict[str, Any]:
-    if config.get("sample_from_anchor"):
+    config = {**SPECULATORS_DEFAULTS, **config}
+    if config["sample_from_anchor"]:
         raise ValueError(
             "this speculators checkpoint predicts from the anchor row too (sample_from_anchor: true, as DSpark does); "
             "a DFlash drafter discards that row, so it cannot be converted"
         )
-    layer = config["transformer_layer_config"]
-    fields = {k: layer[k] for k in DECODER_FIELDS if k in layer}
-    fields["rope_parameters"] = _rope_from_zlab(layer)
+    aux_ids = config.get("aux_hidden_state_layer_ids")
+    if not aux_ids:
+        raise ValueError("this speculators config names no aux_hidden_state_layer_ids (the captured target layers)")
+    if 0 in aux_ids:
+        raise ValueError(
+            "aux_hidden_state_layer_ids contains 0, the target's embedding output (speculators count hidden_states: 0 is "
+            "the embedding output, k the output of decoder layer k - 1). hf-dflash captures decoder-layer outputs only, "
+            "so this drafter has no hf-dflash equivalent"
+        )
+    layer = _speculators_layer_config(config)
+    fields = {k: getattr(layer, k) for k in DECODER_FIELDS if hasattr(layer, k)}
+    fields["rope_parameters"] = dict(layer.rope_parameters)
+    # speculators gives a layer a window when its config keeps one: Qwen3Config drops `sliding_window` unless
+    # `use_sliding_window` is set, and then its "sliding" layers attend to everything, as full layers do.
+    sliding = [t == "sliding_attention" for t in (getattr(layer, "layer_types", None) or [])]
+    if any(sliding) and layer.sliding_window is None:
+        fields.update(layer_types=["full_attention"] * layer.num_hidden_layers, sliding_window=None)
+    elif any(sliding) and config["sliding_window_non_causal"]:
+        raise ValueError(
+            "this speculators drafter's sliding-window layers let every block row see the whole block "
+            "(sliding_window_non_causal: true); hf-dflash runs sliding layers causally (a block row sees the rows up "
+            "to its own), as speculators' default, vLLM and z-lab's reference do, so it has no hf-dflash equivalent"
+        )
+    elif any(sliding) and layer.sliding_window < layer.max_position_embeddings:
+        raise ValueError(f"this speculators drafter has sliding-window layers; {WINDOW_MISMATCH}")
+    if config.get("target_hidden_size") not in (None, layer.hidden_size):
+        raise ValueError(
+            f"target_hidden_size is {config['target_hidden_size']} but speculators sizes fc and the embedding by the "
+            f"drafter's hidden_size ({layer.hidden_size}); this checkpoint is inconsistent"
+        )
     fields.update(
         block_size=config["block_size"],
-        mask_token_id=config["mask_token_id"],
-        target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
+        mask_token_id=config.get("mask_token_id"),
+        target_layer_ids=[i - 1 for i in aux_ids],
         target_model=((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"),
     )
-    for name in ("num_target_layers", "target_hidden_size"):
-        if config.get(name) is not None:
-            fields[name] = config[name]
-    if config.get("draft_vocab_size", layer["vocab_size"]) != layer["vocab_size"]:
+    if config.get("num_target_layers") is not None:
+        fields["num_target_layers"] = config["num_target_layers"]
+    if config["draft_vocab_size"] != layer.vocab_size:
         fields["draft_vocab_size"] = config["draft_vocab_size"]
     return fields
 
@@ -282,17 +337,20 @@ def _native_config(config: DFlashConfig) -> dict[str, Any]:
 def _speculators_config(
     config: DFlashConfig, target: str | os.PathLike, target_config: dict[str, Any], draft_vocab_size: int
 ) -> dict[str, Any]:
+    layer = {"model_type": "qwen3", **_decoder_fields(config), "rope_parameters": config.rope_parameters}
+    if "sliding_attention" in config.layer_types:
+        layer["use_sliding_window"] = True  # Qwen3Config, which speculators builds from this dict, drops it otherwise
     return {
         "architectures": ["DFlashSpeculator"],
         "speculators_model_type": "dflash",
-        "transformer_layer_config": {"model_type": "qwen3", **_decoder_fields(config),
-                                     "rope_parameters": config.rope_parameters},
+        "transformer_layer_config": layer,
         "draft_vocab_size": draft_vocab_size,
         "block_size": config.block_size,
         "target_hidden_size": config.target_hidden_size,
         "num_target_layers": config.num_target_layers,  # not a speculators field: kept so a conversion back is exact
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "mask_token_id": config.mask_token_id,
+        # Our sliding layers are causal inside the block too (full layers bidirectional), as speculators' default.
         "sliding_window_non_causal": False,
         "sample_from_anchor": False,
         "speculators_config": {
@@ -309,6 +367,14 @@ def _check_layout(layout: str, target: str | os.PathLike | None) -> None:
         raise ValueError(f"unknown layout {layout!r}; pick one of {', '.join(FORMATS)}")
     if layout == "speculators" and target is None:
         raise ValueError("the speculators layout holds the target's embedding and lm_head: pass the target (path/id)")
+
+
+def _check_speculators_window(config: DFlashConfig) -> None:
+    if "sliding_attention" in config.layer_types and config.sliding_window < config.max_position_embeddings:
+        raise ValueError(
+            f"the drafter has sliding-window layers (window {config.sliding_window}, positions up to "
+            f"{config.max_position_embeddings}); {WINDOW_MISMATCH}"
+        )
 
 
 def _check_speculators_target(config: DFlashConfig, embedding: torch.Tensor, target_config: dict[str, Any]) -> None:
@@ -331,42 +397,50 @@ def _write(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) 
     save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def save(
-    drafter: Drafter, out: str | os.PathLike, layout: str, target: str | os.PathLike | None = None,
-    progress: bool = False,
-) -> Path:
-    """Write `drafter` to folder `out` in `layout`. `speculators` needs `target` (path or Hub id) for the copies of
-    its embedding and lm_head that layout holds."""
-    _check_layout(layout, target)
+def _check_new_folder(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not empty; write the converted drafter to a new folder")
+
+
+@contextmanager
+def _staged_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` that becomes `out` when the block completes and is removed when it raises, so
+    a failed conversion leaves no partial folder."""
+    _check_new_folder(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield staging
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _write_layout(
+    drafter: Drafter, folder: Path, layout: str, target_vocab: tuple[torch.Tensor, torch.Tensor, dict] | None,
+    target: str | os.PathLike | None,
+) -> None:
+    """The files of `layout` in `folder`; `target_vocab` is what target_vocab_tensors read for speculators."""
     config = drafter.config
-    if layout in ("zlab", "native") and config.target_hidden_size != config.hidden_size:
-        raise ValueError(
-            f"the {layout} layout has no field for a target hidden size ({config.target_hidden_size}) different "
-            f"from the drafter's ({config.hidden_size}); keep this drafter in our layout"
-        )
-    if layout == "native" and config.attention_bias:
-        raise ValueError("transformers' Muse Glimmer assistant has no attention biases; this drafter has them")
-    if layout == "speculators":
-        embedding, lm_head, target_config = target_vocab_tensors(target, progress)
-        _check_speculators_target(config, embedding, target_config)
-    _check_exact(drafter)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     if layout == "ours":
         with torch.device("meta"):
             model = DFlashDraftModel(config)
         model.load_state_dict(drafter.tensors, strict=True, assign=True)
-        model.save_pretrained(out)
+        model.save_pretrained(folder)
         if drafter.draft_vocab is not None:
-            save_file(drafter.draft_vocab, str(out / DRAFT_VOCAB_FILE), metadata={"format": "pt"})
+            save_file(drafter.draft_vocab, str(folder / DRAFT_VOCAB_FILE), metadata={"format": "pt"})
     elif layout == "zlab":
-        _write(out, _zlab_config(config), drafter.tensors)
+        _write(folder, _zlab_config(config), drafter.tensors)
     elif layout == "native":
         renamed = dict(drafter.tensors)
         for ours, theirs in NATIVE_NAMES.items():
             renamed = {(theirs + k[len(ours):] if k.startswith(ours) else k): v for k, v in renamed.items()}
-        _write(out, _native_config(config), renamed)
+        _write(folder, _native_config(config), renamed)
     else:
+        embedding, lm_head, target_config = target_vocab
         tensors = {**drafter.tensors, "embed_tokens.weight": embedding}
         if drafter.draft_vocab is None:
             tensors["lm_head.weight"] = lm_head
@@ -375,7 +449,30 @@ def save(
             tensors.update(drafter.draft_vocab)
             tensors["lm_head.weight"] = lm_head[drafter.draft_vocab["t2d"].bool()]
             draft_vocab_size = drafter.draft_vocab["d2t"].shape[0]
-        _write(out, _speculators_config(config, target, target_config, draft_vocab_size), tensors)
+        _write(folder, _speculators_config(config, target, target_config, draft_vocab_size), tensors)
+
+
+def save(
+    drafter: Drafter, out: str | os.PathLike, layout: str, target: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write `drafter` to the new folder `out` in `layout`. `speculators` needs `target` (path or Hub id) for the copies
+    of its embedding and lm_head that layout holds. Everything that can refuse runs before anything is written, and the
+    files are written to a temporary folder that becomes `out` only when all are written."""
+    _check_layout(layout, target)
+    out = Path(out)
+    _check_new_folder(out)
+    config = drafter.config
+    if layout == "native" and config.attention_bias:
+        raise ValueError("transformers' Muse Glimmer assistant has no attention biases; this drafter has them")
+    target_vocab = None
+    if layout == "speculators":
+        _check_speculators_window(config)
+        target_vocab = target_vocab_tensors(target, progress)
+        _check_speculators_target(config, target_vocab[0], target_vocab[2])
+    _check_exact(drafter)
+    with _staged_folder(out) as folder:
+        _write_layout(drafter, folder, layout, target_vocab, target)
     return out
 
 

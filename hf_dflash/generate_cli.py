@@ -1,17 +1,23 @@
 """`hf-dflash generate`: the main job.
 
 Decodes prompts with a target and a DFlash drafter, and with the target alone, side by side in one process; prints
-the text, tau (tokens committed per verify step), the speedup, and whether the two outputs are identical.
+the text, tau (tokens committed per verify step), the speedup, and whether the two outputs are identical. It says
+which path DFlash takes (the CUDA-graph fast path or the eager loop); on the eager loop the text streams as it is
+committed and plain generate shows a progress bar, and the time spent printing is left out of the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from transformers import TextStreamer
+from transformers.generation.streamers import BaseStreamer
 
 from .modeling import DFlashDraftModel
 
@@ -58,48 +64,120 @@ def timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
+def say(message: str) -> None:
+    """What the job is doing, on stderr (stdout keeps the texts and figures)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+class TimedStreamer(BaseStreamer):
+    """Passes tokens on to `inner` and keeps the seconds spent there, which the timed figures leave out."""
+
+    def __init__(self, inner: BaseStreamer) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self.inner.put(value)
+        self.seconds += time.perf_counter() - start
+
+    def end(self) -> None:
+        start = time.perf_counter()
+        self.inner.end()
+        self.seconds += time.perf_counter() - start
+
+
+class TokenProgress(BaseStreamer):
+    """A progress bar of new tokens (generate first puts the prompt, which is not counted)."""
+
+    def __init__(self, total: int, description: str) -> None:
+        self.bar = tqdm(total=total, desc=description, unit="tok", leave=False, file=sys.stderr)
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.bar.update(value.numel())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.bar.close()
+
+
+def warm_up(target: Any, drafter: Any, tokenizer: Any, device: str, dflash_settings: dict[str, Any]) -> str:
+    """Run plain generate and DFlash once on a short prompt, so one-time costs (allocator, kernels, the CUDA-graph
+    capture) stay out of the timings, and say which path DFlash takes: the CUDA-graph fast path or the eager loop."""
+    warm = encode(tokenizer, "Hi", device)
+    settings = dict(max_new_tokens=4, do_sample=False)
+    target.generate(**warm, **settings)
+    if not device.startswith("cuda"):
+        target.generate(**warm, **settings, assistant_model=drafter, **dflash_settings)
+        return "eager loop (the CUDA-graph fast path runs on a GPU)"
+    try:
+        target.generate(**warm, **settings, assistant_model=drafter, dflash_fast_path=True, **dflash_settings)
+        return "CUDA-graph fast path"
+    except ValueError as refusal:
+        # The default call decides: it raises again if the call itself is wrong, not just the fast path.
+        target.generate(**warm, **settings, assistant_model=drafter, **dflash_settings)
+        return f"eager loop ({str(refusal).split('cannot serve this call: ')[-1]})"
+
+
 def run(args: argparse.Namespace) -> int:
+    """The arguments were checked by `cli_checks.check_generate` before this runs."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[args.dtype]
-    drafter_path = Path(args.drafter) if args.drafter else DEFAULT_DRAFTER
-    if not (drafter_path / "config.json").exists() and args.drafter is None:
-        raise SystemExit(f"the default drafter is missing from {drafter_path}; pass --drafter PATH")
+    dtype_name = str(dtype).replace("torch.", "")
+    drafter_source = args.drafter or DEFAULT_DRAFTER
+    drafter_name = args.drafter or f"{DEFAULT_DRAFTER.name} (ours, shipped with hf-dflash)"
+    say(f"loading the target {args.target} ({device}, {dtype_name}) ...")
     target, tokenizer = load_target(args.target, dtype, device)
-    drafter = DFlashDraftModel.from_pretrained(drafter_path, dtype=dtype).to(device).eval()
+    say(f"loading the drafter {drafter_name} ...")
+    drafter = DFlashDraftModel.from_pretrained(drafter_source, dtype=dtype).to(device).eval()
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     dflash_settings = dict(dflash_verify_rows=args.verify_rows) if args.verify_rows else {}
-    # One short warm-up of each path so one-time costs (allocator, kernels) stay out of the timings.
-    warm = encode(tokenizer, "Hi", device)
-    target.generate(**warm, max_new_tokens=4, do_sample=False)
-    target.generate(**warm, max_new_tokens=4, do_sample=False, assistant_model=drafter, **dflash_settings)
+    say("warming up (one short run of each) ...")
+    path = warm_up(target, drafter, tokenizer, device, dflash_settings)
+    # The fast path takes no streamer (a streamer sends DFlash to the eager loop), so it runs silently; the eager
+    # loop streams its text as it is committed, and plain generate shows a progress bar. The seconds spent printing
+    # are measured and left out of both timings.
+    live = not path.startswith("CUDA-graph")
+    say(f"DFlash decodes on the {path}" + ("; its text streams as it is committed" if live else ""))
 
-    plain_seconds = dflash_seconds = 0.0
+    prompts = args.prompt or DEFAULT_PROMPTS
+    plain_seconds = dflash_seconds = printing_seconds = 0.0
     new_tokens = 0
     committed: list[int] = []
-    for prompt in args.prompt or DEFAULT_PROMPTS:
+    for number, prompt in enumerate(prompts, 1):
         inputs = encode(tokenizer, prompt, device)
-        plain, seconds = timed(lambda: target.generate(**inputs, **settings))
-        plain_seconds += seconds
+        prompt_length = inputs["input_ids"].shape[1]
+        print(f"\n>>> [{number}/{len(prompts)}] {prompt}", flush=True)
+        progress = TimedStreamer(TokenProgress(args.max_new_tokens, "plain generate")) if live else None
+        plain, seconds = timed(lambda: target.generate(**inputs, **settings, streamer=progress))
+        plain_seconds += seconds - (progress.seconds if live else 0.0)
+        streamer = TimedStreamer(TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)) if live else None
         out, seconds = timed(
             lambda: target.generate(
-                **inputs, **settings, **dflash_settings, assistant_model=drafter, return_dict_in_generate=True
+                **inputs, **settings, **dflash_settings, assistant_model=drafter, return_dict_in_generate=True,
+                streamer=streamer,
             )
         )
-        dflash_seconds += seconds
-        new_tokens += out.sequences.shape[1] - inputs["input_ids"].shape[1]
+        dflash_seconds += seconds - (streamer.seconds if live else 0.0)
+        printing_seconds += progress.seconds + streamer.seconds if live else 0.0
+        new_tokens += out.sequences.shape[1] - prompt_length
         committed += out.acceptance_lengths[0]
-        text = tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        if not live:
+            print(tokenizer.decode(out.sequences[0, prompt_length:], skip_special_tokens=True))
         identical = torch.equal(plain, out.sequences)
-        print(f"\n>>> {prompt}\n{text}\n[identical to plain greedy generate: {identical}]")
+        print(f"[identical to plain greedy generate: {identical}]", flush=True)
         if not identical:
             raise SystemExit("DFlash output differs from plain greedy generate: please report this as a bug")
     tau = sum(committed) / max(len(committed), 1)
+    excluded = f" (timings exclude {printing_seconds:.2f} s of printing)" if live else ""
     print(
-        f"\ntarget {args.target} | drafter {drafter_path.name} | {device} {str(dtype).replace('torch.', '')}\n"
+        f"\ntarget {args.target} | drafter {drafter_name} | {device} {dtype_name} | DFlash on the {path}\n"
         f"tau (tokens per verify step): {tau:.2f}\n"
         f"plain generate: {new_tokens / plain_seconds:.1f} tok/s | DFlash: {new_tokens / dflash_seconds:.1f} tok/s | "
-        f"speedup {plain_seconds / dflash_seconds:.2f}x"
+        f"speedup {plain_seconds / dflash_seconds:.2f}x{excluded}"
     )
     return 0
 
@@ -111,7 +189,7 @@ def register(subparsers: Any) -> None:
         description=__doc__,
     )
     parser.add_argument("--target", default="smollm2", help="smollm2 | stories260k | a model path or Hub id")
-    parser.add_argument("--drafter", default=None, help=f"drafter directory (default: {DEFAULT_DRAFTER.name})")
+    parser.add_argument("--drafter", default=None, help=f"drafter folder or Hub id (default: ours, {DEFAULT_DRAFTER.name})")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); two built-in ones by default")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--verify-rows", type=int, default=None,

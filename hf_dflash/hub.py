@@ -2,11 +2,16 @@
 
 `import hf_dflash` registers them with `DFlashConfig.published_configs`, so `DFlashConfig.from_pretrained(repo_id)`
 answers for them where the Hub is out of reach and nothing is cached (config only: weights still come from the Hub).
+`use_offline_hub_when_unreachable` lets the command line find out at once that the Hub is out of reach, instead of
+after huggingface_hub's retries (about half a minute per file).
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import urllib.request
+from urllib.parse import urlparse
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -14,7 +19,11 @@ from typing import Any
 
 from .modeling import DFlashConfig
 
-HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"
+# Installed, hub_configs/ is package data inside hf_dflash/ (pyproject.toml maps it there); in a checkout (an editable
+# install) it is the repository's top-level folder beside hf_dflash/.
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_INSTALLED_CONFIGS = _PACKAGE_DIR / "hub_configs"
+HUB_CONFIGS = _INSTALLED_CONFIGS if _INSTALLED_CONFIGS.is_dir() else _PACKAGE_DIR.parent / "hub_configs"
 
 
 @dataclass(frozen=True)
@@ -56,4 +65,35 @@ def register_published_configs() -> None:
         DFlashConfig.published_configs[repo_id] = {**drafter.config, "target_model": drafter.target}
 
 
-__all__ = ["HUB_CONFIGS", "PublishedDrafter", "published_drafters", "register_published_configs"]
+# How long a connection to the Hub (or the proxy in front of it) may take before the Hub counts as out of reach.
+HUB_CONNECT_TIMEOUT_S = 3.0
+
+
+@cache
+def use_offline_hub_when_unreachable() -> str | None:
+    """Why the Hub is offline for this process (HF_HUB_OFFLINE, or no TCP connection within HUB_CONNECT_TIMEOUT_S),
+    or None when it can be reached. An unreachable Hub switches huggingface_hub to offline mode, so every later
+    look-up answers from the local cache (or hub_configs/) at once instead of retrying."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urlparse(constants.ENDPOINT)
+    proxy = urllib.request.getproxies().get(endpoint.scheme)
+    reach = urlparse(proxy) if proxy and not urllib.request.proxy_bypass(endpoint.hostname or "") else endpoint
+    port = reach.port or (443 if reach.scheme == "https" else 80)
+    try:
+        socket.create_connection((reach.hostname, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        constants.HF_HUB_OFFLINE = True  # read by huggingface_hub.is_offline_mode, which transformers asks too
+        return f"{reach.hostname}:{port} cannot be reached: {error.strerror or error}"
+    return None
+
+
+__all__ = [
+    "HUB_CONFIGS",
+    "PublishedDrafter",
+    "published_drafters",
+    "register_published_configs",
+    "use_offline_hub_when_unreachable",
+]

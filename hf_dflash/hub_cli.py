@@ -18,37 +18,23 @@ from typing import Any
 import torch
 
 from . import convert as conversion
+from .cli_checks import BUNDLED_TARGETS
 from .hub import published_drafters
 from .modeling import DFlashConfig, DFlashDraftModel
 from .modeling.dflash_decoding import fit_problems
 
 
-def _fail(command: str, message: str) -> SystemExit:
-    return SystemExit(f"hf-dflash {command}: {message}")
-
-
 def run_convert(args: argparse.Namespace) -> int:
+    """The arguments were checked by `cli_checks.check_convert`; a conversion error reaches the user as one line."""
     src, out = Path(args.src), Path(args.out)
-    if not (src / "config.json").is_file():
-        raise _fail("convert", f"{src} is not a checkpoint folder (no config.json)")
-    if out.exists() and any(out.iterdir()):
-        raise _fail("convert", f"{out} exists and is not empty; pick a new folder")
-    try:
-        conversion.convert(src, out, args.to, target=args.target, progress=True)
-    except (ValueError, FileNotFoundError) as error:
-        raise _fail("convert", str(error)) from error
+    conversion.convert(src, out, args.to, target=args.target, progress=True)
     source_layout = conversion.detect_format(json.loads((src / "config.json").read_text()))
     print(f"{src} ({source_layout}) -> {out} ({args.to})")
     return 0
 
 
 def run_push(args: argparse.Namespace) -> int:
-    if not Path(args.drafter).is_dir():
-        raise _fail("push", f"{args.drafter} is not a folder; push a drafter saved on this machine")
-    try:
-        drafter = DFlashDraftModel.from_pretrained(args.drafter)
-    except ValueError as error:
-        raise _fail("push", str(error)) from error
+    drafter = DFlashDraftModel.from_pretrained(args.drafter)
     card = dict(target_model=args.target_model, tau=args.tau)
     if args.dry_run:
         drafter.save_pretrained(args.dry_run, repo_id=args.repo_id, **card)
@@ -62,26 +48,40 @@ def run_push(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_drafter(name: str) -> tuple[DFlashConfig, str, str]:
-    """(our config, layout, where its weights are) for a local folder of any layout or a Hub id."""
+def _read_drafter(name: str) -> tuple[DFlashConfig, str, str, dict[str, Any]]:
+    """(our config, layout, where its weights are, its training record or {}) for a local folder of any layout or a
+    Hub id (offline: the Hub cache, else the published config in hub_configs/)."""
     folder = Path(name)
     if folder.is_dir():
         config = json.loads((folder / "config.json").read_text())
         has_weights = any(folder.glob("*.safetensors"))
+        record = folder / "training_args.json"
         return conversion.config_from_layout(config), conversion.detect_format(config), (
             "present" if has_weights else "missing from the folder"
-        )
+        ), json.loads(record.read_text()) if record.is_file() else {}
     from huggingface_hub import try_to_load_from_cache
 
     config = DFlashConfig.from_pretrained(name)
     cached = try_to_load_from_cache(name, "model.safetensors")
     weights = "cached" if isinstance(cached, str) else "not on this machine (from_pretrained downloads them from the Hub)"
-    return config, "Hub", weights
+    record = try_to_load_from_cache(name, "training_args.json")
+    return config, "Hub", weights, json.loads(Path(record).read_text()) if isinstance(record, str) else {}
+
+
+def recorded_target(config: DFlashConfig, training_args: dict[str, Any]) -> str:
+    """The target a drafter says it belongs to: its config's `target_model`, else the trainer's record."""
+    if config.target_model:
+        return config.target_model
+    target = training_args.get("target")
+    if not target:
+        return "not recorded"
+    bundled = f": hf-dflash's bundled {BUNDLED_TARGETS[target]}" if target in BUNDLED_TARGETS else ""
+    return f"{target} (recorded in training_args.json){bundled}"
 
 
 def _read_target(name: str) -> tuple[Any, int | None, int | None]:
     """(config, embedding rows, lm_head rows) of a target; rows are known only for the bundled offline models."""
-    if name in ("smollm2", "stories260k"):
+    if name in BUNDLED_TARGETS:
         from .generate_cli import load_target
 
         model, _ = load_target(name, torch.float32, "cpu")
@@ -92,15 +92,12 @@ def _read_target(name: str) -> tuple[Any, int | None, int | None]:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    try:
-        config, layout, weights = _read_drafter(args.drafter)
-    except (OSError, ValueError) as error:
-        raise _fail("info", f"cannot read the drafter {args.drafter}: {error}") from error
+    config, layout, weights, training_args = _read_drafter(args.drafter)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in DFlashDraftModel(config).parameters())
     attention = ", ".join(f"{config.layer_types.count(t)} {t}" for t in sorted(set(config.layer_types)))
     print(f"drafter     {args.drafter} ({layout}; weights {weights})")
-    print(f"target      {config.target_model or 'not recorded'}")
+    print(f"target      {recorded_target(config, training_args)}")
     print(
         f"shape       {config.num_hidden_layers} layers ({attention}), hidden {config.hidden_size}, "
         f"{config.num_attention_heads}/{config.num_key_value_heads} heads of {config.head_dim}, intermediate "
@@ -113,15 +110,13 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"block       {config.block_size}, mask token {config.mask_token_id}, vocabulary {config.vocab_size}")
     published = published_drafters().get(args.drafter)
     if published is not None:
-        print(f"published   config source: {published.source}")
+        print(f"published   https://huggingface.co/{published.repo_id}/blob/main/config.json")
+        print(f"values from {published.source}")
         for note in published.unverified:
             print(f"unverified  {note}")
     if not args.target:
         return 0
-    try:
-        target_config, embedding_rows, lm_head_rows = _read_target(args.target)
-    except (OSError, ValueError) as error:
-        raise _fail("info", f"cannot read the target {args.target}: {error}") from error
+    target_config, embedding_rows, lm_head_rows = _read_target(args.target)
     problems = fit_problems(config, target_config, embedding_rows, lm_head_rows)
     if problems:
         print(f"DOES NOT FIT {args.target}:")

@@ -6,6 +6,12 @@ One class reads every published layout of a DFlash drafter config:
 - transformers-native Muse Glimmer assistants (`block_size`, `mask_token_id`, `target_layer_ids` at the top level);
 - our own files, which keep the three DFlash fields at the top level.
 
+A field a file leaves out takes the default of the class that layout's own reader builds, so a drafter computes here
+what it computes there: z-lab's `DFlashDraftModel` (and vLLM speculators' `transformer_layer_config`) build the
+transformers config of the file's `model_type` (Qwen3Config: rope_theta 10000, head_dim 128, ...), transformers builds
+`MuseGlimmerAssistantConfig` for its assistant; only our own files (`model_type: "dflash"`, or a config built in code)
+take the defaults below.
+
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
@@ -14,10 +20,51 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from transformers import PreTrainedConfig
+from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
+
+# Defaults of a drafter config of our own layout (model_type "dflash", or built in code).
+DFLASH_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": None,  # hidden_size // num_attention_heads
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "rope_parameters": None,  # rope_theta DFlashConfig.default_theta
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "vocab_size": 151936,
+}
+# What the reference config class of another layout receives from a file, to resolve its defaults the way that
+# layout's reader does (rope_theta and rope_scaling into rope_parameters, with its own default theta). The attention
+# pattern stays out: only transformers' assistant takes its default from its class (see DFlashConfig.__init__).
+REFERENCE_INPUTS = (*DFLASH_DEFAULTS, "rope_theta", "rope_scaling")
+# The DFlash fields a reference class may define (transformers' Muse Glimmer assistant does; Qwen3Config does not).
+DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
+
+
+def reference_config(model_type: str, fields: dict[str, Any]) -> PreTrainedConfig:
+    """The transformers config that the reader of a `model_type` layout builds from `fields` (a config.json dict):
+    z-lab's DFlashDraftModel and speculators' `transformer_layer_config` use the config class of the file's model_type
+    (Qwen3Config for "qwen3"), transformers' assistant `MuseGlimmerAssistantConfig`. Its attributes are that reader's
+    values, defaults included."""
+    given = {k: v for k, v in fields.items() if k in REFERENCE_INPUTS and v is not None}
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its own checks (token ids past a scaled-down vocabulary) would only be noise here
+    try:
+        return AutoConfig.for_model(model_type, **given)
+    except ValueError as error:
+        raise ValueError(
+            f"this drafter config has model_type {model_type!r}, which this transformers does not know: {error}"
+        ) from error
+    finally:
+        logging.set_verbosity(verbosity)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -44,13 +91,15 @@ class DFlashConfig(PreTrainedConfig):
     The drafter is a stack of Qwen3-style decoder layers without embedding or lm_head: block tokens are embedded
     with the target's input embedding, and draft logits come from the target's lm_head.
 
-    Args:
+    Args (a decoder field left None takes the default of the layout named by `model_type`: `DFLASH_DEFAULTS` for ours,
+    the reference class's for a published layout; see the module docstring):
         hidden_size: width of the drafter's residual stream.
         intermediate_size: width of the SwiGLU MLP.
         num_hidden_layers: number of drafter decoder layers.
         num_attention_heads / num_key_value_heads / head_dim: attention shape (GQA).
-        target_hidden_size: width of the target's hidden states (defaults to `hidden_size`, as in every published
-            drafter); `fc` maps `len(target_layer_ids) * target_hidden_size` features to `hidden_size`.
+        target_hidden_size: width of the target's hidden states; `fc` maps `len(target_layer_ids) *
+            target_hidden_size` features to `hidden_size`. It must equal `hidden_size` (its default): block tokens
+            are embedded with the target's embedding and drafts read through the target's lm_head, both that wide.
         num_target_layers: number of decoder layers of the target the drafter was built for.
         target_layer_ids: 0-based target decoder layers whose OUTPUTS are captured as context.
         block_size: tokens per drafted block, the anchor included (B).
@@ -71,21 +120,21 @@ class DFlashConfig(PreTrainedConfig):
 
     def __init__(
         self,
-        hidden_size: int = 4096,
-        intermediate_size: int = 12288,
-        num_hidden_layers: int = 5,
-        num_attention_heads: int = 32,
-        num_key_value_heads: int | None = 8,
+        hidden_size: int | None = None,
+        intermediate_size: int | None = None,
+        num_hidden_layers: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
         head_dim: int | None = None,
-        hidden_act: str = "silu",
-        rms_norm_eps: float = 1e-6,
-        max_position_embeddings: int = 40960,
+        hidden_act: str | None = None,
+        rms_norm_eps: float | None = None,
+        max_position_embeddings: int | None = None,
         rope_parameters: dict[str, Any] | None = None,
-        attention_bias: bool = False,
-        attention_dropout: float = 0.0,
+        attention_bias: bool | None = None,
+        attention_dropout: float | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
-        vocab_size: int = 151936,
+        vocab_size: int | None = None,
         target_hidden_size: int | None = None,
         num_target_layers: int | None = None,
         target_layer_ids: list[int] | None = None,
@@ -111,37 +160,81 @@ class DFlashConfig(PreTrainedConfig):
         # `hidden_states` indices, where index 0 is the embedding output: their id is ours + 1.
         if target_layer_ids is None and "aux_hidden_state_layer_ids" in kwargs:
             target_layer_ids = [i - 1 for i in kwargs.pop("aux_hidden_state_layer_ids")]
+        # A causality override for every layer: z-lab's newest reference, vLLM and SGLang read a top-level `is_causal`,
+        # vLLM also `dflash_config.causal` (the top-level one wins). Checked against the layer types below, not kept.
+        declared_causal = kwargs.pop("is_causal", None)
+        if declared_causal is None:
+            declared_causal = nested.get("causal")
 
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
-        self.hidden_act = hidden_act
-        self.rms_norm_eps = rms_norm_eps
-        self.max_position_embeddings = max_position_embeddings
-        self.rope_parameters = rope_parameters
-        self.attention_bias = attention_bias
-        self.attention_dropout = attention_dropout
-        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        # Fields the file left out take the defaults of its layout's reader (see the module docstring).
+        given = dict(
+            hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+            hidden_act=hidden_act, rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings,
+            rope_parameters=rope_parameters, attention_bias=attention_bias, attention_dropout=attention_dropout,
+            vocab_size=vocab_size,
+        )
+        layout = kwargs.get("model_type") or self.model_type
+        if layout == self.model_type:
+            resolved = {k: v if v is not None else DFLASH_DEFAULTS[k] for k, v in given.items()}
+        else:
+            reference = reference_config(layout, {**kwargs, **given})
+            # rope_theta / rope_scaling are resolved into the reference's rope_parameters, with its default theta.
+            kwargs.pop("rope_theta", None)
+            kwargs.pop("rope_scaling", None)
+            resolved = {k: getattr(reference, k, DFLASH_DEFAULTS[k]) for k in given}
+            defaults = {name: getattr(reference, name, None) for name in DFLASH_FIELDS}
+            block_size = block_size if block_size is not None else defaults["block_size"]
+            mask_token_id = mask_token_id if mask_token_id is not None else defaults["mask_token_id"]
+            if target_layer_ids is None and num_target_layers is None:
+                target_layer_ids = defaults["target_layer_ids"]
+            if layout == "muse_glimmer_assistant":
+                # transformers' assistant applies its own attention pattern (sliding layers, window 2048) by default.
+                # z-lab's files state theirs when they have one; we read them as written.
+                layer_types = layer_types if layer_types is not None else reference.layer_types
+                sliding_window = sliding_window if sliding_window is not None else reference.sliding_window
+            if block_size is None:
+                raise ValueError(
+                    f"this {layout} drafter config has no block_size (top level or in dflash_config), and its reader has "
+                    "no default; add the drafter's block size to its config.json"
+                )
+        self.hidden_size = resolved["hidden_size"]
+        self.intermediate_size = resolved["intermediate_size"]
+        self.num_hidden_layers = resolved["num_hidden_layers"]
+        self.num_attention_heads = resolved["num_attention_heads"]
+        self.num_key_value_heads = resolved["num_key_value_heads"] or self.num_attention_heads
+        self.head_dim = resolved["head_dim"] or self.hidden_size // self.num_attention_heads
+        self.hidden_act = resolved["hidden_act"]
+        self.rms_norm_eps = resolved["rms_norm_eps"]
+        self.max_position_embeddings = resolved["max_position_embeddings"]
+        self.rope_parameters = dict(resolved["rope_parameters"]) if resolved["rope_parameters"] else None
+        self.attention_bias = resolved["attention_bias"]
+        self.attention_dropout = resolved["attention_dropout"]
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * self.num_hidden_layers
         self.sliding_window = sliding_window
-        self.vocab_size = vocab_size
-        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
+        self.vocab_size = resolved["vocab_size"]
+        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else self.hidden_size
         self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
         if num_target_layers is None and self.target_layer_ids:
             num_target_layers = max(self.target_layer_ids) + 1
         self.num_target_layers = num_target_layers
         if self.target_layer_ids is None and num_target_layers is not None:
-            self.target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+            self.target_layer_ids = default_target_layer_ids(num_target_layers, self.num_hidden_layers)
         self.block_size = block_size if block_size is not None else 16
         self.mask_token_id = mask_token_id
         self.initializer_range = initializer_range
         self.target_model = target_model
         self._validate_dflash_fields()  # before the base class, whose own checks give vaguer messages
+        self._check_declared_causality(declared_causal)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def _validate_dflash_fields(self) -> None:
+        if self.target_hidden_size != self.hidden_size:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} differs from the target's {self.target_hidden_size}: a DFlash drafter "
+                "embeds its block with the target's embedding and drafts through the target's lm_head, so it is as "
+                f"wide as its target; set hidden_size={self.target_hidden_size}"
+            )
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (the anchor plus one mask row), got {self.block_size}")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -164,6 +257,25 @@ class DFlashConfig(PreTrainedConfig):
                 raise ValueError(
                     f"target_layer_ids {bad} are outside the target's {self.num_target_layers} layers (0-based)"
                 )
+
+    def _check_declared_causality(self, declared_causal: bool | None) -> None:
+        """What we run: a sliding layer is causal (a block row sees the `sliding_window` positions up to its own), a
+        full layer bidirectional (block rows see each other). A config that declares one causality for every layer
+        asks for something else as soon as one layer's type disagrees with it; it is refused rather than run
+        differently from the reader it was published for."""
+        if declared_causal is None:
+            return
+        differing = [
+            i for i, kind in enumerate(self.layer_types) if (kind == "sliding_attention") != bool(declared_causal)
+        ]
+        if differing:
+            kind = "causal" if declared_causal else "bidirectional"
+            raise ValueError(
+                f"this drafter config makes every layer {kind} (is_causal or dflash_config.causal: {declared_causal}), "
+                f"but hf-dflash runs sliding layers causal and full layers bidirectional, so layers {differing} "
+                f"({', '.join(sorted({self.layer_types[i] for i in differing}))}) would compute differently here; "
+                "this drafter is not supported"
+            )
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
@@ -249,4 +361,4 @@ class DFlashConfig(PreTrainedConfig):
 # save_pretrained copies this bundle next to the weights and writes `auto_map`, so AutoConfig/AutoModel find it.
 DFlashConfig.register_for_auto_class()
 
-__all__ = ["DFlashConfig", "default_target_layer_ids"]
+__all__ = ["DFLASH_DEFAULTS", "DFlashConfig", "default_target_layer_ids", "reference_config"]

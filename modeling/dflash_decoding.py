@@ -28,6 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_fast_path import DFlashStaticStep, fast_path_blocker, static_step_for
+from .dflash_target_cache import TargetCacheRollback, rollback_problem
 
 
 @dataclass
@@ -340,13 +341,9 @@ def dflash_generate(
         raise ValueError("streamers take one sequence; generate with a batch of 1 to stream")
     cache_arg = _cache_argument(target)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    # every layer must crop too: transformers < 5.24 gives StaticCache the method but not its layers
-    croppable = cache is not None and all(hasattr(layer, "crop") for layer in getattr(cache, "layers", []))
-    if not croppable or not hasattr(cache, "crop") or not hasattr(cache, "batch_select_indices"):
-        raise ValueError(
-            "the DFlash path needs a cache that can be cropped after each verify (DynamicCache, the default); "
-            f"got {type(cache).__name__}. Drop cache_implementation / the cache argument"
-        )
+    cache_refusal = rollback_problem(target, cache)
+    if cache_refusal is not None:
+        raise ValueError(cache_refusal)
     pad = generation_config._pad_token_tensor
     pad_id = int(pad) if pad is not None else 0
     device = input_ids.device
@@ -407,6 +404,7 @@ def dflash_generate(
                 running.append(row)
         return running
 
+    target_cache = TargetCacheRollback(target, cache)
     generator = DFlashCandidateGenerator(drafter, target, batch_size, max_length, max_rows=max(prompt_len, block_size))
     # Hooks live exactly as long as this block and the pages go back to the pool when it ends: the target leaves
     # generate as it came in, even on error.
@@ -422,6 +420,7 @@ def dflash_generate(
             **{cache_arg: cache},
         )
         generator.commit_prefill(attention_mask)
+        target_cache.after_prefill(attention_mask)
         prefixes = [input_ids[i : i + 1] for i in range(batch_size)]
         step_scores = _process_scores(outputs.logits[:, -1:], prefixes, input_ids[:, :0], logits_processor)
         tokens, _ = _verify(step_scores, input_ids[:, :0], generation_config.do_sample, None)
@@ -431,7 +430,7 @@ def dflash_generate(
         while running:
             if len(running) < len(live):  # finished sequences stop costing work
                 index = torch.tensor(running, device=device)
-                cache.batch_select_indices(index)
+                target_cache.keep(index)
                 attention_mask = attention_mask[index]
                 generator.keep(running)
                 live = [live[row] for row in running]
@@ -452,26 +451,21 @@ def dflash_generate(
             real_lengths = torch.tensor([s.seq_len for s in generator.states], device=device)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), num_rows)], dim=1)
             generator.capture_rows(num_rows)
-            outputs = target(
-                input_ids=block,
-                attention_mask=attention_mask,
-                position_ids=real_lengths[:, None] - 1 + torch.arange(num_rows, device=device),
-                use_cache=True,
-                logits_to_keep=num_rows,
-                **{cache_arg: cache},
-            )
+            with target_cache.verifying():
+                outputs = target(
+                    input_ids=block,
+                    attention_mask=target_cache.verify_mask(attention_mask, num_rows),
+                    position_ids=real_lengths[:, None] - 1 + torch.arange(num_rows, device=device),
+                    use_cache=True,
+                    logits_to_keep=num_rows,
+                    **{cache_arg: cache},
+                )
             drafts = block[:, 1:]
             prefixes = [sequences[seq : seq + 1, : lengths[seq]] for seq in live]
             step_scores = _process_scores(outputs.logits, prefixes, drafts, logits_processor)
             tokens, accepted = _verify(step_scores, drafts, generation_config.do_sample, draft_probs)
             accepted = torch.minimum(accepted, torch.tensor(room, device=device) - 1).tolist()  # the step's host sync
-            most = max(accepted)
-            if num_rows - 1 - most:  # keep rows 0..most; a negative crop drops the rest
-                cache.crop(-(num_rows - 1 - most))
-                attention_mask = attention_mask[:, : attention_mask.shape[1] - (num_rows - 1 - most)]
-            for row, taken in enumerate(accepted):  # rows a sequence rejected are masked out for good
-                if taken < most:
-                    attention_mask[row, taken - most :] = 0
+            attention_mask = target_cache.rollback(attention_mask, num_rows, accepted)
             generator.update_candidate_strategy(block, step_scores, accepted)
             for seq, taken in zip(live, accepted):
                 acceptance_lengths[seq].append(taken + 1)

@@ -69,6 +69,9 @@ def fast_path_blocker(
         return "dflash_verify_rows is set"
     if "sliding_attention" in config.layer_types or "sliding_attention" in (getattr(text, "layer_types", None) or []):
         return "a sliding-window layer (drafter or target)"
+    if getattr(text, "sliding_window", None) is not None and getattr(text, "layer_types", None) is None:
+        # Mistral-style: the window applies to every layer; the fast path's masks would attend past it
+        return f"the target slides a window of {text.sliding_window} over every layer (sliding_window, no layer_types)"
     if getattr(target, "hf_quantizer", None) is not None or getattr(target, "is_quantized", False):
         return "the target is quantized"
     if text._attn_implementation not in ("sdpa", "eager"):

@@ -56,6 +56,9 @@ def model_card(
     """README.md text for a drafter with `config`. `tau`: acceptance length measured by the publisher (tokens
     committed per verify step); `training_args`: the trainer's record (training_args.json), when there is one."""
     target = target_model or config.target_model
+    # The trainer's record names the target as it was given on the command line (a path, Hub id or bundled name):
+    # worth showing, but only a target given for the card goes into the Hub metadata (base_model) and the snippet.
+    trained_on = (training_args or {}).get("target")
     repo = repo_id or "PATH_OR_REPO_OF_THIS_DRAFTER"
     target_shown = target or "TARGET (not recorded: pass target_model= when saving)"
     front = ["---", "library_name: transformers", "tags:", "- dflash", "- speculative-decoding"]
@@ -65,7 +68,8 @@ def model_card(
     layers = config.target_layer_ids
     attention = ", ".join(sorted(set(config.layer_types)))
     rows = [
-        ("target model", f"`{target}`" if target else "not recorded"),
+        ("target model", f"`{target}`" if target else f"`{trained_on}` (as given to the trainer)" if trained_on
+         else "not recorded"),
         ("captured target layers (0-based outputs)", f"{layers} of {config.num_target_layers}"),
         ("block size (anchor + mask rows)", str(config.block_size)),
         ("mask token id", str(config.mask_token_id)),

@@ -194,8 +194,10 @@ class PagedCacheView(PagedView):
         self.full_mask = None if all(n == kv_len for n in lengths) else valid[:, None, None, :]
         self.window_mask = None
         if window is not None:
-            in_window = key_pos[None, None, :] > query_pos[:, :, None] - window  # (b, q, kv)
-            self.window_mask = (in_window & valid[:, None, :])[:, None]
+            # Sliding layers see the W positions up to and including each row's own: causal within the block too,
+            # as z-lab's reference and vLLM run the published sliding-window drafters (benchmarks/NOTES.md).
+            behind = query_pos[:, :, None] - key_pos[None, None, :]  # (b, q, kv)
+            self.window_mask = ((behind >= 0) & (behind < window) & valid[:, None, :])[:, None]
         for state in states:
             state.ctx_count_drafter = state.ctx_committed + block_size
 

@@ -3,7 +3,9 @@
 Shapes: b = batch, q = block rows (B), c = context rows, H = hidden size, h = heads, g = key/value heads, d = head
 dim. The context (captured target hidden states) never enters the residual stream: in every layer its rows only
 contribute keys and values, next to the block rows' own. Attention is not causal: block rows see all context and
-each other.
+each other. Sliding-window layers (`layer_types`, as in the published Qwen3.5/3.6 drafters) are the exception: a
+block row there sees the `sliding_window` positions up to its own, causally, also inside the block, which is how
+z-lab's reference and vLLM run those drafters (benchmarks/NOTES.md, "Target families"); the runtime builds that mask.
 
 Two ways in:
 - `forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache)`: transformers' native DFlash
@@ -133,7 +135,8 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashAttention(nn.Module):
-    """Queries from the block rows; keys and values from [context rows ; block rows]; not causal."""
+    """Queries from the block rows; keys and values from [context rows ; block rows]; not causal (sliding layers
+    take their causal window from the mask they are given)."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()

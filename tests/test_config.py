@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, Qwen3Config
+import torch
+from transformers import AutoConfig, LlamaConfig, Qwen3Config
 
-from hf_dflash import DFlashConfig, default_target_layer_ids
+from hf_dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from hf_dflash.modeling.configuration_dflash import DFLASH_DEFAULTS
 
 # z-lab/Qwen3-8B-DFlash-b16 as published (fields a loader must honour; see hub_configs/).
 ZLAB_QWEN3_8B = {
@@ -78,12 +80,52 @@ def test_round_trip_through_dict():
         ({"layer_types": ["full_attention"]}, "layer_types"),
         ({"layer_types": ["sliding_attention"] * 5}, "sliding_window"),
         ({"num_key_value_heads": 5}, "multiple"),
+        ({"target_hidden_size": 2048}, "as wide as its target"),
         ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 40]}}, "outside the target"),
     ],
 )
 def test_bad_configs_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         DFlashConfig(**{**ZLAB_QWEN3_8B, **fields})
+
+
+SLIDING_THEN_FULL = {"layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {**SLIDING_THEN_FULL, "is_causal": True},  # would make the full layer causal
+        {**SLIDING_THEN_FULL, "is_causal": False},  # would make the sliding layers bidirectional
+        {"is_causal": True},  # every layer full: all would be causal
+        {
+            **SLIDING_THEN_FULL,
+            "dflash_config": {**ZLAB_QWEN3_8B["dflash_config"], "causal": False},
+        },
+    ],
+)
+def test_declared_causality_we_do_not_run_is_refused(fields):
+    """z-lab's reference, vLLM and SGLang let `is_causal` (vLLM also `dflash_config.causal`) set every layer's
+    causality; we run sliding layers causal and full ones bidirectional, so any other pattern is refused."""
+    with pytest.raises(ValueError, match="hf-dflash runs sliding layers causal and full layers bidirectional"):
+        DFlashConfig(**{**ZLAB_QWEN3_8B, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"is_causal": False},  # every layer full: bidirectional, as we run them
+        {"layer_types": ["sliding_attention"] * 5, "sliding_window": 2048, "is_causal": True},
+        {"dflash_config": {**ZLAB_QWEN3_8B["dflash_config"], "causal": False}},
+        {**SLIDING_THEN_FULL, "is_causal": None},
+        # the top-level flag wins over dflash_config's, as in vLLM
+        {"is_causal": False, "dflash_config": {**ZLAB_QWEN3_8B["dflash_config"], "causal": True}},
+    ],
+)
+def test_declared_causality_we_run_is_read_and_not_kept(fields):
+    config = DFlashConfig(**{**ZLAB_QWEN3_8B, **fields})
+    assert config.layer_types == fields.get("layer_types", ["full_attention"] * 5)
+    assert "is_causal" not in config.to_dict() and "causal" not in config.to_dict()
 
 
 def test_for_target_copies_the_target_shape():
@@ -106,3 +148,59 @@ def test_for_target_asks_for_a_mask_token_when_none_is_free():
     with pytest.raises(ValueError, match="outside the target vocabulary"):
         DFlashConfig.for_target(target, mask_token_id=500)
     assert DFlashConfig.for_target(target, mask_token_id=3).mask_token_id == 3
+
+
+# The least a published config can hold; every other field takes its layout's default.
+MINIMAL = {"block_size": 4, "dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 2]}, "num_target_layers": 4}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "gpt_oss", "muse_glimmer_assistant"])
+def test_missing_fields_take_the_layout_readers_defaults(model_type):
+    """z-lab's DFlashDraftModel (and speculators' decoder config) build the transformers config of the file's
+    model_type, transformers' assistant MuseGlimmerAssistantConfig: a field the file leaves out has that class's
+    default, not ours."""
+    reference = AutoConfig.for_model(model_type)
+    config = DFlashConfig(model_type=model_type, **MINIMAL)
+    compared = [name for name in DFLASH_DEFAULTS if hasattr(reference, name)]
+    assert {"rope_parameters", "head_dim", "num_key_value_heads", "max_position_embeddings"} <= set(compared)
+    for name in compared:
+        assert getattr(config, name) == getattr(reference, name), name
+
+
+def test_our_layout_keeps_our_defaults():
+    config = DFlashConfig(**MINIMAL)
+    for name, value in DFLASH_DEFAULTS.items():
+        if value is not None:
+            assert getattr(config, name) == value, name
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": DFlashConfig.default_theta}
+    assert config.head_dim == config.hidden_size // config.num_attention_heads
+    again = DFlashConfig.from_dict(DFlashConfig(model_type="qwen3", **MINIMAL).to_dict())  # saved as ours: explicit
+    assert again.rope_parameters["rope_theta"] == 10000.0 and again.head_dim == 128
+
+
+def test_zlab_config_without_rope_theta_computes_as_zlab_does():
+    """z-lab's class reads a config without rope_theta with Qwen3Config's 10000 (our own default is 1e6): the drafter
+    must compute the same as one given rope_theta 10000 explicitly."""
+    fields = {k: v for k, v in ZLAB_QWEN3_8B.items() if k != "rope_theta"}
+    fields.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    fields["dflash_config"] = {"mask_token_id": 3, "target_layer_ids": [1, 9]}
+    outputs = {}
+    for theta in (None, 10000.0, 1e6):
+        torch.manual_seed(0)
+        drafter = DFlashDraftModel(DFlashConfig(**fields, **({} if theta is None else {"rope_theta": theta}))).eval()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            outputs[theta] = drafter(
+                noise_embeds=torch.randn(1, 16, 64, generator=generator),
+                context_hidden_states=torch.randn(1, 40, drafter.config.num_context_features, generator=generator),
+                position_ids=torch.arange(56)[None],
+            ).last_hidden_state
+    assert torch.equal(outputs[None], outputs[10000.0])
+    assert not torch.allclose(outputs[None], outputs[1e6], atol=1e-3)
+
+
+def test_zlab_config_without_block_size_is_refused():
+    fields = {k: v for k, v in ZLAB_QWEN3_8B.items() if k != "block_size"}
+    with pytest.raises(ValueError, match="no block_size"):
+        DFlashConfig(**fields)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, Qwen3Config
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash import convert as conversion
@@ -46,6 +47,11 @@ def test_round_trip_through_each_layout(saved, tmp_path, layout, name):
     if layout == "native" and name == "unusual":
         with pytest.raises(ValueError, match="no attention biases"):
             conversion.convert(saved / name, tmp_path / layout, layout)
+        return
+    if layout == "speculators" and name == "unusual":  # its window (32) cuts context: see test_sliding_window_*
+        with pytest.raises(ValueError, match="from the block's anchor"):
+            conversion.convert(saved / name, tmp_path / layout, layout, target=saved / "target")
+        assert not (tmp_path / layout).exists()
         return
     conversion.convert(saved / name, tmp_path / layout, layout, target=saved / "target")
     assert conversion.detect_format(json.loads((tmp_path / layout / "config.json").read_text())) == layout
@@ -154,10 +160,10 @@ def test_bad_conversions_are_refused_before_writing(saved, tmp_path):
 def test_cli_convert_and_info(saved, tmp_path, capsys):
     assert main(["convert", str(saved / "plain"), str(tmp_path / "z"), "--to", "zlab"]) == 0
     assert "(ours) ->" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="not empty"):
-        main(["convert", str(saved / "plain"), str(tmp_path / "z"), "--to", "native"])
-    with pytest.raises(SystemExit, match="pass the target"):
-        main(["convert", str(saved / "plain"), str(tmp_path / "s"), "--to", "speculators"])
+    for out, to, message in (("z", "native", "not empty"), ("s", "speculators", "pass --target")):
+        with pytest.raises(SystemExit) as refused:  # a bad argument: one line on stderr, exit status 2
+            main(["convert", str(saved / "plain"), str(tmp_path / out), "--to", to])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
 
     assert main(["info", str(tmp_path / "z"), "--target", str(saved / "target")]) == 0
     out = capsys.readouterr().out
@@ -174,3 +180,197 @@ def test_cli_push_dry_run_writes_the_upload_folder(saved, tmp_path):
     card = (tmp_path / "up" / "README.md").read_text()
     assert "| measured tau (tokens per verify step) | 2.50 |" in card and 'from_pretrained("org/d"' in card
     assert json.loads((tmp_path / "up" / "config.json").read_text())["auto_map"]
+
+
+def speculators_load_problems(folder) -> list[str]:
+    """What vLLM speculators (0.9.0) would reject, or read differently from us, in a DFlash checkpoint folder: its
+    loading rules restated (speculators pins transformers <= 5.19 and pulls datasets, openai and torchvision, too heavy
+    for a test dependency).
+    - The decoder config is the transformers config class of `transformer_layer_config`'s model_type (Qwen3Config
+      without one), built from that dict. Every width is its hidden_size: fc [H, len(aux ids) * H], embed_tokens
+      [vocab, H], lm_head [draft_vocab_size, H]; t2d/d2t when draft_vocab_size differs from vocab; decoder layers
+      shaped as Qwen3 layers.
+    - A "sliding_attention" layer gets a window only if that config keeps one (Qwen3Config needs use_sliding_window),
+      and is causal inside a block, as ours are, unless sliding_window_non_causal is true.
+    - aux_hidden_state_layer_ids count hidden_states (0 = the embedding output)."""
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    layer_dict = dict(config["transformer_layer_config"])
+    layer = AutoConfig.for_model(layer_dict.pop("model_type", "qwen3"), **layer_dict)
+    hidden, heads, kv, head_dim = layer.hidden_size, layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
+    aux = config["aux_hidden_state_layer_ids"]
+    draft_vocab = config.get("draft_vocab_size", 32000)
+    expected = {"fc.weight": (hidden, len(aux) * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,),
+                "embed_tokens.weight": (layer.vocab_size, hidden), "lm_head.weight": (draft_vocab, hidden)}
+    if draft_vocab != layer.vocab_size:
+        expected.update(d2t=(draft_vocab,), t2d=(layer.vocab_size,))
+    for i in range(layer.num_hidden_layers):
+        shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv * head_dim, hidden),
+                  "self_attn.v_proj": (kv * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+                  "mlp.gate_proj": (layer.intermediate_size, hidden), "mlp.up_proj": (layer.intermediate_size, hidden),
+                  "mlp.down_proj": (hidden, layer.intermediate_size)}
+        for name, shape in shapes.items():
+            expected[f"layers.{i}.{name}.weight"] = shape
+            if layer.attention_bias and name.startswith("self_attn"):
+                expected[f"layers.{i}.{name}.bias"] = (shape[0],)
+        expected.update({f"layers.{i}.self_attn.q_norm.weight": (head_dim,), f"layers.{i}.self_attn.k_norm.weight": (head_dim,),
+                         f"layers.{i}.input_layernorm.weight": (hidden,),
+                         f"layers.{i}.post_attention_layernorm.weight": (hidden,)})
+    problems = [f"{k} is {tuple(tensors[k].shape) if k in tensors else 'missing'}, expected {v}"
+                for k, v in expected.items() if k not in tensors or tuple(tensors[k].shape) != v]
+    problems += [f"unexpected {k}" for k in sorted(set(tensors) - set(expected))]
+    if 0 in aux:
+        problems.append("aux id 0 is the embedding output")
+    if "sliding_attention" in (layer.layer_types or []):
+        if layer.sliding_window is None:
+            problems.append("sliding layers without a window (dropped by the decoder config)")
+        if config.get("sliding_window_non_causal", False):
+            problems.append("sliding layers bidirectional inside a block")
+    return problems
+
+
+def test_tied_embedding_target_converts_to_speculators(tmp_path):
+    target = tiny_target("qwen3", tie_word_embeddings=True)
+    target.save_pretrained(tmp_path / "target")
+    assert "lm_head.weight" not in load_file(str(tmp_path / "target" / "model.safetensors"))  # stored once
+    tiny_drafter(target).save_pretrained(tmp_path / "ours")
+    conversion.convert(tmp_path / "ours", tmp_path / "spec", "speculators", target=tmp_path / "target")
+    assert speculators_load_problems(tmp_path / "spec") == []
+    written = load_file(str(tmp_path / "spec" / "model.safetensors"))
+    assert torch.equal(written["lm_head.weight"], target.get_input_embeddings().weight)
+    assert torch.equal(written["embed_tokens.weight"], target.get_input_embeddings().weight)
+    conversion.convert(tmp_path / "spec", tmp_path / "back", "ours")
+    assert_same_drafter(conversion.load(tmp_path / "ours"), conversion.load(tmp_path / "back"))
+
+
+def test_drafter_narrower_than_its_target_is_refused(saved, tmp_path):
+    """Block tokens enter the drafter through the target's embedding and drafts leave through its lm_head, so a drafter
+    32 wide for a target 64 wide runs nowhere (ours, z-lab's, speculators' all size them by one hidden size): it is
+    refused when built, and a speculators file that declares such a pair is refused when read."""
+    target = tiny_target("qwen3")
+    with pytest.raises(ValueError, match="as wide as its target; set hidden_size=64"):
+        tiny_drafter(target, hidden_size=32, intermediate_size=64, head_dim=8)
+    drafter = DFlashDraftModel.from_pretrained(saved / "plain")
+    config, _ = write_speculators_checkpoint(tmp_path / "spec", saved / "target", drafter, draft_vocab_size=100)
+    config["target_hidden_size"] = 128
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sizes fc and the embedding by the drafter's hidden_size"):
+        conversion.convert(tmp_path / "spec", tmp_path / "ours", "ours")
+    assert not (tmp_path / "ours").exists()
+
+
+def sliding_drafter(target, window: int):
+    return tiny_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=window)
+
+
+def test_sliding_window_that_never_cuts_converts_to_speculators(saved, tmp_path):
+    target = tiny_target("qwen3")
+    drafter = sliding_drafter(target, window=target.config.max_position_embeddings)
+    drafter.save_pretrained(tmp_path / "ours")
+    conversion.convert(tmp_path / "ours", tmp_path / "spec", "speculators", target=saved / "target")
+    assert speculators_load_problems(tmp_path / "spec") == []  # window kept, sliding layers causal as ours
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["transformer_layer_config"]["use_sliding_window"] is True
+    assert config["sliding_window_non_causal"] is False
+    conversion.convert(tmp_path / "spec", tmp_path / "back", "ours")
+    assert_same_drafter(conversion.load(tmp_path / "ours"), conversion.load(tmp_path / "back"))
+    # A speculators file that leaves the flag to its default (false: causal sliding layers) reads the same.
+    del config["sliding_window_non_causal"]
+    assert conversion.core_fields(conversion.config_from_layout(config)) == conversion.core_fields(drafter.config)
+
+
+def test_speculators_bidirectional_sliding_layers_are_refused(saved, tmp_path):
+    """speculators' sliding_window_non_causal: true lets every block row of a sliding layer see the whole block; we run
+    sliding layers causally, so such a drafter would draft differently here: refused before anything is written."""
+    target = tiny_target("qwen3")
+    drafter = sliding_drafter(target, window=target.config.max_position_embeddings)
+    config, _ = write_speculators_checkpoint(tmp_path / "theirs", saved / "target", drafter, draft_vocab_size=100)
+    config["transformer_layer_config"]["use_sliding_window"] = True
+    (tmp_path / "theirs" / "config.json").write_text(json.dumps({**config, "sliding_window_non_causal": True}))
+    with pytest.raises(ValueError, match="sliding_window_non_causal: true"):
+        conversion.convert(tmp_path / "theirs", tmp_path / "ours", "ours")
+    assert not (tmp_path / "ours").exists()
+    # The flag only concerns sliding layers: a drafter of full layers alone converts whatever it says.
+    full = tiny_drafter(target)
+    config, _ = write_speculators_checkpoint(tmp_path / "full", saved / "target", full, draft_vocab_size=100)
+    read = conversion.config_from_layout({**config, "sliding_window_non_causal": True})
+    assert conversion.core_fields(read) == conversion.core_fields(conversion.config_from_layout(config))
+
+
+def test_sliding_window_that_cuts_context_is_refused_both_ways(saved, tmp_path):
+    target = tiny_target("qwen3")
+    sliding_drafter(target, window=8).save_pretrained(tmp_path / "ours")
+    with pytest.raises(ValueError, match="from the block's anchor"):
+        conversion.convert(tmp_path / "ours", tmp_path / "spec", "speculators", target=saved / "target")
+    assert not (tmp_path / "spec").exists()
+
+    # The same drafter as a speculators checkpoint (written by hand, causal sliding layers as ours) is refused on the
+    # way in, for the same reason.
+    drafter = sliding_drafter(target, window=8)
+    config, _ = write_speculators_checkpoint(tmp_path / "theirs", saved / "target", drafter, draft_vocab_size=100)
+    config["transformer_layer_config"]["use_sliding_window"] = True
+    assert config["sliding_window_non_causal"] is False
+    with pytest.raises(ValueError, match="from the block's anchor"):
+        conversion.config_from_layout(config)
+    # Without use_sliding_window, speculators' Qwen3Config drops the window: those layers attend to everything.
+    del config["transformer_layer_config"]["use_sliding_window"]
+    assert conversion.config_from_layout(config).layer_types == ["full_attention"] * 2
+
+
+def test_zlab_config_that_declares_other_causality_is_refused(saved, tmp_path):
+    """z-lab's reference and vLLM read a top-level `is_causal` as every layer's causality; with a sliding and a full
+    layer, `true` makes the full layer causal, which we do not run: refused when read, nothing written."""
+    target = tiny_target("qwen3")
+    sliding_drafter(target, window=8).save_pretrained(tmp_path / "ours")
+    conversion.convert(tmp_path / "ours", tmp_path / "zlab", "zlab")
+    config = json.loads((tmp_path / "zlab" / "config.json").read_text())
+    (tmp_path / "zlab" / "config.json").write_text(json.dumps({**config, "is_causal": True}))
+    with pytest.raises(ValueError, match=r"layers \[1\] \(full_attention\) would compute differently"):
+        conversion.convert(tmp_path / "zlab", tmp_path / "back", "ours")
+    assert not (tmp_path / "back").exists()
+
+
+def test_speculators_embedding_output_layer_is_refused(saved, tmp_path):
+    drafter = DFlashDraftModel.from_pretrained(saved / "plain")
+    config, _ = write_speculators_checkpoint(tmp_path / "spec", saved / "target", drafter, draft_vocab_size=100)
+    config["aux_hidden_state_layer_ids"] = [0, 3]  # as speculators' own test fixtures: 0 is the embedding output
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="embedding output .* decoder-layer outputs only"):
+        conversion.convert(tmp_path / "spec", tmp_path / "ours", "ours")
+    assert not (tmp_path / "ours").exists()
+
+
+def test_speculators_defaults_are_speculators_own(saved, tmp_path):
+    drafter = DFlashDraftModel.from_pretrained(saved / "plain")
+    config, _ = write_speculators_checkpoint(tmp_path / "spec", saved / "target", drafter, draft_vocab_size=100)
+    layer = config["transformer_layer_config"]
+    for name in ("block_size", "draft_vocab_size"):
+        del config[name]
+    for name in ("rope_parameters", "head_dim", "max_position_embeddings", "rms_norm_eps"):
+        del layer[name]
+    ours = conversion.config_from_layout(config)
+    qwen3 = Qwen3Config()
+    assert ours.block_size == 8  # DFlashSpeculatorConfig's default
+    assert ours.draft_vocab_size == 32000  # its default; with 256 target ids that is a reduced draft vocabulary
+    assert ours.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0} == qwen3.rope_parameters
+    assert (ours.head_dim, ours.max_position_embeddings, ours.rms_norm_eps) == (
+        qwen3.head_dim, qwen3.max_position_embeddings, qwen3.rms_norm_eps)
+
+
+def test_a_failed_write_leaves_no_folder(saved, tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(conversion, "save_file", fail)  # config.json is written first, then the weights fail
+    with pytest.raises(OSError, match="disk full"):
+        conversion.convert(saved / "plain", tmp_path / "out", "zlab")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "empty").mkdir()  # an empty folder given as out stays as it was
+    with pytest.raises(OSError, match="disk full"):
+        conversion.convert(saved / "plain", tmp_path / "empty", "zlab")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+    monkeypatch.undo()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        conversion.convert(saved / "plain", tmp_path / "full", "zlab")

@@ -122,6 +122,18 @@ PULL_WITHOUT_LIBRARY = textwrap.dedent(
 )
 
 
+def test_card_shows_the_target_the_trainer_recorded(tmp_path):
+    """A drafter saved without target_model still names the target its training record gives, without claiming it
+    as Hub metadata (the record holds the name as given to the trainer, which need not be a Hub id)."""
+    drafter = tiny_drafter(tiny_target("qwen3"))
+    drafter.config.target_model = None
+    drafter.save_pretrained(tmp_path / "trained")
+    (tmp_path / "trained" / "training_args.json").write_text(json.dumps({"target": "smollm2", "steps": 5}))
+    DFlashDraftModel.from_pretrained(tmp_path / "trained").save_pretrained(tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| target model | `smollm2` (as given to the trainer) |" in card and "base_model" not in card
+
+
 def test_pull_from_a_populated_cache_offline(tmp_path, uploads):
     target = tiny_target("qwen3")
     target.save_pretrained(tmp_path / "target")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
-from hf_dflash.hub import published_drafters
+from hf_dflash.hub import HUB_CONFIGS, published_drafters
 
 PUBLISHED = published_drafters()
 
@@ -47,3 +49,12 @@ def test_published_configs_answer_offline_config_requests():
     """`import hf_dflash` registers them; the fallback itself runs offline in tests/test_hub.py."""
     config = DFlashConfig.published_configs["z-lab/Qwen3.5-4B-DFlash"]
     assert config["target_model"] == "Qwen/Qwen3.5-4B" and config["dflash_config"]["block_size"] == 16
+
+
+def test_provenance_names_public_sources_only():
+    """Sources a user can follow: no look-up ids of our own tools, no paths of the machine the files were written on."""
+    texts = [(HUB_CONFIGS / "README.md").read_text()]
+    for drafter in PUBLISHED.values():
+        texts += [drafter.source, *drafter.unverified]
+    for text in texts:
+        assert not re.search(r"find_string|\bid \d{6,}|/work/|/root/|shared/design", text), text

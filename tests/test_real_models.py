@@ -1,4 +1,4 @@
-"""Greedy identity on real pretrained targets: stories260K (../shared/models) and SmolLM2-135M-Instruct (PyPI)."""
+"""Greedy identity on real pretrained targets: stories260K (shipped in the package) and SmolLM2-135M-Instruct (PyPI)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,268 @@
+"""The target's cache through a DFlash generation: prepared before the prompt, rolled back exactly after each verify.
+
+A verify forward appends B rows per sequence to every layer of the target; the sequence then keeps only the rows it
+accepted. Plain decoding never writes a row it does not keep, so what "keep" means depends on the layer kind:
+
+- full attention (`DynamicLayer`): crop to the longest acceptance of the batch; a sequence that accepted fewer keeps
+  the rows it rejected as holes, masked out of the 2D attention mask for good (positions come from each sequence's
+  own length, so a hole is never seen again).
+- sliding-window attention (gpt-oss's `sliding_attention` layers, and every layer of a Mistral-style config that
+  sets `sliding_window` without `layer_types`): transformers' `DynamicSlidingWindowLayer` keeps only the last W - 1
+  slots and cannot crop past them. Here such a layer keeps full history instead (a plain `DynamicLayer`), and the
+  window is applied by the mask, on positions rather than slots: with holes, the last W slots of a sequence are not
+  its last W tokens. Slots that no sequence can see again (older than every sequence's window) are dropped from the
+  front after each step, so a sliding layer holds about W + B slots, as in plain decoding. gpt-oss's attention sinks
+  are learned per-head logits, not cached rows, so no row is kept for them.
+- linear attention (Gated DeltaNet in Qwen3-Next / Qwen3.5: a conv state and a recurrent state per sequence, no rows
+  to crop): the verify runs each such layer over the block as transformers does (one chunk, continuing from the
+  states), after keeping the states from before the block and the layer's input rows; after acceptance the states
+  are put back and the layer runs again over each sequence's accepted rows only (one call per distinct acceptance
+  count of the batch). Why this and not keeping the states after every verified row: benchmarks/NOTES.md, "Target
+  families" (measured: about half the time and 1/B of the memory).
+
+`TargetCacheRollback` is the one object the decoding loop talks to about the target's cache.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from .dflash_capture import decoder_layers
+
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+
+
+def layer_kinds(cache: Any) -> list[str]:
+    """FULL, SLIDING or LINEAR for every layer of a transformers cache, from the layer objects generate built; the
+    class name of a layer that is none of them (a static sliding layer, or a layer that cannot crop)."""
+    kinds = []
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states"):
+            kinds.append(LINEAR)
+        elif getattr(layer, "is_sliding", False):
+            kinds.append(SLIDING if isinstance(layer, DynamicLayer) else type(layer).__name__)
+        elif hasattr(layer, "crop"):  # DynamicLayer; StaticLayer from transformers 5.24
+            kinds.append(FULL)
+        else:
+            kinds.append(type(layer).__name__)
+    return kinds
+
+
+def sliding_windows(cache: Any) -> set[int]:
+    """The windows of the cache's sliding layers (empty without them)."""
+    return {layer.sliding_window for layer, kind in zip(cache.layers, layer_kinds(cache)) if kind == SLIDING}
+
+
+def rollback_problem(target: torch.nn.Module, cache: Any) -> str | None:
+    """Why DFlash cannot roll this target's `cache` back after a verify, or None when it can; from the target and
+    the cache generate built, before any forward."""
+    text = target.config.get_text_config()
+    family = text.model_type
+    if cache is None or not hasattr(cache, "layers") or not hasattr(cache, "crop"):
+        return (
+            "the DFlash path needs a cache whose layers can be cropped after each verify (DynamicCache, the default); "
+            f"got {type(cache).__name__}. Drop cache_implementation / the cache argument"
+        )
+    kinds = layer_kinds(cache)
+    unknown = sorted({kind for kind in kinds if kind not in (FULL, SLIDING, LINEAR)})
+    if unknown:
+        return (
+            f"the DFlash path needs a cache whose layers can be cropped after each verify (DynamicCache, the "
+            f"default); got {type(cache).__name__} with {', '.join(unknown)} layers for this {family} target. Drop "
+            "cache_implementation / the cache argument"
+        )
+    layers = decoder_layers(target)
+    recurrent = [i for i, kind in enumerate(kinds) if kind == LINEAR and not hasattr(layers[i], "linear_attn")]
+    if recurrent:  # we replay the decode step of Gated DeltaNet layers (`linear_attn`), not of other recurrences
+        return (
+            f"DFlash cannot decode {family} targets: layers {recurrent} keep recurrent or convolution states that "
+            "it cannot roll back (it rolls back Gated DeltaNet layers, as in Qwen3-Next and Qwen3.5)"
+        )
+    windows = sliding_windows(cache)
+    if len(windows) > 1:
+        return f"DFlash needs one sliding window per target; this {family} target's layers use {sorted(windows)}"
+    if windows and text._attn_implementation not in ("eager", "sdpa"):
+        return (
+            f"on sliding-window targets ({family}) DFlash applies the window through its own masks, which "
+            f"{text._attn_implementation!r} attention does not read; load the target with attn_implementation='eager' "
+            "or 'sdpa'"
+        )
+    return None
+
+
+@dataclass
+class BlockInput:
+    """A linear-attention layer's call in a verify: its forward, input rows (b, q, H) and other arguments, and its
+    states from before the block (conv (b, conv_dim, K), recurrent (b, heads, dk, dv))."""
+
+    forward: Any
+    hidden_states: torch.Tensor
+    args: tuple
+    kwargs: dict
+    conv_before: torch.Tensor
+    recurrent_before: torch.Tensor
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean (b, q, L) visibility as the additive (b, 1, q, L) mask every attention backend takes."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min
+    )[:, None]
+
+
+class TargetCacheRollback:
+    """Prepares the target's `cache` for DFlash and rolls it back after every verify (see the module docstring).
+
+    Args:
+        target: the model being decoded.
+        cache: the cache generate built for it (a `DynamicCache`), before the prompt's forward.
+    """
+
+    def __init__(self, target: torch.nn.Module, cache: Any):
+        problem = rollback_problem(target, cache)
+        if problem is not None:
+            raise ValueError(problem)
+        text = target.config.get_text_config()
+        self.cache = cache
+        self.kinds = layer_kinds(cache)
+        self.dtype = target.get_input_embeddings().weight.dtype
+        windows = sliding_windows(cache)
+        self.window: int | None = windows.pop() if windows else None
+        # The model wants one mask per layer type when its config lists them, else one mask for every layer.
+        self.mask_by_type = getattr(text, "layer_types", None) is not None
+        for i, kind in enumerate(self.kinds):
+            if kind == SLIDING:
+                cache.layers[i] = DynamicLayer()  # full history; the window is applied by the mask
+        self.sliding_start = 0  # slots of the full layout that the sliding layers have dropped from their front
+        layers = decoder_layers(target)
+        self.linear_modules = {i: layers[i].linear_attn for i, kind in enumerate(self.kinds) if kind == LINEAR}
+        # Per linear layer, what `rollback` needs of the verify in flight.
+        self.block_inputs: dict[int, BlockInput] = {}
+
+    # ---- the verify forward ------------------------------------------------------------------------------------
+
+    def verify_mask(self, attention_mask: torch.Tensor, num_rows: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What the verify forward takes as `attention_mask`; attention_mask (b, L) already holds the block's
+        `num_rows` new columns. Without sliding layers, the 2D mask itself (the model builds a causal mask, holes
+        included); with them, 4D masks that apply the window on each sequence's own positions."""
+        if self.window is None:
+            return attention_mask
+        real = attention_mask.bool()
+        positions = attention_mask.long().cumsum(dim=1) - 1  # (b, L): a slot's position in its own sequence
+        queries = positions[:, -num_rows:, None]  # (b, q, 1)
+        visible = real[:, None, :] & (positions[:, None, :] <= queries)  # (b, q, L)
+        windowed = (visible & (queries - positions[:, None, :] < self.window))[..., self.sliding_start :]
+        if not self.mask_by_type:  # Mistral-style: every layer slides
+            return _additive(windowed, self.dtype)
+        masks = {SLIDING: _additive(windowed, self.dtype)}
+        if FULL in self.kinds:
+            masks[FULL] = _additive(visible, self.dtype)
+        return masks
+
+    @contextlib.contextmanager
+    def verifying(self) -> Iterator[None]:
+        """Inside the block, each linear-attention layer keeps its states from before the verify and its input rows,
+        for `rollback`; outside it, the layers are as transformers made them."""
+        self.block_inputs = {}
+        # A forward set on the instance (accelerate's offload hooks) is put back as it was; else the class's.
+        own = {i: module.__dict__.get("forward") for i, module in self.linear_modules.items()}
+        for i, module in self.linear_modules.items():
+            module.forward = self._remembering(i, module.forward)
+        try:
+            yield
+        finally:
+            for i, module in self.linear_modules.items():
+                if own[i] is None:
+                    del module.forward
+                else:
+                    module.forward = own[i]
+
+    def _remembering(self, layer: int, forward: Any) -> Any:
+        states = self.cache.layers[layer]
+
+        def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            before = (states.conv_states[0].clone(), states.recurrent_states[0].clone())
+            self.block_inputs[layer] = BlockInput(forward, hidden_states, args, kwargs, *before)
+            return forward(hidden_states, *args, **kwargs)
+
+        return run
+
+    # ---- after acceptance ------------------------------------------------------------------------------------
+
+    def rollback(self, attention_mask: torch.Tensor, num_rows: int, accepted: list[int]) -> torch.Tensor:
+        """Keep, per sequence, the rows of the anchor and its accepted drafts. attention_mask (b, L) includes the
+        verified block; accepted[i] drafts of sequence i were accepted. Returns the mask for the rows kept."""
+        most = max(accepted)
+        surplus = num_rows - 1 - most
+        if surplus:  # keep rows 0..most of every sequence; a negative crop drops the rest
+            for layer, kind in zip(self.cache.layers, self.kinds):
+                if kind != LINEAR:
+                    layer.crop(-surplus)
+            attention_mask = attention_mask[:, : attention_mask.shape[1] - surplus]
+        else:
+            attention_mask = attention_mask.clone()
+        for row, taken in enumerate(accepted):  # rows a sequence rejected are masked out for good
+            if taken < most:
+                attention_mask[row, taken - most :] = 0
+        for layer, block in self.block_inputs.items():
+            self._re_advance(self.cache.layers[layer], block, accepted)
+        self.block_inputs = {}
+        self._drop_unseen_sliding_slots(attention_mask)
+        return attention_mask
+
+    @staticmethod
+    def _re_advance(states: Any, block: BlockInput, accepted: list[int]) -> None:
+        """Put a linear layer's states back to before the block, then advance them over the accepted rows only: the
+        sequences that accepted the same count run together, through transformers' own forward of the layer."""
+        conv, recurrent = states.conv_states[0], states.recurrent_states[0]  # (b, ...) each, kept by the cache
+        kwargs = {name: value for name, value in block.kwargs.items() if name != "attention_mask"}  # no padding
+        for taken in sorted(set(accepted)):
+            rows = torch.tensor([row for row, a in enumerate(accepted) if a == taken], device=conv.device)
+            # the layer reads and updates the cache's tensors in place: give it these sequences' own copies
+            states.conv_states[0], states.recurrent_states[0] = block.conv_before[rows], block.recurrent_before[rows]
+            block.forward(block.hidden_states[rows, : taken + 1], *block.args, **kwargs)
+            conv[rows], recurrent[rows] = states.conv_states[0], states.recurrent_states[0]
+        states.conv_states[0], states.recurrent_states[0] = conv, recurrent
+
+    def after_prefill(self, attention_mask: torch.Tensor) -> None:
+        """The prompt's forward is done; attention_mask (b, P) is its mask."""
+        self._drop_unseen_sliding_slots(attention_mask)
+
+    def _drop_unseen_sliding_slots(self, attention_mask: torch.Tensor) -> None:
+        """Drop the front slots of the sliding layers that no sequence's next query can see: the next verify's first
+        row (the anchor, right after the n cached tokens of its sequence, at position n) sees positions above n - W."""
+        if self.window is None:
+            return
+        real = attention_mask.bool()
+        positions = attention_mask.long().cumsum(dim=1) - 1  # (b, L)
+        lengths = positions[:, -1:] + 1  # (b, 1) tokens per sequence
+        seen = real & (positions > lengths - self.window)
+        first_seen = int(seen.long().argmax(dim=1).min())  # a row that sees nothing (W = 1) keeps everything
+        drop = first_seen - self.sliding_start
+        if drop <= 0:
+            return
+        for layer, kind in zip(self.cache.layers, self.kinds):
+            if kind == SLIDING:
+                layer.keys = layer.keys[:, :, drop:]
+                layer.values = layer.values[:, :, drop:]
+        self.sliding_start = first_seen
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Carry on with the batch rows `index` only (finished sequences leave the batch)."""
+        for layer, kind in zip(self.cache.layers, self.kinds):
+            if kind == LINEAR:
+                layer.conv_states[0] = layer.conv_states[0][index.to(layer.conv_states[0].device)]
+                layer.recurrent_states[0] = layer.recurrent_states[0][index.to(layer.recurrent_states[0].device)]
+            else:
+                layer.batch_select_indices(index)
+
+
+__all__ = ["TargetCacheRollback", "layer_kinds", "rollback_problem", "sliding_windows"]

@@ -1,0 +1,246 @@
+"""The command line refuses bad arguments before any model loads: one line on stderr naming the fix, exit status 2.
+Hub look-ups answer at once when the Hub is offline; `generate` says which path it takes and streams on the eager
+loop."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import hf_dflash.generate_cli
+import hf_dflash.hub
+from hf_dflash import DFlashConfig, DFlashDraftModel
+from hf_dflash.cli import main
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
+
+PUBLISHED = "z-lab/Qwen3-8B-DFlash-b16"
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to load a target or a drafter fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model loaded before the arguments were checked")
+
+    monkeypatch.setattr(hf_dflash.generate_cli, "load_target", refuse)
+    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", refuse)
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path):
+    """A Hub endpoint that refuses connections, an empty Hub cache, and offline mode not yet set."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens there
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for variable in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(variable, raising=False)
+    hf_dflash.hub.use_offline_hub_when_unreachable.cache_clear()
+    yield
+    hf_dflash.hub.use_offline_hub_when_unreachable.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def small_drafter(tmp_path_factory):
+    """A saved drafter of block size 4 for a tiny target (random weights: only its config is read here)."""
+    target = tiny_target("llama")
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=255)
+    folder = tmp_path_factory.mktemp("drafter")
+    DFlashDraftModel(config).save_pretrained(folder)
+    return folder
+
+
+def refused(argv, capsys) -> str:
+    """The one stderr line of a refused command (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["generate", "--drafter", "/nonexistent"], "--drafter /nonexistent: no such folder"),
+        (["generate", "--target", "/nonexistent-model"], "--target /nonexistent-model: no such folder"),
+        (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+        (["generate", "--max-new-tokens", "-5"], "--max-new-tokens must be at least 1, got -5"),
+        (["generate", "--verify-rows", "0"], "--verify-rows must be at least 1"),
+        (["generate", "--prompt", "  "], "--prompt is empty"),
+        (["generate", "--device", "tpu9"], "is not a device; pass cpu, cuda or cuda:N"),
+        (["generate", "--dtype", "fp8"], "invalid choice: 'fp8'"),
+        (["generate", "--max-new-tokens", "many"], "invalid int value: 'many'"),
+        (["bench", "--limit", "0"], "--limit must be at least 1"),
+        (["bench", "--batch-sizes", "1", "0"], "--batch-sizes must be at least 1, got 0"),
+        (["bench", "--prompts", "missing.jsonl"], "--prompts missing.jsonl: no such file"),
+        (["bench", "--out", "."], "--out . is a folder"),
+        (["train", "--target", "smollm2", "--out", "o", "--lr", "0"], "--lr must be greater than 0"),
+        (["train", "--target", "smollm2", "--out", "o", "--steps", "0"], "--steps must be at least 1"),
+        (["train", "--target", "smollm2", "--out", "o", "--block-size", "1"], "--block-size must be at least 2"),
+        (["train", "--target", "smollm2", "--out", "o", "--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1)"),
+        (["train", "--target", "smollm2", "--out", "o", "--prompts", "sharegpt:0"], "N in sharegpt:N must be"),
+        (["train", "--target", "smollm2", "--out", "o", "--target-layer-ids", "1,1"], "--target-layer-ids must be"),
+        (["train", "--target", "smollm2", "--out", "o", "--resume", "/nowhere"], "no such checkpoint folder"),
+        (["train", "--target", "smollm2", "--out", "o", "--resume"], "no checkpoint under o/checkpoints yet"),
+        (["eval", "--target", "smollm2", "--drafter", "/nonexistent"], "--drafter /nonexistent: no such folder"),
+        (["eval", "--target", "smollm2", "--drafter", "x", "--limit", "0"], "--limit must be at least 1"),
+        (["convert", "/nonexistent", "out", "--to", "ours"], "/nonexistent is not a checkpoint folder"),
+        (["push", "/nonexistent", "org/name"], "/nonexistent is not a drafter folder"),
+        (["info", "/nonexistent"], "drafter /nonexistent: no such folder"),
+    ],
+)
+def test_bad_argument_is_one_line_before_any_model_loads(argv, expected, capsys, no_model_loads, tmp_path,
+                                                         monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = refused(argv, capsys)
+    assert err.startswith(f"hf-dflash {argv[0]}: error: ") and expected in err, err
+
+
+def test_verify_rows_above_the_block_size_reads_only_the_config(small_drafter, capsys, no_model_loads):
+    err = refused(["generate", "--drafter", str(small_drafter), "--verify-rows", "99"], capsys)
+    assert "--verify-rows 99 is more than the drafter's block size 4; pass 1 .. 4" in err
+
+
+def test_default_drafter_block_size_bounds_verify_rows(capsys, no_model_loads):
+    block_size = json.loads((hf_dflash.generate_cli.DEFAULT_DRAFTER / "config.json").read_text())["block_size"]
+    err = refused(["generate", "--verify-rows", str(block_size + 1)], capsys)
+    assert f"block size {block_size}" in err
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the message of a CPU-only torch")
+def test_cuda_on_a_cpu_only_torch(capsys, no_model_loads):
+    err = refused(["generate", "--device", "cuda"], capsys)
+    assert "CPU-only build" in err and "--device cpu" in err
+
+
+def test_cuda_index_beyond_the_gpus(capsys, no_model_loads, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    err = refused(["generate", "--device", "cuda:5"], capsys)
+    assert "has 2 GPU(s), cuda:0 .. cuda:1" in err
+
+
+def test_missing_gguf_names_the_extra(capsys, no_model_loads, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    err = refused(["generate", "--target", "stories260k"], capsys)
+    assert 'pip install "hf-dflash[local]"' in err
+
+
+def test_gguf_import_error_after_the_checks_names_the_extra():
+    from hf_dflash.cli_checks import describe_failure
+
+    error = ImportError("Please install torch and gguf>=0.10.0 to load a GGUF checkpoint in PyTorch.")
+    assert 'pip install "hf-dflash[local]"' in describe_failure(error)
+
+
+def test_convert_to_speculators_needs_the_target(small_drafter, capsys, tmp_path):
+    err = refused(["convert", str(small_drafter), str(tmp_path / "out"), "--to", "speculators"], capsys)
+    assert "pass --target" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_to_a_bad_repository_id(small_drafter, capsys):
+    assert "not a Hub repository id" in refused(["push", str(small_drafter), "no slash here"], capsys)
+
+
+def test_unknown_hub_id_while_offline_is_refused_at_once(capsys, no_model_loads, unreachable_hub):
+    start = time.perf_counter()
+    err = refused(["generate", "--target", "someone/no-such-model"], capsys)
+    assert time.perf_counter() - start < 5
+    assert "not in the local Hugging Face cache, and the Hub is offline" in err and "127.0.0.1:9" in err
+
+
+def test_hf_hub_offline_is_honoured_without_a_connection(monkeypatch, unreachable_hub):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_dflash.hub.socket, "create_connection", lambda *a, **k: pytest.fail("probed the Hub"))
+    assert hf_dflash.hub.use_offline_hub_when_unreachable() == "HF_HUB_OFFLINE is set"
+
+
+def test_a_hub_that_does_not_answer_switches_to_offline_mode(monkeypatch, unreachable_hub):
+    """A firewall that drops packets: the probe's timeout decides, and later look-ups are offline at once."""
+    from huggingface_hub import constants
+
+    def silent(address, timeout):
+        assert timeout == hf_dflash.hub.HUB_CONNECT_TIMEOUT_S
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(hf_dflash.hub.socket, "create_connection", silent)
+    assert hf_dflash.hub.use_offline_hub_when_unreachable() == "127.0.0.1:9 cannot be reached: timed out"
+    assert constants.is_offline_mode()
+
+
+def test_info_on_a_published_drafter_answers_at_once_offline(capsys, unreachable_hub):
+    start = time.perf_counter()
+    assert main(["info", PUBLISHED]) == 0
+    assert time.perf_counter() - start < 5, "the Hub look-up retried instead of answering from hub_configs/"
+    out = capsys.readouterr().out
+    assert "target      Qwen/Qwen3-8B" in out and "block       16, mask token 151669" in out
+    assert f"https://huggingface.co/{PUBLISHED}/blob/main/config.json" in out and "find_string" not in out
+
+
+def test_info_prints_the_target_recorded_in_training_args(small_drafter, tmp_path, capsys):
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    config = json.loads((small_drafter / "config.json").read_text())
+    config.pop("target_model", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["info", str(folder)]) == 0
+    assert "target      not recorded" in capsys.readouterr().out
+    (folder / "training_args.json").write_text(json.dumps({"target": "org/target-model"}))
+    assert main(["info", str(folder)]) == 0
+    assert "target      org/target-model (recorded in training_args.json)" in capsys.readouterr().out
+
+
+def test_failure_after_loading_is_one_line(small_drafter, capsys, monkeypatch):
+    """A drafter that does not fit the target shows up only once both have loaded: still one line, exit 1."""
+    monkeypatch.delenv("HF_DFLASH_DEBUG", raising=False)
+    code = main(["generate", "--target", "stories260k", "--drafter", str(small_drafter), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("hf-dflash generate: error: ") and "HF_DFLASH_DEBUG=1" in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_generate_streams_on_the_eager_loop_and_keeps_its_comparison(tmp_path, capsys):
+    from hf_dflash.bundled_models import load_stories260k
+
+    target, _ = load_stories260k()
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    assert main(["generate", "--target", "stories260k", "--drafter", str(tmp_path / "drafter"),
+                 "--prompt", "Once upon a time", "--max-new-tokens", "12"]) == 0
+    captured = capsys.readouterr()
+    assert "loading the target stories260k" in captured.err and "warming up" in captured.err
+    assert "DFlash decodes on the eager loop" in captured.err and "streams as it is committed" in captured.err
+    assert "[identical to plain greedy generate: True]" in captured.out
+    assert "DFlash on the eager loop" in captured.out and "timings exclude" in captured.out
+    # the streamed text is the decoded DFlash output: the words between the prompt line and the verdict
+    streamed = captured.out.split("Once upon a time\n", 1)[1].split("[identical", 1)[0]
+    assert streamed.strip(), "no text was streamed"
+
+
+def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
+    """On a GPU the warm-up asks for the fast path and reports the blocker when there is one. The fast path's step
+    also runs on a CPU (without a CUDA graph), so the branch is exercised here with the device name alone."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    prompt = {"input_ids": random_prompt(5), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    monkeypatch.setattr(hf_dflash.generate_cli, "encode", lambda tokenizer, text, device: prompt)
+    warm_up = hf_dflash.generate_cli.warm_up
+    assert warm_up(target, drafter, None, "cuda", {}) == "CUDA-graph fast path"
+    assert warm_up(target, drafter, None, "cuda", {"dflash_verify_rows": 2}) == "eager loop (dflash_verify_rows is set)"
+    assert warm_up(target, drafter, None, "cpu", {}) == "eager loop (the CUDA-graph fast path runs on a GPU)"

@@ -1,0 +1,297 @@
+"""The family matrix: every target family a published DFlash drafter serves, built tiny from transformers' own config
+classes, decodes losslessly (greedy identity in float32, batch 1 and a ragged left-padded batch), samples exactly
+(chi-square), and takes the fast path where it serves the family or is refused by it with the family named.
+
+Sliding windows are shorter than the generation (the window binds: checked) and the linear-attention targets have
+linear layers before and after a full-attention one, so every kind of cache rollback runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from hf_dflash import DFlashConfig
+from hf_dflash.hub import published_drafters
+from hf_dflash.modeling.dflash_capture import decoder_layers
+from hf_dflash.modeling.dflash_fast_path import FAST_PATH_FAMILIES
+from tests.conftest import VOCAB, random_prompt, tiny_drafter
+from tests.test_batched import PAD, left_pad
+from tests.test_greedy_identity import oracle_drafts
+from tests.test_sampling import TEMPERATURE, TOP_K, chi_square_p_value, processed_probs
+
+WINDOW = 6  # shorter than every generation below
+SHAPE = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=1024,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# Qwen3-Next / Qwen3.5 layout in small: Gated DeltaNet layers around full-attention ones.
+LINEAR = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+)
+VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+    temporal_patch_size=1, num_position_embeddings=16,
+)
+
+# name -> (model_type of the config, its arguments, whether the model is a vision-language wrapper)
+FAMILIES = {
+    "llama": ("llama", {}, False),
+    "qwen3": ("qwen3", {}, False),
+    "qwen3_moe": ("qwen3_moe", MOE, False),
+    # gpt-oss: MoE, attention sinks, sliding layers alternating with full ones
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=1.0, original_max_position_embeddings=1024),
+        ),
+        False,
+    ),
+    "qwen3_next": ("qwen3_next", dict(MOE, **LINEAR, shared_expert_intermediate_size=32, decoder_sparse_step=1), False),
+    "qwen3_5_text": ("qwen3_5_text", LINEAR, False),
+    "qwen3_5": ("qwen3_5", dict(text_config=LINEAR, vision_config=VISION), True),
+    "qwen3_5_moe": ("qwen3_5_moe", dict(text_config=dict(MOE, **LINEAR, shared_expert_intermediate_size=32), vision_config=VISION), True),
+    # Mistral-style: `sliding_window` on every layer, no `layer_types`
+    "mistral": ("mistral", dict(sliding_window=WINDOW), False),
+}
+WINDOWED = ("gpt_oss", "mistral")
+
+
+def family_target(name: str, seed: int = 0, vocab_size: int = VOCAB, **overrides) -> torch.nn.Module:
+    """A tiny random float32 target of family `name`, of the class its published checkpoints load as."""
+    model_type, arguments, wrapped = FAMILIES[name]
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type!r} models")
+    torch.manual_seed(seed)
+    if wrapped:
+        text = {**SHAPE, "vocab_size": vocab_size, **arguments["text_config"], **overrides}
+        config = AutoConfig.for_model(model_type, text_config=text, vision_config=arguments["vision_config"])
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(config)
+    else:
+        config = AutoConfig.for_model(model_type, **{**SHAPE, "vocab_size": vocab_size, **arguments, **overrides})
+        model = AutoModelForCausalLM.from_config(config)
+    return model.float().eval()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Tiny models are bound by per-op overhead: one thread each (see conftest.one_thread)."""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_identity_alone(family, seed):
+    target = family_target(family, seed=seed)
+    drafter = tiny_drafter(target, seed=seed + 10, block_size=4 + seed)
+    prompt = random_prompt(3 + 4 * seed, seed=seed)
+    plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    # A random drafter is rejected almost always; the oracle's drafts are accepted up to each planted mistake.
+    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), plain)
+    with oracle_drafts(plain, wrong_every=3 + seed):
+        out = target.generate(
+            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+        )
+    assert torch.equal(out.sequences, plain)
+    assert max(out.acceptance_lengths[0]) > 1 and min(out.acceptance_lengths[0]) < drafter.config.block_size
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_ragged_batch(family):
+    target = family_target(family, seed=3)
+    drafter = tiny_drafter(target, block_size=5)
+    batch = left_pad([random_prompt(n, seed=n) for n in (4, 9, 2)])
+    plain = target.generate(**batch, max_new_tokens=22, do_sample=False, pad_token_id=PAD)
+    with oracle_drafts(plain, wrong_every=3):
+        out = target.generate(
+            **batch, max_new_tokens=22, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
+            return_dict_in_generate=True,
+        )
+    assert torch.equal(out.sequences, plain)
+    assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1  # sequences accepted different counts
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_the_window_binds(family):
+    """The windowed families' outputs above depend on the window: the same weights without it decode otherwise."""
+    prompt = random_prompt(4, seed=0)
+    windowed = family_target(family, seed=0).generate(prompt, max_new_tokens=20, do_sample=False)
+    unwindowed = family_target(family, seed=0, sliding_window=10_000).generate(prompt, max_new_tokens=20, do_sample=False)
+    assert not torch.equal(windowed, unwindowed)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_next", "qwen3_5", "mistral"])
+def test_sampling_follows_the_target_distribution(family):
+    """Three sampled tokens after the prompt, with rejection sampling: the third often comes after a verify whose
+    drafts were partly rejected, i.e. from the rolled-back cache."""
+    vocab, samples = 12, 2000
+    # Weights ten times the default scale: a tiny random model then depends strongly on its context, so a cache
+    # rolled back wrong changes the distribution of the third token (default-scale models barely look back).
+    target = family_target(family, seed=21, vocab_size=vocab, initializer_range=0.2)
+    target.generation_config.eos_token_id = None  # every token of the small vocabulary is a sample, none ends it
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=vocab - 1)
+    prompt = torch.tensor([[3, 7, 1, 4, 9, 2, 5]])  # longer than the window
+    with torch.no_grad():  # exact probabilities of every (t1, t2, t3)
+        first = processed_probs(target(prompt).logits[0, -1])  # (V,)
+        pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # (V * V, 2)
+        second = processed_probs(target(torch.cat([prompt.expand(vocab, -1), pairs[::vocab, :1]], 1)).logits[:, -1])
+        third = processed_probs(target(torch.cat([prompt.expand(len(pairs), -1), pairs], 1)).logits[:, -1])
+    joint = (first[:, None, None] * second[:, :, None] * third.view(vocab, vocab, vocab)).flatten()
+    torch.manual_seed(0)
+    out = target.generate(
+        prompt.repeat(samples, 1), max_new_tokens=3, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+        assistant_model=drafter, return_dict_in_generate=True, pad_token_id=0, dflash_sampling="rejection",
+    )
+    assert any(lengths[0] < 3 for lengths in out.acceptance_lengths), "no verify step was partly rejected"
+    assert any(lengths[0] > 1 for lengths in out.acceptance_lengths), "no draft was ever accepted"
+    new = out.sequences[:, prompt.shape[1] :]
+    counts = torch.bincount(new[:, 0] * vocab * vocab + new[:, 1] * vocab + new[:, 2], minlength=vocab**3).float()
+    assert chi_square_p_value(counts, joint) > 1e-3
+    # The test has teeth: the joint of a target whose cache kept one rejected row would differ this much.
+    shifted = joint.view(vocab, vocab, vocab).roll(1, dims=2).flatten()
+    assert chi_square_p_value(counts, 0.9 * joint + 0.1 * shifted) < 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_path_serves_or_refuses_the_family(family):
+    target = family_target(family, seed=4)
+    drafter = tiny_drafter(target, block_size=4)
+    prompt = random_prompt(5, seed=4)
+    model_type = target.config.get_text_config().model_type
+    if model_type in FAST_PATH_FAMILIES:
+        plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+        fast = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
+        assert torch.equal(fast, plain)
+        return
+    forwards = []
+    handle = target.register_forward_pre_hook(lambda *args: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=f"fast path.*{model_type}"):
+            target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
+    finally:
+        handle.remove()
+    assert not forwards, "the refusal came after a forward"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_multimodal_wrapper_serves_its_text_model(family):
+    """A ...ForConditionalGeneration target: the drafter's layers, embedding and lm_head are the text model's."""
+    target = family_target(family)
+    text_model = target.model.language_model
+    assert decoder_layers(target) is text_model.layers
+    assert target.get_input_embeddings() is text_model.embed_tokens
+    assert target.get_output_embeddings() is target.lm_head
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_layers_keep_about_a_window(family):
+    """A sliding layer keeps full history only while some sequence can still see it: after 40 tokens it holds about
+    W + B slots, a full-attention layer all of them."""
+    target = family_target(family, seed=5)
+    drafter = tiny_drafter(target, block_size=4)
+    prompt = random_prompt(5, seed=5)
+    out = target.generate(
+        prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+    )
+    cache = out.past_key_values if hasattr(out, "past_key_values") and out.past_key_values is not None else out.cache
+    kinds = getattr(target.config, "layer_types", None) or ["sliding_attention"] * len(cache.layers)  # Mistral-style
+    for kind, layer in zip(kinds, cache.layers):
+        slots = layer.keys.shape[2]
+        if kind == "sliding_attention":
+            assert slots <= WINDOW + drafter.config.block_size
+        else:
+            assert slots >= prompt.shape[1] + 40 - drafter.config.block_size
+
+
+def test_fast_path_treats_a_mistral_style_window_as_windowed():
+    """A config with `sliding_window` and no `layer_types` slides on every layer: the fast path, whose masks do not
+    window, refuses it (here on a llama-shaped target, which the fast path otherwise serves)."""
+    target = family_target("llama")
+    target.config.sliding_window = WINDOW
+    drafter = tiny_drafter(target, block_size=4)
+    with pytest.raises(ValueError, match=f"fast path.*window of {WINDOW} over every layer"):
+        target.generate(
+            random_prompt(5), max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True
+        )
+
+
+def reference_draft_logits(target, drafter, context: torch.Tensor, anchor: int) -> torch.Tensor:
+    """The published drafters' attention restated plainly (z-lab's reference, vLLM): context rows at positions
+    0..c-1, the block at c..c+B-1; a full layer's rows see everything, a sliding layer's row at position p sees
+    positions p - W + 1 .. p only. context (c, k*H) -> draft logits (B - 1, V)."""
+    block = drafter.config.block_size
+    rows = context.shape[0] + block
+    query = torch.arange(context.shape[0], rows)[:, None]
+    behind = query - torch.arange(rows)[None, :]  # (B, c + B)
+    sliding = (behind >= 0) & (behind < drafter.config.sliding_window)
+    block_ids = torch.tensor([[anchor] + [drafter.config.mask_token_id] * (block - 1)])
+    hidden = drafter(
+        noise_embeds=target.get_input_embeddings()(block_ids),
+        context_hidden_states=context[None],
+        position_ids=torch.arange(rows)[None],
+        attention_mask={"full_attention": None, "sliding_attention": sliding[None, None]},
+    ).last_hidden_state
+    return target.get_output_embeddings()(hidden[0, 1:])
+
+
+@torch.no_grad()
+def test_drafter_sliding_window_matches_the_reference():
+    """A drafter with a sliding layer whose window binds (3 < context + block) drafts, through the runtime's paged
+    cache, exactly the logits of the reference semantics, and differently from the same weights unwindowed."""
+    from hf_dflash import DFlashCandidateGenerator
+
+    target = family_target("qwen3", seed=6)
+    layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    drafter = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **layout)
+    context_rows = 9
+    generator = DFlashCandidateGenerator(drafter, target, 1, max_length=32, max_rows=context_rows)
+    generator.capture_rows(context_rows)
+    generator.scratch[0, :context_rows].copy_(torch.randn(context_rows, generator.scratch.shape[-1]))
+    generator.commit_prefill(torch.ones(1, context_rows, dtype=torch.long))
+    context = generator.scratch[0, :context_rows].clone()
+    _, logits = generator.get_candidates(torch.tensor([[5]]))
+    expected = reference_draft_logits(target, drafter, context, anchor=5)
+    torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
+    unwindowed = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **dict(layout, sliding_window=100))
+    assert not torch.allclose(reference_draft_logits(target, unwindowed, context, anchor=5), expected, atol=1e-3)
+
+
+def published_target_family(target_name: str) -> str:
+    """The family of a published drafter's target, by its Hub name."""
+    name = target_name.lower()
+    for marker, family in (
+        ("llama", "llama"), ("gpt-oss", "gpt_oss"), ("coder-next", "qwen3_next"), ("coder-30b", "qwen3_moe"),
+        ("-a3b", "qwen3_5_moe"), ("-a10b", "qwen3_5_moe"), ("qwen3.5", "qwen3_5"), ("qwen3.6", "qwen3_5"),
+    ):
+        if marker in name:
+            return family
+    return "qwen3"
+
+
+@pytest.mark.parametrize("repo_id", sorted(published_drafters()))
+def test_published_layout_runs_on_its_target_family(repo_id):
+    """Each published drafter's layout (depth, layer_types, RoPE, attention bias, block size; widths shrunk and a
+    window of 5 so that it binds) drafts for a tiny target of its target's family, losslessly."""
+    entry = published_drafters()[repo_id]
+    published = DFlashConfig(**entry.config)
+    target = family_target(published_target_family(entry.target), seed=8)
+    drafter = tiny_drafter(
+        target, seed=9, num_layers=published.num_hidden_layers, block_size=published.block_size,
+        layer_types=published.layer_types, sliding_window=5 if published.sliding_window else None,
+        rope_parameters=published.rope_parameters, attention_bias=published.attention_bias,
+    )
+    prompt = random_prompt(6, seed=8)
+    plain = target.generate(prompt, max_new_tokens=16, do_sample=False)
+    with oracle_drafts(plain, wrong_every=5):
+        out = target.generate(
+            prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+        )
+    assert torch.equal(out.sequences, plain)
+    assert drafter.config.layer_types == published.layer_types
