@@ -85,7 +85,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
             rows = self.scratch[i, : mask.shape[1]][mask[i]]
             state.append_context(rows, first_position=0)
             state.seq_len = rows.shape[0] + 1  # the prompt plus the first token the target just chose
-            state.prefill_done = True
 
     def store_new_context(self, states: list[DflashProposerState]) -> None:
         """Keys/values for slots [ctx_committed, ctx_len) of every state, in one drafter pass over all of them."""
@@ -106,9 +105,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: object) -> tuple[torch.LongTensor, torch.Tensor]:
         """input_ids (b, t), last column the anchors -> (input_ids + B - 1 drafts, draft logits (b, B - 1, V))."""
         for state in self.states:
-            if not state.skip_next_decode_append:
+            if not state.context_ready:
                 raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
-            state.skip_next_decode_append = False
+            state.context_ready = False
         self.store_new_context(self.states)
         mask_ids = self.mask_ids[: len(self.states)].to(input_ids.device)
         block_ids = torch.cat([input_ids[:, -1:], mask_ids], dim=1)  # (b, B)
@@ -122,8 +121,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
         draft_logits = self.lm_head(hidden[:, 1:].to(self.head_device, self.head_dtype))
         drafts = draft_logits.argmax(dim=-1).to(input_ids.device)
-        for state in self.states:
-            state.last_num_drafted = self.block_size - 1
         return torch.cat([input_ids, drafts], dim=1), draft_logits
 
     def update_candidate_strategy(
@@ -136,14 +133,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
             state.ctx_count_drafter = state.ctx_committed  # drop the block rows' page slots
             state.append_context(self.scratch[i, : accepted + 1], first_position=state.ctx_len)
             state.seq_len += accepted + 1
-            state.last_num_accepted = accepted
 
     def restart(self) -> None:
         """Begin new sequences in the same buffers (the fast path reuses them across calls): every state empties and
         keeps its pages."""
         for state in self.states:
             state.seq_len = state.ctx_len = state.ctx_committed = state.ctx_count_drafter = 0
-            state.prefill_done = state.skip_next_decode_append = False
+            state.context_ready = False
 
     def keep(self, indices: Sequence[int]) -> None:
         """Carry on with the sequences at `indices` only (in that order); the others' pages return to the pool."""
