@@ -9,10 +9,14 @@ sequence) to decide eos / max_length, exactly as plain generate would stop.
 Sequences keep their own slots (dflash_static_cache.py): a sequence that accepts fewer drafts than its neighbours
 just moves its anchor less; a finished one stays in the batch, frozen, until all are done.
 
-What the fast path serves: greedy decoding without logits processors, eos / max-length stopping, left-padded
-batches, a target and drafter on one device with sdpa or eager attention and no sliding windows. Anything else
-takes the eager loop (dflash_decoding.py), which gives the same tokens. `generate(..., dflash_fast_path=True)`
-insists (and names what blocks it); on a CPU it runs the same step without a graph, which is how CI tests it.
+What the fast path serves: greedy and sampled decoding (point-mass or rejection sampling, inside the step, with
+random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
+temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length, suppressed tokens, ...),
+eos / max-length stopping, left-padded batches, a dense (or GGUF-dequantized) Llama/Qwen3 target and the drafter on
+one device with sdpa or eager attention and no sliding windows. Anything else takes the eager loop
+(dflash_decoding.py), which gives the same tokens (the same distribution when sampling); on a GPU a warning says
+why, once. `generate(..., dflash_fast_path=True)` insists (and names what blocks it); on a CPU it runs the same step
+without a graph, which is how CI tests it.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -22,11 +26,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
+from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
 from .dflash_paged_cache import PAGE_SIZE, PagedView
+from .dflash_processors import StepProcessors
 from .dflash_static_cache import StaticTargetCache, page_slots
+
+logger = logging.get_logger(__name__)
 
 # Target cache lengths are rounded up to this, so prompts of similar length share one captured graph.
 SLOT_BUCKET = 256
@@ -35,48 +44,92 @@ SLOT_BUCKET = 256
 FAST_PATH_FAMILIES = ("llama", "qwen3")
 
 
+def _quantization_blocker(target: torch.nn.Module) -> str | None:
+    """Why the target's quantization keeps it off the fast path, or None.
+
+    A GGUF checkpoint is marked quantized by transformers even when it was dequantized into plain floating-point
+    weights at load time; such a target is dense and served. Any other quantizer (bitsandbytes and the like) computes
+    through its own layers, which the fast path is not tested with.
+    """
+    quantizer = getattr(target, "hf_quantizer", None)
+    config = getattr(quantizer, "quantization_config", None) or getattr(target.config, "quantization_config", None)
+    if quantizer is None and config is None and not getattr(target, "is_quantized", False):
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers keeps it as a QuantizationMethod enum
+    dense = all(p.is_floating_point() for p in target.parameters())
+    if method == "gguf" and dense:
+        return None
+    return f"the target is quantized ({method or 'unknown method'}); its quantized layers take the eager loop"
+
+
 def fast_path_blocker(
     target: torch.nn.Module,
     drafter: torch.nn.Module,
     generation_config: Any,
-    logits_processor: Any,
+    processors: StepProcessors,
     host_criteria_only: bool,
     streamer: Any,
     verify_rows: int,
     attention_mask: torch.Tensor,
 ) -> str | None:
-    """Why the fast path cannot serve this call, or None when it can."""
+    """Why the fast path cannot serve this call, with the fix when there is one; None when it can."""
     config = drafter.config
     text = target.config.get_text_config()
     devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
     if len(devices) != 1:
-        return f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device"
+        return (
+            f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device "
+            "(load both on one GPU)"
+        )
     if text.model_type not in FAST_PATH_FAMILIES:
         return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
-    if generation_config.do_sample:
-        return "do_sample=True (the fast path decodes greedily)"
-    if len(logits_processor) > 0:
-        return f"logits processors are active ({', '.join(type(p).__name__ for p in logits_processor)})"
+    if processors.host_only:
+        return (
+            f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
+            "drop them for the fast path"
+        )
     if not host_criteria_only:
-        return "stopping criteria other than eos and max_length are active"
+        return "stopping criteria other than eos and max_length are active (they are called token by token)"
     if streamer is not None:
-        return "a streamer is attached"
+        return "a streamer is attached (it is called token by token)"
     if generation_config.return_dict_in_generate and (
         generation_config.output_scores or generation_config.output_logits
     ):
-        return "output_scores / output_logits were requested"
+        return "output_scores / output_logits were requested (drop them for the fast path)"
     if verify_rows != config.block_size:
-        return "dflash_verify_rows is set"
+        return "dflash_verify_rows is set (drop it for the fast path)"
     if "sliding_attention" in config.layer_types or "sliding_attention" in (getattr(text, "layer_types", None) or []):
         return "a sliding-window layer (drafter or target)"
-    if getattr(target, "hf_quantizer", None) is not None or getattr(target, "is_quantized", False):
-        return "the target is quantized"
+    quantized = _quantization_blocker(target)
+    if quantized is not None:
+        return quantized
     if text._attn_implementation not in ("sdpa", "eager"):
-        return f"the target uses {text._attn_implementation!r} attention (the fast path needs sdpa or eager)"
+        return (
+            f"the target uses {text._attn_implementation!r} attention (the fast path needs sdpa or eager: load it "
+            "with attn_implementation='sdpa')"
+        )
     real = attention_mask.long()
     if not bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding: zeros, then ones
-        return "the attention mask is not left padding"
+        return "the attention mask is not left padding (pad prompts on the left)"
     return None
+
+
+def takes_fast_path(insist: bool | None, blocker: str | None, device: torch.device) -> bool:
+    """Whether a call takes the fast path: `insist` is generate's `dflash_fast_path` (None: whenever it can on a GPU).
+
+    A GPU call that the fast path cannot serve says why once per reason (a logged warning); one that insists on it
+    is an error instead.
+    """
+    if insist and blocker is not None:
+        raise ValueError(f"dflash_fast_path=True, but the fast path cannot serve this call: {blocker}")
+    if insist is None and blocker is not None and device.type == "cuda":
+        logger.warning_once(
+            f"DFlash: this call takes the eager loop, not the CUDA-graph fast path, because {blocker}. The tokens are "
+            "the same; each verify step costs several times more. Pass dflash_fast_path=False to choose the eager "
+            "loop without this warning."
+        )
+    return bool(insist) or (insist is None and blocker is None and device.type == "cuda")
 
 
 def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -114,7 +167,9 @@ class DFlashStaticStep:
         self.max_length = num_slots - block  # the longest sequence (padding included) this step can hold
         self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
         # Capture hooks, per-sequence states and the drafter's page pools; prefill reuses the generator's methods.
-        self.generator = DFlashCandidateGenerator(drafter, target, batch_size, self.max_length, max_rows=self.max_length)
+        self.generator = generator = DFlashCandidateGenerator(
+            drafter, target, batch_size, self.max_length, max_rows=self.max_length
+        )
         for state in self.generator.states:  # every page a sequence may need, once: the block tables never change
             self.generator.cache.reserve(state, num_slots)
         block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
@@ -153,16 +208,23 @@ class DFlashStaticStep:
         self.drafts = torch.zeros(batch_size, block - 1, **long)
         self.out = torch.zeros(batch_size, block + 1, **long)
         self.max_length_now = torch.zeros((), **long)  # this call's max_length (a buffer: the graph reads it)
+        self.vocab_size = generator.lm_head.weight.shape[0]
+        # The call's decoding rule and processors (`bind`); a recorded graph computes with the ones it was recorded
+        # with, so it is kept only while later calls bring the same.
+        self.rule = DecodingRule(do_sample=False, rejection=False)
+        self.processors = StepProcessors([])
+        self.presence: torch.Tensor | None = None  # (b, V) bool, the tokens the repetition penalty counts
         self.graph: torch.cuda.CUDAGraph | None = None
 
     # -- one verify step, on device buffers only (recorded once as a CUDA graph) --------------------------------
 
     def step(self) -> None:
-        self.propose()
-        self.verify()
+        draft_probs = self.propose()
+        self.verify(draft_probs)
 
-    def propose(self) -> None:
-        """Store the last verify's rows as context, then draft the next block into `drafts`."""
+    def propose(self) -> torch.Tensor | None:
+        """Store the last verify's rows as context, then draft the next block into `drafts`. Returns the
+        distribution the drafts were sampled from (b, B - 1, V) under rejection sampling, else None."""
         block, drafter, generator = self.block_size, self.drafter, self.generator
         # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
         #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
@@ -181,9 +243,11 @@ class DFlashStaticStep:
             attention_mask={"full_attention": visible[:, None, None, :]},
             cache=self.drafter_view,
         ).last_hidden_state
-        self.drafts.copy_(generator.lm_head(hidden[:, 1:].to(generator.lm_head.weight.dtype)).argmax(dim=-1))
+        drafts, draft_probs = self.rule.propose(generator.lm_head(hidden[:, 1:].to(generator.lm_head.weight.dtype)))
+        self.drafts.copy_(drafts)
+        return draft_probs
 
-    def verify(self) -> None:
+    def verify(self, draft_probs: torch.Tensor | None) -> None:
         """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""
         block, drafts, generator = self.block_size, self.drafts, self.generator
         positions = self.anchor_pos[:, None] + self.block_offsets  # (b, B)
@@ -201,14 +265,19 @@ class DFlashStaticStep:
             logits_to_keep=block,
             **{self.cache_argument: self.target_cache},
         ).logits
-        tokens = logits.argmax(dim=-1)  # (b, B) the target's own choice after each row
-        accepted = (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
+        scores = self.processors(logits, self.offsets + self.anchor_pos + 1, self.presence, drafts)  # (b, B, V)
+        tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
         room = self.max_length_left()  # never commit past max_length
         accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
         # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
         self.prev_pos.copy_(self.anchor_pos)
         self.anchor_ids.copy_(torch.where(self.active[:, None] > 0, tokens.gather(1, accepted[:, None]), self.anchor_ids))
         self.anchor_pos.add_((accepted + 1) * self.active)
+        if self.presence is not None:  # the committed tokens join the repetition penalty's set
+            committed = (self.block_offsets <= accepted[:, None]) & (self.active[:, None] > 0)  # (b, B)
+            hits = torch.zeros_like(self.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
+            self.presence.logical_or_(hits > 0)
         self.out[:, :block].copy_(tokens)
         self.out[:, block].copy_(accepted)
 
@@ -218,10 +287,27 @@ class DFlashStaticStep:
 
     # -- host side ------------------------------------------------------------------------------------------
 
+    def bind(self, processors: StepProcessors, rule: DecodingRule) -> None:
+        """Take this call's decoding rule and processors. A recorded graph baked in the ones it was recorded with
+        (temperatures, thresholds, the tensors they hold): it is kept, with them, only for a call that computes the
+        same, and dropped otherwise."""
+        if self.graph is not None and (rule, processors.signature) == (self.rule, self.processors.signature):
+            return
+        self.graph = None
+        self.rule, self.processors = rule, processors
+        needs_presence = processors.penalty is not None
+        if needs_presence and self.presence is None:
+            self.presence = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool, device=self.anchor_ids.device)
+        elif not needs_presence:
+            self.presence = None
+
     @torch.no_grad()
-    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int) -> list[int]:
+    def prefill(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, logits_processor: Any
+    ) -> list[int]:
         """Eager prompt forward into the static cache; the prompt rows become drafter context. Returns each
-        sequence's first token (the call's one synchronization before the loop)."""
+        sequence's first token (the call's one synchronization before the loop), chosen under the call's own
+        processors exactly as plain generate chooses it."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         self.generator.restart()
@@ -246,7 +332,12 @@ class DFlashStaticStep:
         ).logits
         self.generator.commit_prefill(real)
         self.generator.store_new_context(self.generator.states)
-        first = logits[:, -1].argmax(dim=-1)
+        call = StepProcessors(logits_processor)
+        scores = call.first_token_scores(input_ids, logits[:, -1])[:, None]  # (b, 1, V)
+        first = accept(scores, input_ids[:, :0], self.rule.do_sample, None)[0][:, 0]
+        if self.presence is not None:
+            self.presence.copy_(call.prompt_presence(input_ids, self.vocab_size))
+            self.presence[torch.arange(batch, device=device), first] = True
         self.anchor_ids.copy_(first[:, None])
         self.anchor_pos.copy_(real.sum(dim=1))
         self.prev_pos.copy_(self.anchor_pos)  # nothing new for the first step: its context rows land in block slots
@@ -255,10 +346,11 @@ class DFlashStaticStep:
 
     def capture_graph(self) -> None:
         """Record `step` as a CUDA graph, leaving the device state as it was."""
-        saved = [t.clone() for t in (self.anchor_ids, self.anchor_pos, self.prev_pos)]
+        state = [t for t in (self.anchor_ids, self.anchor_pos, self.prev_pos, self.presence) if t is not None]
+        saved = [t.clone() for t in state]
         self.graph = record_cuda_graph(self.step)
         # Warm-up steps wrote only slots at or after each anchor, which the first real step overwrites.
-        for tensor, value in zip((self.anchor_ids, self.anchor_pos, self.prev_pos), saved):
+        for tensor, value in zip(state, saved):
             tensor.copy_(value)
 
     @torch.no_grad()
@@ -295,4 +387,6 @@ def release_fast_path(drafter: torch.nn.Module) -> None:
     drafter._dflash_static_step = None
 
 
-__all__ = ["DFlashStaticStep", "fast_path_blocker", "record_cuda_graph", "release_fast_path", "static_step_for"]
+__all__ = [
+    "DFlashStaticStep", "fast_path_blocker", "record_cuda_graph", "release_fast_path", "static_step_for", "takes_fast_path",
+]

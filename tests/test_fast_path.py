@@ -10,9 +10,16 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from types import SimpleNamespace
+
+from transformers.testing_utils import CaptureLogger
+
+from hf_dflash.modeling import dflash_decoding, dflash_fast_path
 from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
-from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path, takes_fast_path
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class OracleHead(torch.nn.Module):
@@ -172,8 +179,7 @@ def test_static_step_is_reused_across_calls_and_rebuilt_for_a_new_shape():
 @pytest.mark.parametrize(
     "kwargs, blocker",
     [
-        (dict(do_sample=True), "do_sample=True"),
-        (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+        (dict(no_repeat_ngram_size=2), "NoRepeatNGramLogitsProcessor"),
         (dict(stopping_criteria=StoppingCriteriaList([NeverStop()])), "stopping criteria"),
         (dict(dflash_verify_rows=2), "dflash_verify_rows"),
     ],
@@ -210,3 +216,74 @@ def test_right_padding_is_not_served_by_the_fast_path():
     mask[1, -2:] = 0
     with pytest.raises(ValueError, match="not left padding"):
         target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True)
+
+
+# What the models' generation_config.json files set: Qwen3 (-8B, -4B, ...) and Llama-3.1-Instruct.
+CHAT_DEFAULTS = {
+    "qwen3": dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
+    "llama": dict(do_sample=True, temperature=0.6, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CHAT_DEFAULTS))
+def test_a_chat_models_default_call_is_served_by_the_static_step(family, monkeypatch):
+    """A plain generate call on a chat model samples under its generation_config; on a GPU it takes the fast path.
+    The decision is taken as on a GPU (the step then runs without a graph here)."""
+    target = tiny_target(family)
+    target.generation_config.update(**CHAT_DEFAULTS[family])
+    drafter = tiny_drafter(target)
+    blockers, replays = [], []
+    decide = dflash_decoding.takes_fast_path
+    monkeypatch.setattr(
+        dflash_decoding, "takes_fast_path",
+        lambda insist, blocker, device: blockers.append(blocker) or decide(insist, blocker, torch.device("cuda")),
+    )
+    run_step = DFlashStaticStep.run_step
+    monkeypatch.setattr(DFlashStaticStep, "run_step", lambda self: replays.append(1) or run_step(self))
+    out = target.generate(random_prompt(6, batch=2), max_new_tokens=12, assistant_model=drafter, pad_token_id=0)
+    release_fast_path(drafter)
+    assert blockers == [None]
+    assert replays and out.shape == (2, 18)
+
+
+def test_a_gpu_call_off_the_fast_path_says_why_once():
+    logger = dflash_fast_path.logger
+    cuda = torch.device("cuda")
+    with CaptureLogger(logger) as captured:
+        assert not takes_fast_path(None, "a streamer is attached (test of the warning)", cuda)
+        assert not takes_fast_path(None, "a streamer is attached (test of the warning)", cuda)
+        assert not takes_fast_path(False, "a streamer is attached (test of the warning)", cuda)  # chosen: silent
+        assert not takes_fast_path(None, "a streamer is attached (test of the warning, on a CPU)", torch.device("cpu"))
+    assert captured.out.count("takes the eager loop") == 1
+    assert "because a streamer is attached (test of the warning)" in captured.out
+    assert takes_fast_path(None, None, cuda) and takes_fast_path(True, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="dflash_fast_path=True, but the fast path cannot serve this call: why"):
+        takes_fast_path(True, "why", cuda)
+
+
+def quantization_marker(method: str) -> SimpleNamespace:
+    """What transformers leaves on a model it loaded through a quantizer (`model.hf_quantizer`)."""
+    return SimpleNamespace(quantization_config=SimpleNamespace(quant_method=method))
+
+
+def blocker_of(target, drafter):
+    return dflash_fast_path.fast_path_blocker(
+        target, drafter, target.generation_config, dflash_decoding.StepProcessors([]), True, None,
+        drafter.config.block_size, torch.ones(1, 4, dtype=torch.long),
+    )
+
+
+def test_a_gguf_target_dequantized_at_load_takes_the_fast_path_and_real_quantizers_do_not():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    assert blocker_of(target, drafter) is None
+    target.hf_quantizer = quantization_marker("gguf")  # from_pretrained(..., gguf_file=...): dense weights
+    assert blocker_of(target, drafter) is None
+    target.hf_quantizer = quantization_marker("bitsandbytes")
+    assert blocker_of(target, drafter) == "the target is quantized (bitsandbytes); its quantized layers take the eager loop"
+    # GGUF weights kept in their packed blocks (integer tensors) are not dense
+    target.hf_quantizer = quantization_marker("gguf")
+    target.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
+        torch.zeros(64, 32, dtype=torch.uint8), requires_grad=False
+    )
+    assert "quantized (gguf)" in blocker_of(target, drafter)
