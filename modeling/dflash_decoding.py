@@ -173,7 +173,7 @@ def _decode_static(
     eos_ids: set[int], pad_id: int, logits_processor: Any,
 ) -> tuple[torch.LongTensor, list[list[int]]]:
     """The fast path's host loop (dflash_fast_path.py): per step one replay and one read-back of [tokens, accepted]
-    per sequence. Returns the sequences (right-padded with pad_id) and each sequence's acceptance lengths."""
+    per running sequence. Returns the sequences (right-padded with pad_id) and each sequence's acceptance lengths."""
     rows = input_ids.tolist()
     acceptance_lengths: list[list[int]] = [[] for _ in rows]
     running = []
@@ -184,9 +184,8 @@ def _decode_static(
             step.stop(i)
         else:
             running.append(i)
-    if running and step.graph is None and input_ids.is_cuda:
-        step.capture_graph()
     while running:
+        step.compact(running)  # finished sequences leave the step's batch
         out = step.run_step()
         still = []
         for i in running:

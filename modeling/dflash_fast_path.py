@@ -7,7 +7,8 @@ CUDA graph and replayed. The host reads back one small tensor per step ([target 
 sequence) to decide eos / max_length, exactly as plain generate would stop.
 
 Sequences keep their own slots (dflash_static_cache.py): a sequence that accepts fewer drafts than its neighbours
-just moves its anchor less; a finished one stays in the batch, frozen, until all are done.
+just moves its anchor less; a finished one is frozen, and once the running ones fit in half the batch they move to
+the first rows and the step runs at that smaller batch (`compact`, one graph per batch size).
 
 What the fast path serves: greedy and sampled decoding (point-mass or rejection sampling, inside the step, with
 random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
@@ -23,6 +24,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -146,13 +148,41 @@ def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def bucket_size(running: int, batch_size: int) -> int:
+    """The batch a step runs at for `running` sequences: the next power of two, at most the full batch. Finished rows
+    leave the step once the running ones fit in half of it, so a batch is not held by its longest sequence, and a
+    held step records at most log2(b) + 1 graphs."""
+    return min(batch_size, 1 << max(running - 1, 0).bit_length())
+
+
+@dataclass
+class StepRows:
+    """The first `n` rows of a `DFlashStaticStep`'s per-sequence buffers, as views of its own memory: the rows one
+    step runs on (the running sequences sit first)."""
+
+    anchor_ids: torch.Tensor  # (n, 1) the last committed token
+    anchor_pos: torch.Tensor  # (n,) its position (real, padding excluded)
+    prev_pos: torch.Tensor  # (n,) the previous step's anchor position, whose verify rows become context now
+    offsets: torch.Tensor  # (n,) left padding
+    active: torch.Tensor  # (n,) 1 while the sequence runs
+    drafts: torch.Tensor  # (n, B - 1)
+    out: torch.Tensor  # (n, B + 1) the target's tokens at the B verified rows, then the accepted count
+    mask_ids: torch.Tensor  # (n, B - 1)
+    block_tables: torch.Tensor  # (n, pages) the drafter's pages of each sequence
+    verify_rows: torch.Tensor  # (n, B, k * H) the last verify's captured target rows
+    target_slots: torch.Tensor  # (n, B) where the verify's keys/values go
+    target_cache: StaticTargetCache
+    drafter_view: PagedView
+    presence: torch.Tensor | None  # (n, V) the tokens the repetition penalty counts
+
+
 class DFlashStaticStep:
     """Buffers and the step function of the fast path for one batch size and one cache length.
 
-    Device state per sequence (b,): `anchor_ids` the last committed token, `anchor_pos` its position (real, padding
-    excluded), `prev_pos` the anchor position of the previous step (whose verify rows become context now),
-    `offsets` the left padding, `active` 1 while the sequence runs. `out` (b, B + 1) holds the step's result:
-    the target's tokens at the B verified rows, then the number of accepted drafts.
+    Every per-sequence buffer has one row per sequence of the batch; `sequence_of_row[i]` is the call's sequence in
+    row i. Rows are kept with the running sequences first, and a step runs on the first `live_rows` of them
+    (`rows(n)`): when sequences finish, `compact` moves them behind the running ones and the step runs at a smaller
+    batch (one graph per batch size).
     """
 
     def __init__(
@@ -170,17 +200,12 @@ class DFlashStaticStep:
         self.generator = generator = DFlashCandidateGenerator(
             drafter, target, batch_size, self.max_length, max_rows=self.max_length
         )
-        for state in self.generator.states:  # every page a sequence may need, once: the block tables never change
+        for state in self.generator.states:  # every page a sequence may need, once: a table moves only with its row
             self.generator.cache.reserve(state, num_slots)
-        block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
-        self.block_tables = block_tables
-        draft_slots = block_tables.shape[1] * PAGE_SIZE
-        self.draft_key_positions = torch.arange(draft_slots, device=device)
-        self.drafter_view = PagedView(
-            self.generator.cache,
-            block_slots=torch.zeros(batch_size, block, dtype=torch.long, device=device),
-            read_slots=page_slots(block_tables, self.draft_key_positions.expand(batch_size, -1)),
-        )
+        self.block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
+        self.draft_key_positions = torch.arange(self.block_tables.shape[1] * PAGE_SIZE, device=device)  # (S,)
+        self.draft_read_slots = page_slots(self.block_tables, self.draft_key_positions.expand(batch_size, -1))  # (b, S)
+        self.draft_block_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.target_cache = StaticTargetCache(
             num_layers=len(decoder_layers(target)),
@@ -210,90 +235,116 @@ class DFlashStaticStep:
         self.max_length_now = torch.zeros((), **long)  # this call's max_length (a buffer: the graph reads it)
         self.vocab_size = generator.lm_head.weight.shape[0]
         # The call's decoding rule and processors (`bind`); a recorded graph computes with the ones it was recorded
-        # with, so it is kept only while later calls bring the same.
+        # with, so the graphs are kept only while later calls bring the same.
         self.rule = DecodingRule(do_sample=False, rejection=False)
         self.processors = StepProcessors([])
         self.presence: torch.Tensor | None = None  # (b, V) bool, the tokens the repetition penalty counts
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.sequence_of_row = list(range(batch_size))
+        self.live_rows = batch_size
+        self.use_graphs = device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # rows -> the step recorded at that batch
+        self._rows: dict[int, StepRows] = {}
 
-    # -- one verify step, on device buffers only (recorded once as a CUDA graph) --------------------------------
+    def rows(self, n: int) -> StepRows:
+        """The first n rows of every per-sequence buffer (views, built once per n)."""
+        if n not in self._rows:
+            self._rows[n] = StepRows(
+                anchor_ids=self.anchor_ids[:n],
+                anchor_pos=self.anchor_pos[:n],
+                prev_pos=self.prev_pos[:n],
+                offsets=self.offsets[:n],
+                active=self.active[:n],
+                drafts=self.drafts[:n],
+                out=self.out[:n],
+                mask_ids=self.mask_ids[:n],
+                block_tables=self.block_tables[:n],
+                verify_rows=self.verify_rows[:n],
+                target_slots=self.target_slots[:n],
+                target_cache=self.target_cache.head(n),
+                drafter_view=PagedView(
+                    self.generator.cache, block_slots=self.draft_block_slots[:n], read_slots=self.draft_read_slots[:n]
+                ),
+                presence=None if self.presence is None else self.presence[:n],
+            )
+        return self._rows[n]
 
-    def step(self) -> None:
-        draft_probs = self.propose()
-        self.verify(draft_probs)
+    # -- one verify step, on device buffers only (recorded once per batch size as a CUDA graph) ----------------
 
-    def propose(self) -> torch.Tensor | None:
-        """Store the last verify's rows as context, then draft the next block into `drafts`. Returns the
-        distribution the drafts were sampled from (b, B - 1, V) under rejection sampling, else None."""
+    def step(self, rows: StepRows) -> None:
+        draft_probs = self.propose(rows)
+        self.verify(rows, draft_probs)
+
+    def propose(self, rows: StepRows) -> torch.Tensor | None:
+        """Store the last verify's rows as context, then draft the next block into `rows.drafts`. Returns the
+        distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None."""
         block, drafter, generator = self.block_size, self.drafter, self.generator
         # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
         #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
-        context_positions = self.prev_pos[:, None] + self.block_offsets  # (b, B)
-        context_slots = page_slots(self.block_tables, context_positions)
-        for layer, (key, value) in enumerate(drafter.context_key_values(self.verify_rows, context_positions)):
-            generator.cache.write_rows(layer, context_slots, key, value)  # (b, g, B, d) at (b, B) slots
+        context_positions = rows.prev_pos[:, None] + self.block_offsets  # (n, B)
+        context_slots = page_slots(rows.block_tables, context_positions)
+        for layer, (key, value) in enumerate(drafter.context_key_values(rows.verify_rows, context_positions)):
+            generator.cache.write_rows(layer, context_slots, key, value)  # (n, g, B, d) at (n, B) slots
         # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
-        positions = self.anchor_pos[:, None] + self.block_offsets  # (b, B)
-        self.drafter_view.block_slots.copy_(page_slots(self.block_tables, positions))
-        noise_embeds = generator.input_embeddings(torch.cat([self.anchor_ids, self.mask_ids], dim=1))
-        visible = self.draft_key_positions < (self.anchor_pos + block)[:, None]  # (b, S)
+        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
+        rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
+        noise_embeds = generator.input_embeddings(torch.cat([rows.anchor_ids, rows.mask_ids], dim=1))
+        visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
         hidden = drafter(
             noise_embeds=noise_embeds,
             position_ids=positions,
             attention_mask={"full_attention": visible[:, None, None, :]},
-            cache=self.drafter_view,
+            cache=rows.drafter_view,
         ).last_hidden_state
         drafts, draft_probs = self.rule.propose(generator.lm_head(hidden[:, 1:].to(generator.lm_head.weight.dtype)))
-        self.drafts.copy_(drafts)
+        rows.drafts.copy_(drafts)
         return draft_probs
 
-    def verify(self, draft_probs: torch.Tensor | None) -> None:
+    def verify(self, rows: StepRows, draft_probs: torch.Tensor | None) -> None:
         """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""
-        block, drafts, generator = self.block_size, self.drafts, self.generator
-        positions = self.anchor_pos[:, None] + self.block_offsets  # (b, B)
+        block, drafts = self.block_size, rows.drafts
+        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
         # 3. Verify [anchor, drafts] at each sequence's own slots (its padded columns), causally.
-        slots = self.offsets[:, None] + positions  # (b, B)
-        self.target_slots.copy_(slots)
-        self.target_cache.write_slots = self.target_slots
-        mask = (self.key_slots >= self.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (b, B, L)
-        generator.capture.destination = self.verify_rows
+        slots = rows.offsets[:, None] + positions  # (n, B)
+        rows.target_slots.copy_(slots)
+        rows.target_cache.write_slots = rows.target_slots
+        mask = (self.key_slots >= rows.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (n, B, L)
+        self.generator.capture.destination = rows.verify_rows
         logits = self.target(
-            input_ids=torch.cat([self.anchor_ids, drafts], dim=1),
+            input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
             position_ids=positions,
             attention_mask=mask[:, None],
             use_cache=True,
             logits_to_keep=block,
-            **{self.cache_argument: self.target_cache},
+            **{self.cache_argument: rows.target_cache},
         ).logits
         # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
-        scores = self.processors(logits, self.offsets + self.anchor_pos + 1, self.presence, drafts)  # (b, B, V)
+        scores = self.processors(logits, rows.offsets + rows.anchor_pos + 1, rows.presence, drafts)  # (n, B, V)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
-        room = self.max_length_left()  # never commit past max_length
+        # never commit past max_length: max_length minus the padded length is what a sequence may still commit
+        room = self.max_length_now - rows.offsets - rows.anchor_pos - 1
         accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
         # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
-        self.prev_pos.copy_(self.anchor_pos)
-        self.anchor_ids.copy_(torch.where(self.active[:, None] > 0, tokens.gather(1, accepted[:, None]), self.anchor_ids))
-        self.anchor_pos.add_((accepted + 1) * self.active)
-        if self.presence is not None:  # the committed tokens join the repetition penalty's set
-            committed = (self.block_offsets <= accepted[:, None]) & (self.active[:, None] > 0)  # (b, B)
-            hits = torch.zeros_like(self.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
-            self.presence.logical_or_(hits > 0)
-        self.out[:, :block].copy_(tokens)
-        self.out[:, block].copy_(accepted)
-
-    def max_length_left(self) -> torch.Tensor:
-        """Tokens each sequence may still commit: max_length minus its padded length (anchor_pos + 1 + offset)."""
-        return self.max_length_now - self.offsets - self.anchor_pos - 1
+        rows.prev_pos.copy_(rows.anchor_pos)
+        running = rows.active[:, None] > 0
+        rows.anchor_ids.copy_(torch.where(running, tokens.gather(1, accepted[:, None]), rows.anchor_ids))
+        rows.anchor_pos.add_((accepted + 1) * rows.active)
+        if rows.presence is not None:  # the committed tokens join the repetition penalty's set
+            committed = (self.block_offsets <= accepted[:, None]) & running  # (n, B)
+            hits = torch.zeros_like(rows.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
+            rows.presence.logical_or_(hits > 0)
+        rows.out[:, :block].copy_(tokens)
+        rows.out[:, block].copy_(accepted)
 
     # -- host side ------------------------------------------------------------------------------------------
 
     def bind(self, processors: StepProcessors, rule: DecodingRule) -> None:
         """Take this call's decoding rule and processors. A recorded graph baked in the ones it was recorded with
-        (temperatures, thresholds, the tensors they hold): it is kept, with them, only for a call that computes the
-        same, and dropped otherwise."""
-        if self.graph is not None and (rule, processors.signature) == (self.rule, self.processors.signature):
+        (temperatures, thresholds, the tensors they hold): the graphs are kept, with them, only for a call that
+        computes the same, and dropped otherwise."""
+        if self.graphs and (rule, processors.signature) == (self.rule, self.processors.signature):
             return
-        self.graph = None
+        self.graphs = {}
+        self._rows = {}
         self.rule, self.processors = rule, processors
         needs_presence = processors.penalty is not None
         if needs_presence and self.presence is None:
@@ -342,29 +393,60 @@ class DFlashStaticStep:
         self.anchor_pos.copy_(real.sum(dim=1))
         self.prev_pos.copy_(self.anchor_pos)  # nothing new for the first step: its context rows land in block slots
         self.active.fill_(1)
+        self.sequence_of_row = list(range(batch))
+        self.live_rows = batch
         return first.tolist()
 
-    def capture_graph(self) -> None:
-        """Record `step` as a CUDA graph, leaving the device state as it was."""
-        state = [t for t in (self.anchor_ids, self.anchor_pos, self.prev_pos, self.presence) if t is not None]
+    def capture_graph(self, n: int) -> None:
+        """Record `step` over the first n rows as a CUDA graph, leaving the device state as it was."""
+        rows = self.rows(n)
+        state = [t for t in (rows.anchor_ids, rows.anchor_pos, rows.prev_pos, rows.verify_rows, rows.presence) if t is not None]
         saved = [t.clone() for t in state]
-        self.graph = record_cuda_graph(self.step)
-        # Warm-up steps wrote only slots at or after each anchor, which the first real step overwrites.
+        self.graphs[n] = record_cuda_graph(lambda: self.step(rows))
+        # Warm-up steps wrote only slots at or after each anchor, which the next real step overwrites before any
+        # read; the rows they captured and the anchors they moved are put back.
         for tensor, value in zip(state, saved):
             tensor.copy_(value)
 
     @torch.no_grad()
-    def run_step(self) -> list[list[int]]:
-        """One verify step; returns per sequence [tokens at the B rows..., accepted]."""
-        if self.graph is not None:
-            self.graph.replay()
+    def run_step(self) -> dict[int, list[int]]:
+        """One verify step over the live rows; returns per running sequence [tokens at the B rows..., accepted]."""
+        n = self.live_rows
+        if self.use_graphs and n not in self.graphs:
+            self.capture_graph(n)
+        if n in self.graphs:
+            self.graphs[n].replay()
         else:
-            self.step()
-        return self.out.tolist()  # the step's one host synchronization
+            self.step(self.rows(n))
+        out = self.out[:n].tolist()  # the step's one host synchronization
+        return {sequence: out[row] for row, sequence in enumerate(self.sequence_of_row[:n])}
 
-    def stop(self, row: int) -> None:
-        """Freeze a finished sequence: it stays in the batch but its anchor no longer moves."""
-        self.active[row] = 0
+    def stop(self, sequence: int) -> None:
+        """Freeze a finished sequence: its anchor no longer moves, and `compact` may move it out of the live rows."""
+        self.active[self.sequence_of_row.index(sequence)] = 0
+
+    def compact(self, running: list[int]) -> None:
+        """Move the running sequences to the first rows and run on the smallest batch that holds them, once that
+        batch is at most half the current one (`bucket_size`); one copy of each per-sequence buffer's rows."""
+        n = bucket_size(len(running), self.batch_size)
+        if n >= self.live_rows:
+            return
+        row_of = {sequence: row for row, sequence in enumerate(self.sequence_of_row)}
+        first = [row_of[sequence] for sequence in running]
+        order = first + sorted(set(range(self.batch_size)) - set(first))
+        index = torch.tensor(order, device=self.anchor_ids.device)
+        per_row = (
+            self.anchor_ids, self.anchor_pos, self.prev_pos, self.offsets, self.active, self.block_tables,
+            self.draft_read_slots, self.verify_rows, self.presence,
+        )
+        for buffer in per_row:
+            if buffer is not None:
+                buffer.copy_(buffer[index])
+        self.target_cache.reorder(index)
+        # a sequence's pages move with its block-table row; the states follow so the next prefill pairs them again
+        self.generator.states = [self.generator.states[row] for row in order]
+        self.sequence_of_row = [self.sequence_of_row[row] for row in order]
+        self.live_rows = n
 
 
 def static_step_for(
@@ -388,5 +470,5 @@ def release_fast_path(drafter: torch.nn.Module) -> None:
 
 
 __all__ = [
-    "DFlashStaticStep", "fast_path_blocker", "record_cuda_graph", "release_fast_path", "static_step_for", "takes_fast_path",
+    "DFlashStaticStep", "StepRows", "bucket_size", "fast_path_blocker", "record_cuda_graph", "release_fast_path", "static_step_for", "takes_fast_path",
 ]

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 class OracleHead(torch.nn.Module):
     """Stands in for the lm_head inside the static step: its argmax is the reference continuation of each sequence
-    (read from the step's own device state), wrong at every `wrong_every`-th column, so acceptance varies from 1 to B
-    and differs between sequences."""
+    (read from the step's own device state and its row -> sequence map), wrong at every `wrong_every`-th column, so
+    acceptance varies from 1 to B and differs between sequences."""
 
     def __init__(self, step: DFlashStaticStep, reference: torch.LongTensor, wrong_every: int, vocab: int):
         super().__init__()
@@ -34,11 +34,12 @@ class OracleHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows, drafts = hidden.shape[:2]
+        sequences = torch.tensor(self.step.sequence_of_row[:rows])
         # padded column of the token at position anchor + k, k = 1..B-1
-        columns = self.step.offsets[:, None] + self.step.anchor_pos[:, None] + 1 + torch.arange(drafts)
+        columns = self.step.offsets[:rows, None] + self.step.anchor_pos[:rows, None] + 1 + torch.arange(drafts)
         clipped = columns.clamp(max=self.reference.shape[1] - 1)
-        tokens = self.reference.gather(1, clipped)
-        wrong = ((columns + torch.arange(rows)[:, None]) % self.wrong_every == 0) | (columns != clipped)
+        tokens = self.reference[sequences].gather(1, clipped)
+        wrong = ((columns + sequences[:, None]) % self.wrong_every == 0) | (columns != clipped)
         tokens = torch.where(wrong, (tokens + 1) % 200, tokens)
         return torch.nn.functional.one_hot(tokens, self.vocab).float()
 
@@ -47,11 +48,11 @@ class OracleHead(torch.nn.Module):
 def oracle_static_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int):
     original = DFlashStaticStep.step
 
-    def step(self):
+    def step(self, rows):
         real_head = self.generator.lm_head
         self.generator.lm_head = OracleHead(self, reference, wrong_every, vocab)
         try:
-            original(self)
+            original(self, rows)
         finally:
             self.generator.lm_head = real_head
 
@@ -287,3 +288,39 @@ def test_a_gguf_target_dequantized_at_load_takes_the_fast_path_and_real_quantize
         torch.zeros(64, 32, dtype=torch.uint8), requires_grad=False
     )
     assert "quantized (gguf)" in blocker_of(target, drafter)
+
+
+def test_finished_sequences_leave_the_static_steps_batch(monkeypatch):
+    """Sequences that end early (their own eos, at different steps) move out of the step's rows: the step runs at
+    smaller batches (8 -> 4 -> 2 -> 1 as they finish) and every sequence still equals plain greedy generate."""
+    target = tiny_target("qwen3", seed=9)
+    drafter = tiny_drafter(target, block_size=4)
+    ids, mask = left_padded(8, 9, [0, 3, 1, 5, 0, 2, 4, 6], seed=9)
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    # an eos each row meets at a different point of its own continuation (or never)
+    eos = int(reference[5, 9 + 3])
+    batches = []
+    run_step = DFlashStaticStep.run_step
+    monkeypatch.setattr(DFlashStaticStep, "run_step", lambda self: batches.append(self.live_rows) or run_step(self))
+    plain = target.generate(
+        ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos
+    )
+    with oracle_static_drafts(reference, 3, target.config.vocab_size):
+        fast = target.generate(
+            ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos,
+            assistant_model=drafter, dflash_fast_path=True,
+        )
+    lengths = (plain != 0).sum(dim=1)
+    assert len(set(lengths.tolist())) > 2, "the rows should end at different steps"
+    assert torch.equal(fast, plain)
+    assert batches[0] == 8 and min(batches) < 8 and batches == sorted(batches, reverse=True)
+    # a second call reuses the held step, whose rows were reordered, and is still exact
+    again = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                            eos_token_id=eos, assistant_model=drafter, dflash_fast_path=True)
+    assert torch.equal(again, plain)
+    release_fast_path(drafter)
+
+
+@pytest.mark.parametrize("running, batch, expected", [(8, 8, 8), (5, 8, 8), (4, 8, 4), (3, 8, 4), (1, 8, 1), (6, 6, 6), (4, 6, 4)])
+def test_bucket_sizes(running, batch, expected):
+    assert dflash_fast_path.bucket_size(running, batch) == expected
