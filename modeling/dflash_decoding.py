@@ -1,15 +1,19 @@
 """The DFlash decoding loop, run by `target.generate(assistant_model=drafter)` (see dflash_dispatch.py).
 
 generate prepares the generation config, logits processors, stopping criteria and the target's cache as usual,
-then hands over to `dflash_generate`:
-1. prefill: the target reads the prompt, hooks capture the chosen layers, the target picks the first token;
-2. per step: the drafter proposes a block after the anchor (the last committed token); the target verifies
-   [anchor, drafts] in one forward; drafts are accepted while each equals the token the target itself chooses at
-   that row (argmax, or its sample under do_sample: a point-mass proposal, so the output is distributed exactly as
-   the target's); the target's token at the first mismatch is the bonus; the target cache is cropped back to the
-   committed length and the accepted rows become drafter context.
-Every committed token passes through the stopping criteria one at a time, so eos, max_length, stop strings and
-custom criteria end generation exactly where plain generate would.
+then hands over to `dflash_generate`, which refuses what DFlash cannot honour before any forward and runs one of two
+loops over the same step parts:
+1. prefill (dflash_prefill.py): the target reads the prompt, hooks capture the chosen layers, the target picks the
+   first token under the call's processors;
+2. per step: the drafter proposes a block after the anchor (the last committed token;
+   `DFlashCandidateGenerator.draft_logits`); the target verifies [anchor, drafts] in one forward; its scores at every
+   row go through the call's processors (dflash_processors.py); acceptance (dflash_acceptance.py) keeps drafts while
+   the target agrees (greedy, point-mass or rejection sampling) and adds the target's own token after them; the
+   target cache goes back to the committed length and the accepted rows become drafter context.
+The fast path (dflash_fast_path.py) runs a step on fixed device buffers, as a CUDA graph on a GPU. `EagerDecoding`
+runs it around transformers' own cache, with the host hooks the fast path cannot run: every committed token passes
+through the stopping criteria one at a time (so stop strings and custom criteria end generation exactly where plain
+generate would), streamers, per-token scores and logits.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -29,6 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_fast_path import DFlashStaticStep, fast_path_blocker, static_step_for, takes_fast_path
+from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors, check_logits_processors
 
 
@@ -212,11 +217,6 @@ def _pages_returned(generator: DFlashCandidateGenerator) -> Iterator[None]:
         generator.release()
 
 
-def _positions(attention_mask: torch.Tensor) -> torch.LongTensor:
-    """Absolute positions of the real tokens of left-padded rows (padding gets position 0, as in generate)."""
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
 def roll_back_target_cache(
     cache: Any, attention_mask: torch.Tensor, accepted: list[int], num_rows: int
 ) -> torch.Tensor:
@@ -290,24 +290,13 @@ class EagerDecoding:
             self.streamer.end()
 
     def prefill(self) -> list[int]:
-        """The prompt's real rows become drafter context; the target picks each sequence's first token, its
-        processors called exactly as plain generate calls them. Returns the batch rows still running."""
-        input_ids, generator = self.input_ids, self.generator
-        generator.capture_rows(input_ids.shape[1])
-        outputs = self.target(
-            input_ids=input_ids,
-            attention_mask=self.attention_mask,
-            position_ids=_positions(self.attention_mask),
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_arg: self.cache},
+        """The prompt forward (dflash_prefill.py) into transformers' cache. Returns the batch rows still running."""
+        tokens, scores, logits = prefill(
+            self.target, self.generator, self.input_ids, self.attention_mask, self.attention_mask,
+            {self.cache_arg: self.cache}, self.processors, self.rule.do_sample,
         )
-        generator.commit_prefill(self.attention_mask)
-        logits = outputs.logits[:, -1:]  # (b, 1, V)
-        self.presence = self.processors.prompt_presence(input_ids, logits.shape[-1])
-        scores = self.processors.first_token_scores(input_ids, logits[:, 0])[:, None]
-        tokens, _ = accept(scores, input_ids[:, :0], self.rule.do_sample, None)
-        return self.commit(tokens.tolist(), scores, logits)
+        self.presence = self.processors.prompt_presence(self.input_ids, logits.shape[-1])
+        return self.commit(tokens[:, None].tolist(), scores, logits)
 
     def drop_finished(self, running: list[int]) -> None:
         """Finished sequences stop costing work: their cache rows, mask rows and drafter states go."""

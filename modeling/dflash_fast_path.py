@@ -34,6 +34,7 @@ from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
 from .dflash_paged_cache import PAGE_SIZE, PagedView
+from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
 from .dflash_static_cache import StaticTargetCache, page_slots
 
@@ -167,7 +168,6 @@ class StepRows:
     active: torch.Tensor  # (n,) 1 while the sequence runs
     drafts: torch.Tensor  # (n, B - 1)
     out: torch.Tensor  # (n, B + 1) the target's tokens at the B verified rows, then the accepted count
-    mask_ids: torch.Tensor  # (n, B - 1)
     block_tables: torch.Tensor  # (n, pages) the drafter's pages of each sequence
     verify_rows: torch.Tensor  # (n, B, k * H) the last verify's captured target rows
     target_slots: torch.Tensor  # (n, B) where the verify's keys/values go
@@ -219,7 +219,6 @@ class DFlashStaticStep:
         self.target_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         self.key_slots = torch.arange(num_slots, device=device)
         self.block_offsets = torch.arange(block, device=device)
-        self.mask_ids = torch.full((batch_size, block - 1), config.mask_token_id, dtype=torch.long, device=device)
         # Target hidden states of the verified rows land here (the capture hooks' destination during a step).
         self.verify_rows = torch.zeros(
             batch_size, block, config.num_context_features, dtype=self.generator.scratch.dtype, device=device
@@ -256,7 +255,6 @@ class DFlashStaticStep:
                 active=self.active[:n],
                 drafts=self.drafts[:n],
                 out=self.out[:n],
-                mask_ids=self.mask_ids[:n],
                 block_tables=self.block_tables[:n],
                 verify_rows=self.verify_rows[:n],
                 target_slots=self.target_slots[:n],
@@ -277,25 +275,19 @@ class DFlashStaticStep:
     def propose(self, rows: StepRows) -> torch.Tensor | None:
         """Store the last verify's rows as context, then draft the next block into `rows.drafts`. Returns the
         distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None."""
-        block, drafter, generator = self.block_size, self.drafter, self.generator
+        block, generator = self.block_size, self.generator
         # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
         #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
         context_positions = rows.prev_pos[:, None] + self.block_offsets  # (n, B)
-        context_slots = page_slots(rows.block_tables, context_positions)
-        for layer, (key, value) in enumerate(drafter.context_key_values(rows.verify_rows, context_positions)):
-            generator.cache.write_rows(layer, context_slots, key, value)  # (n, g, B, d) at (n, B) slots
+        generator.write_context(rows.verify_rows, context_positions, page_slots(rows.block_tables, context_positions))
         # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
         positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
-        noise_embeds = generator.input_embeddings(torch.cat([rows.anchor_ids, rows.mask_ids], dim=1))
         visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
-        hidden = drafter(
-            noise_embeds=noise_embeds,
-            position_ids=positions,
-            attention_mask={"full_attention": visible[:, None, None, :]},
-            cache=rows.drafter_view,
-        ).last_hidden_state
-        drafts, draft_probs = self.rule.propose(generator.lm_head(hidden[:, 1:].to(generator.lm_head.weight.dtype)))
+        draft_logits = generator.draft_logits(
+            rows.anchor_ids, positions, {"full_attention": visible[:, None, None, :]}, rows.drafter_view
+        )
+        drafts, draft_probs = self.rule.propose(draft_logits)
         rows.drafts.copy_(drafts)
         return draft_probs
 
@@ -372,20 +364,12 @@ class DFlashStaticStep:
         sees = (self.key_slots <= columns[:, None]) & (self.key_slots < prompt_len)  # (P, L)
         real_keys = torch.nn.functional.pad(real.bool(), (0, self.num_slots - prompt_len))  # (b, L)
         mask = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])
-        self.generator.capture_rows(prompt_len)
-        logits = self.target(
-            input_ids=input_ids,
-            position_ids=(real.cumsum(dim=1) - 1).clamp(min=0),
-            attention_mask=mask[:, None],
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_argument: self.target_cache},
-        ).logits
-        self.generator.commit_prefill(real)
-        self.generator.store_new_context(self.generator.states)
         call = StepProcessors(logits_processor)
-        scores = call.first_token_scores(input_ids, logits[:, -1])[:, None]  # (b, 1, V)
-        first = accept(scores, input_ids[:, :0], self.rule.do_sample, None)[0][:, 0]
+        first, _, _ = prefill(
+            self.target, self.generator, input_ids, real, mask[:, None], {self.cache_argument: self.target_cache},
+            call, self.rule.do_sample,
+        )
+        self.generator.store_new_context(self.generator.states)
         if self.presence is not None:
             self.presence.copy_(call.prompt_presence(input_ids, self.vocab_size))
             self.presence[torch.arange(batch, device=device), first] = True

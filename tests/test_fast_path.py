@@ -10,8 +10,6 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from types import SimpleNamespace
-
 from transformers.testing_utils import CaptureLogger
 
 from hf_dflash.modeling import dflash_decoding, dflash_fast_path
@@ -262,11 +260,6 @@ def test_a_gpu_call_off_the_fast_path_says_why_once():
         takes_fast_path(True, "why", cuda)
 
 
-def quantization_marker(method: str) -> SimpleNamespace:
-    """What transformers leaves on a model it loaded through a quantizer (`model.hf_quantizer`)."""
-    return SimpleNamespace(quantization_config=SimpleNamespace(quant_method=method))
-
-
 def blocker_of(target, drafter):
     return dflash_fast_path.fast_path_blocker(
         target, drafter, target.generation_config, dflash_decoding.StepProcessors([]), True, None,
@@ -274,20 +267,73 @@ def blocker_of(target, drafter):
     )
 
 
-def test_a_gguf_target_dequantized_at_load_takes_the_fast_path_and_real_quantizers_do_not():
-    target = tiny_target("llama")
+def write_tiny_llama_gguf(path, vocab: int = 256, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2):
+    """A float32 Llama checkpoint in GGUF, the way llama.cpp names its tensors (random weights)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}".encode() for i in range(vocab)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([1] * vocab)
+    generator = np.random.default_rng(0)
+    kv = kv_heads * hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
+            f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": (2 * hidden, hidden), f"blk.{i}.ffn_up.weight": (2 * hidden, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, 2 * hidden),
+        })
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (generator.standard_normal(shape) * 0.1).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_target_loaded_from_gguf_takes_the_fast_path(tmp_path):
+    """transformers marks a GGUF checkpoint quantized (hf_quantizer, quantization_config) although it loads it as
+    dense float weights: the fast path serves it, with plain generate's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    target = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    assert target.hf_quantizer is not None and target.config.quantization_config is not None
     drafter = tiny_drafter(target)
     assert blocker_of(target, drafter) is None
-    target.hf_quantizer = quantization_marker("gguf")  # from_pretrained(..., gguf_file=...): dense weights
-    assert blocker_of(target, drafter) is None
-    target.hf_quantizer = quantization_marker("bitsandbytes")
-    assert blocker_of(target, drafter) == "the target is quantized (bitsandbytes); its quantized layers take the eager loop"
+    ids = random_prompt(6, seed=3)
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    fast = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
+    assert torch.equal(fast, plain)
+    release_fast_path(drafter)
     # GGUF weights kept in their packed blocks (integer tensors) are not dense
-    target.hf_quantizer = quantization_marker("gguf")
     target.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
         torch.zeros(64, 32, dtype=torch.uint8), requires_grad=False
     )
     assert "quantized (gguf)" in blocker_of(target, drafter)
+
+
+def test_a_bitsandbytes_target_takes_the_eager_loop_with_the_reason(tmp_path):
+    from tests.test_quantized import quantized_target
+
+    target = quantized_target(tmp_path, "llama", "nf4")
+    drafter = tiny_drafter(target)
+    assert blocker_of(target, drafter) == (
+        "the target is quantized (bitsandbytes); its quantized layers take the eager loop"
+    )
 
 
 def test_finished_sequences_leave_the_static_steps_batch(monkeypatch):
@@ -318,6 +364,10 @@ def test_finished_sequences_leave_the_static_steps_batch(monkeypatch):
     again = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
                             eos_token_id=eos, assistant_model=drafter, dflash_fast_path=True)
     assert torch.equal(again, plain)
+    # rows moved with their pages: each row's block table is its state's, and no page is reachable from two rows
+    step = drafter._dflash_static_step[1]
+    assert torch.equal(step.block_tables, torch.stack([state.block_table_dev for state in step.generator.states]))
+    assert step.block_tables.unique().numel() == step.block_tables.numel()
     release_fast_path(drafter)
 
 
