@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
@@ -38,15 +39,29 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), statistic / 2))
 
 
-def pair_probabilities(target: torch.nn.Module, prompt: torch.LongTensor) -> torch.Tensor:
-    """Exact probabilities (V, V) of the first two sampled tokens."""
+# A second setting: a processor that reads the prefix (the repetition penalty) before temperature and top-p, in the
+# order generate builds them; its expected distribution comes from transformers' own processors.
+PENALTY_TOP_P = dict(temperature=TEMPERATURE, top_p=0.9, repetition_penalty=1.5)
+PENALTY_TOP_P_PROCESSORS = LogitsProcessorList(
+    [RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(TEMPERATURE), TopPLogitsWarper(0.9)]
+)
+
+
+def pair_probabilities(target: torch.nn.Module, prompt: torch.LongTensor, penalty_top_p: bool = False) -> torch.Tensor:
+    """Exact probabilities (V, V) of the first two sampled tokens, under temperature + top-k (or PENALTY_TOP_P)."""
+
+    def probs(prefix: torch.LongTensor) -> torch.Tensor:
+        logits = target(prefix).logits[0, -1]
+        if not penalty_top_p:
+            return processed_probs(logits)
+        return torch.softmax(PENALTY_TOP_P_PROCESSORS(prefix, logits[None].clone())[0], dim=-1)
+
     with torch.no_grad():
-        first = processed_probs(target(prompt).logits[0, -1])
+        first = probs(prompt)
         pair = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
         for t1 in range(SMALL_VOCAB):
             if first[t1] > 0:
-                nxt = torch.cat([prompt, torch.tensor([[t1]])], dim=1)
-                pair[t1] = first[t1] * processed_probs(target(nxt).logits[0, -1])
+                pair[t1] = first[t1] * probs(torch.cat([prompt, torch.tensor([[t1]])], dim=1))
     return pair
 
 
@@ -85,15 +100,17 @@ def test_sampled_pairs_follow_the_target_distribution(rule):
     assert_pairs_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
 
 
+@pytest.mark.parametrize("penalty_top_p", [False, True], ids=["top_k", "penalty_top_p"])
 @pytest.mark.parametrize("rule", ["point_mass", "rejection"])
-def test_the_static_step_samples_the_target_distribution(rule):
+def test_the_static_step_samples_the_target_distribution(rule, penalty_top_p):
     """The fast path's step (processors, drafts, acceptance and the random numbers all inside it) against the same
     exact pair distribution. The drafter's lm_head proposes one-hot logits of the target's greedy continuation: its
     argmax under point mass, samples of their softmax at the temperature under rejection sampling."""
     target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
     prompt = torch.tensor([[3, 7, 1, 4]])
-    pair = pair_probabilities(target, prompt)
+    pair = pair_probabilities(target, prompt, penalty_top_p)
+    settings = {**SAMPLED, **(dict(top_k=None, **PENALTY_TOP_P) if penalty_top_p else {})}
     batch = SAMPLES // 5
     greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
     torch.manual_seed(1)
@@ -102,7 +119,7 @@ def test_the_static_step_samples_the_target_distribution(rule):
         outs = [
             target.generate(
                 prompt.repeat(batch, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
-                dflash_fast_path=True, **SAMPLED,
+                dflash_fast_path=True, **settings,
             )
             for _ in range(5)
         ]
