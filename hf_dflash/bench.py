@@ -184,9 +184,11 @@ def _graph_ms(fn: Any, replays: int = 30) -> float:
 def step_parts_ms(step: DFlashStaticStep) -> dict[str, float]:
     """Our step's parts as separate CUDA graphs, after a finished call (every sequence frozen, so replays repeat the
     same work): propose (context keys/values + drafter + lm_head) and verify (target forward + acceptance)."""
+    rows = step.rows(step.batch_size)  # the whole batch, as a call's first steps run it
     with step.generator.capture:
-        return {"propose_graph_ms": _graph_ms(step.propose), "verify_graph_ms": _graph_ms(step.verify),
-                "step_graph_ms": _graph_ms(step.step)}
+        return {"propose_graph_ms": _graph_ms(lambda: step.propose(rows)),
+                "verify_graph_ms": _graph_ms(lambda: step.verify(rows, None)),
+                "step_graph_ms": _graph_ms(lambda: step.step(rows))}
 
 
 def random_pair(shape: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -20,7 +20,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .dflash_capture import TargetHiddenCapture
 from .dflash_devices import check_drafter_device, execution_device
-from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedCacheView, PagedDrafterCache
+from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedCacheView, PagedDrafterCache, PagedView
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -66,7 +66,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             dtype=dtype,
             device=device,
         )
-        self.mask_ids = torch.full((batch_size, self.block_size - 1), config.mask_token_id, dtype=torch.long)
+        self.mask_ids = torch.full((batch_size, self.block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
         self.block_offsets = torch.arange(self.block_size, device=device)
         sliding = [t == "sliding_attention" for t in config.layer_types]
         self.window = config.sliding_window if any(sliding) else None
@@ -85,7 +85,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
             rows = self.scratch[i, : mask.shape[1]][mask[i]]
             state.append_context(rows, first_position=0)
             state.seq_len = rows.shape[0] + 1  # the prompt plus the first token the target just chose
-            state.prefill_done = True
 
     def store_new_context(self, states: list[DflashProposerState]) -> None:
         """Keys/values for slots [ctx_committed, ctx_len) of every state, in one drafter pass over all of them."""
@@ -96,34 +95,44 @@ class DFlashCandidateGenerator(CandidateGenerator):
         positions = torch.cat([s.ctx_positions[s.ctx_committed : s.ctx_len] for s in fresh])[None]  # (1, n)
         for state in fresh:
             self.cache.reserve(state, state.ctx_len + self.block_size)
-        slots = torch.cat([self.cache.slot_mapping(s, s.ctx_committed, s.ctx_len) for s in fresh])
-        for layer, (key, value) in enumerate(self.drafter.context_key_values(rows, positions)):
-            self.cache.write_rows(layer, slots, key, value)  # (1, g, n, d) at n slots
+        slots = torch.cat([self.cache.slot_mapping(s, s.ctx_committed, s.ctx_len) for s in fresh])[None]  # (1, n)
+        self.write_context(rows, positions, slots)
         for state in fresh:
             state.ctx_committed = state.ctx_count_drafter = state.ctx_len
+
+    def write_context(self, rows: torch.Tensor, positions: torch.LongTensor, slots: torch.LongTensor) -> None:
+        """Every drafter layer's keys/values of context rows (b, n, k * H_target), rotated at their absolute
+        positions (b, n), into the page slots (b, n). The one place context enters the pages, for both loops."""
+        for layer, (key, value) in enumerate(self.drafter.context_key_values(rows, positions)):
+            self.cache.write_rows(layer, slots, key, value)  # (b, g, n, d) at (b, n) slots
+
+    def draft_logits(
+        self, anchor_ids: torch.LongTensor, positions: torch.LongTensor, attention_mask: object, view: PagedView
+    ) -> torch.Tensor:
+        """One drafter forward over the blocks [anchor, mask x (B - 1)] at `positions` (b, B), reading context
+        through `view` under `attention_mask`; returns the target lm_head's logits of block rows 1..B-1
+        (b, B - 1, V). The one propose forward, for both loops. anchor_ids (b, 1)."""
+        mask_ids = self.mask_ids[: anchor_ids.shape[0]].to(anchor_ids.device)
+        noise_embeds = self.input_embeddings(torch.cat([anchor_ids, mask_ids], dim=1)).to(self.device)
+        hidden = self.drafter(
+            noise_embeds=noise_embeds, position_ids=positions, attention_mask=attention_mask, cache=view
+        ).last_hidden_state
+        # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
+        return self.lm_head(hidden[:, 1:].to(self.head_device, self.head_dtype))
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: object) -> tuple[torch.LongTensor, torch.Tensor]:
         """input_ids (b, t), last column the anchors -> (input_ids + B - 1 drafts, draft logits (b, B - 1, V))."""
         for state in self.states:
-            if not state.skip_next_decode_append:
+            if not state.context_ready:
                 raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
-            state.skip_next_decode_append = False
+            state.context_ready = False
         self.store_new_context(self.states)
-        mask_ids = self.mask_ids[: len(self.states)].to(input_ids.device)
-        block_ids = torch.cat([input_ids[:, -1:], mask_ids], dim=1)  # (b, B)
-        noise_embeds = self.input_embeddings(block_ids).to(self.device)
         anchor_positions = torch.tensor([s.ctx_len for s in self.states], device=self.device)
         position_ids = anchor_positions[:, None] + self.block_offsets  # (b, B)
         view = PagedCacheView(self.cache, self.states, self.block_size, self.window)
-        hidden = self.drafter(
-            noise_embeds=noise_embeds, position_ids=position_ids, attention_mask=view.attention_masks, cache=view
-        ).last_hidden_state
-        # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
-        draft_logits = self.lm_head(hidden[:, 1:].to(self.head_device, self.head_dtype))
+        draft_logits = self.draft_logits(input_ids[:, -1:], position_ids, view.attention_masks, view)
         drafts = draft_logits.argmax(dim=-1).to(input_ids.device)
-        for state in self.states:
-            state.last_num_drafted = self.block_size - 1
         return torch.cat([input_ids, drafts], dim=1), draft_logits
 
     def update_candidate_strategy(
@@ -136,14 +145,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
             state.ctx_count_drafter = state.ctx_committed  # drop the block rows' page slots
             state.append_context(self.scratch[i, : accepted + 1], first_position=state.ctx_len)
             state.seq_len += accepted + 1
-            state.last_num_accepted = accepted
 
     def restart(self) -> None:
         """Begin new sequences in the same buffers (the fast path reuses them across calls): every state empties and
         keeps its pages."""
         for state in self.states:
             state.seq_len = state.ctx_len = state.ctx_committed = state.ctx_count_drafter = 0
-            state.prefill_done = state.skip_next_decode_append = False
+            state.context_ready = False
 
     def keep(self, indices: Sequence[int]) -> None:
         """Carry on with the sequences at `indices` only (in that order); the others' pages return to the pool."""

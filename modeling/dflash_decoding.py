@@ -1,15 +1,20 @@
 """The DFlash decoding loop, run by `target.generate(assistant_model=drafter)` (see dflash_dispatch.py).
 
 generate prepares the generation config, logits processors, stopping criteria and the target's cache as usual,
-then hands over to `dflash_generate`:
-1. prefill: the target reads the prompt, hooks capture the chosen layers, the target picks the first token;
-2. per step: the drafter proposes a block after the anchor (the last committed token); the target verifies
-   [anchor, drafts] in one forward; drafts are accepted while each equals the token the target itself chooses at
-   that row (argmax, or its sample under do_sample: a point-mass proposal, so the output is distributed exactly as
-   the target's); the target's token at the first mismatch is the bonus; the target cache is cropped back to the
-   committed length and the accepted rows become drafter context.
-Every committed token passes through the stopping criteria one at a time, so eos, max_length, stop strings and
-custom criteria end generation exactly where plain generate would.
+then hands over to `dflash_generate`, which refuses what DFlash cannot honour before any forward and runs one of two
+loops over the same step parts:
+1. prefill (dflash_prefill.py): the target reads the prompt, hooks capture the chosen layers, the target picks the
+   first token under the call's processors;
+2. per step: the drafter proposes a block after the anchor (the last committed token;
+   `DFlashCandidateGenerator.draft_logits`); the target verifies [anchor, drafts] in one forward; its scores at every
+   row go through the call's processors (dflash_processors.py); acceptance (dflash_acceptance.py) keeps drafts while
+   the target agrees (greedy, point-mass or rejection sampling) and adds the target's own token after them; the
+   target cache goes back to the committed length (dflash_target_cache.py: full, sliding-window and Gated DeltaNet
+   layers) and the accepted rows become drafter context.
+The fast path (dflash_fast_path.py) runs a step on fixed device buffers, as a CUDA graph on a GPU. `EagerDecoding`
+runs it around transformers' own cache, with the host hooks the fast path cannot run: every committed token passes
+through the stopping criteria one at a time (so stop strings and custom criteria end generation exactly where plain
+generate would), streamers, per-token scores and logits.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -26,8 +31,11 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
-from .dflash_fast_path import DFlashStaticStep, fast_path_blocker, static_step_for
+from .dflash_fast_path import DFlashStaticStep, fast_path_blocker, static_step_for, takes_fast_path
+from .dflash_prefill import prefill
+from .dflash_processors import StepProcessors, check_logits_processors
 from .dflash_target_cache import TargetCacheRollback, rollback_problem
 
 
@@ -147,69 +155,6 @@ def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) 
         )
 
 
-def _process_scores(
-    logits: torch.Tensor, prefixes: list[torch.LongTensor], drafts: torch.LongTensor, logits_processor: Any
-) -> torch.Tensor:
-    """The target's scores at every verified row after the logits processors, as plain generate would see them.
-
-    logits (b, n, V); prefixes[i] (1, t_i) the committed tokens of sequence i (its left padding included, as plain
-    generate's input_ids have it); drafts (b, n - 1). Row j's processors see the prefix followed by drafts[:j],
-    which is the committed prefix whenever row j matters (every earlier draft accepted). Returns float32 (b, n, V).
-    """
-    scores = logits.to(torch.float32)
-    if len(logits_processor) == 0:
-        return scores
-    # Per sequence and row: processors read the whole prefix, whose length differs between sequences.
-    return torch.stack(
-        [
-            torch.cat(
-                [
-                    logits_processor(torch.cat([prefix, drafts[i : i + 1, :j]], dim=1), scores[i : i + 1, j])
-                    for j in range(scores.shape[1])
-                ]
-            )
-            for i, prefix in enumerate(prefixes)
-        ]
-    )
-
-
-def _sample(probs: torch.Tensor) -> torch.LongTensor:
-    """One token per row of probs (..., V)."""
-    return torch.multinomial(probs.flatten(0, -2), num_samples=1).view(probs.shape[:-1])
-
-
-def _verify(
-    scores: torch.Tensor, drafts: torch.LongTensor, do_sample: bool, draft_probs: torch.Tensor | None
-) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Acceptance of a block. scores (b, n, V) processed target scores; drafts (b, n - 1).
-
-    Returns (tokens (b, n), accepted (b,)): sequence i commits tokens[i, : accepted[i] + 1], its accepted drafts
-    followed by the target's own token (the bonus, or the correction of the first rejected draft).
-    - greedy, and sampling with a point-mass proposal (`draft_probs` None): the target picks its token at every
-      row (argmax or a sample of its distribution) and a draft is accepted while it equals that token; each
-      committed token is then exactly the target's own choice.
-    - rejection sampling (`draft_probs` (b, n - 1, V), the distribution the drafts were sampled from): accept
-      draft j with probability min(1, p_j(d) / q_j(d)); the first rejected one is replaced by a sample of
-      normalize(max(p_j - q_j, 0)); if none is rejected the bonus is a sample of p at the last row.
-    """
-    if draft_probs is None:
-        tokens = _sample(torch.softmax(scores, dim=-1)) if do_sample else scores.argmax(dim=-1)
-        return tokens, (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-    probs = torch.softmax(scores, dim=-1)
-    p = probs[:, :-1].gather(-1, drafts[..., None])[..., 0]
-    q = draft_probs.gather(-1, drafts[..., None])[..., 0]
-    keep = torch.rand_like(p) * q < p  # u < p / q without dividing by a zero q
-    accepted = keep.long().cumprod(dim=1).sum(dim=1)
-    residual = (probs[:, :-1] - draft_probs).clamp(min=0)
-    # Where p <= q everywhere (possible only if p == q), rejection has probability 0; keep the sampler defined.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs[:, :-1])
-    corrections = torch.cat([_sample(residual), _sample(probs[:, -1:])], dim=1)  # (b, n)
-    tokens = torch.cat([drafts, corrections[:, -1:]], dim=1)
-    rows = torch.arange(tokens.shape[0], device=tokens.device)
-    tokens[rows, accepted] = corrections[rows, accepted]
-    return tokens, accepted
-
-
 def _host_stopping_rules(stopping_criteria: Any) -> tuple[set[int], bool]:
     """The eos ids of the list, and whether it holds nothing but eos and max-length criteria (which need no call)."""
     eos_ids: set[int] = set()
@@ -232,23 +177,22 @@ def _host_stop(new: list[int], start: int, eos_ids: set[int], max_length: int) -
 
 def _decode_static(
     step: DFlashStaticStep, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int,
-    eos_ids: set[int], pad_id: int,
+    eos_ids: set[int], pad_id: int, logits_processor: Any,
 ) -> tuple[torch.LongTensor, list[list[int]]]:
     """The fast path's host loop (dflash_fast_path.py): per step one replay and one read-back of [tokens, accepted]
-    per sequence. Returns the sequences (right-padded with pad_id) and each sequence's acceptance lengths."""
+    per running sequence. Returns the sequences (right-padded with pad_id) and each sequence's acceptance lengths."""
     rows = input_ids.tolist()
     acceptance_lengths: list[list[int]] = [[] for _ in rows]
     running = []
-    for i, token in enumerate(step.prefill(input_ids, attention_mask, max_length)):
+    for i, token in enumerate(step.prefill(input_ids, attention_mask, max_length, logits_processor)):
         count, done = _host_stop([token], len(rows[i]), eos_ids, max_length)
         rows[i].append(token)
         if done:
             step.stop(i)
         else:
             running.append(i)
-    if running and step.graph is None and input_ids.is_cuda:
-        step.capture_graph()
     while running:
+        step.compact(running)  # finished sequences leave the step's batch
         out = step.run_step()
         still = []
         for i in running:
@@ -275,9 +219,193 @@ def _pages_returned(generator: DFlashCandidateGenerator) -> Iterator[None]:
         generator.release()
 
 
-def _positions(attention_mask: torch.Tensor) -> torch.LongTensor:
-    """Absolute positions of the real tokens of left-padded rows (padding gets position 0, as in generate)."""
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+class EagerDecoding:
+    """The eager loop for one call: the same proposal, processors and acceptance as the fast path's step, around
+    transformers' own cache, with the host hooks the fast path cannot run (stopping criteria called token by token,
+    streamers, per-token scores and logits).
+
+    `sequences[i, :lengths[i]]` is sequence i as plain generate would hold it (left padding included); `live` maps
+    batch rows to sequences (finished ones leave the batch); `presence` (b, V) holds the tokens the repetition
+    penalty counts, when there is one.
+    """
+
+    def __init__(
+        self, target: torch.nn.Module, drafter: torch.nn.Module, input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor, cache: Any, generation_config: Any, processors: StepProcessors,
+        rule: DecodingRule, stopping_criteria: Any, streamer: Any, verify_rows: int,
+    ):
+        batch_size, prompt_len = input_ids.shape
+        return_dict = generation_config.return_dict_in_generate
+        self.target, self.cache, self.cache_arg = target, cache, _cache_argument(target)
+        self.target_cache = TargetCacheRollback(target, cache)  # prepares the cache's layers before the prompt
+        self.input_ids, self.attention_mask = input_ids, attention_mask
+        self.processors, self.rule, self.verify_rows = processors, rule, verify_rows
+        self.stopping_criteria, self.streamer = stopping_criteria, streamer
+        self.keep_scores = return_dict and generation_config.output_scores
+        self.keep_logits = return_dict and generation_config.output_logits
+        self.max_length = generation_config.max_length
+        # eos and max_length, the criteria generate always adds, are decided on the host from the token ids the step
+        # already read back; only other criteria (stop strings, custom ones) are called token by token.
+        self.eos_ids, self.host_criteria_only = _host_stopping_rules(stopping_criteria)
+        pad = generation_config._pad_token_tensor
+        self.sequences = torch.full(
+            (batch_size, self.max_length), int(pad) if pad is not None else 0, dtype=torch.long, device=input_ids.device
+        )
+        self.sequences[:, :prompt_len] = input_ids
+        self.lengths = [prompt_len] * batch_size
+        self.live = list(range(batch_size))
+        self.acceptance_lengths: list[list[int]] = [[] for _ in range(batch_size)]
+        self.scores: list[torch.Tensor] = []
+        self.raw_logits: list[torch.Tensor] = []
+        self.presence: torch.Tensor | None = None
+        self.generator = DFlashCandidateGenerator(
+            drafter, target, batch_size, self.max_length, max_rows=max(prompt_len, drafter.config.block_size)
+        )
+
+    def run(self) -> None:
+        # Hooks live exactly as long as this block and the pages go back to the pool when it ends: the target leaves
+        # generate as it came in, even on error.
+        with self.generator.capture, _pages_returned(self.generator):
+            running = self.prefill()
+            while running:
+                self.drop_finished(running)
+                running = self.step()
+        if self.streamer is not None:
+            self.streamer.end()
+
+    def prefill(self) -> list[int]:
+        """The prompt forward (dflash_prefill.py) into transformers' cache. Returns the batch rows still running."""
+        tokens, scores, logits = prefill(
+            self.target, self.generator, self.input_ids, self.attention_mask, self.attention_mask,
+            {self.cache_arg: self.cache}, self.processors, self.rule.do_sample,
+        )
+        self.target_cache.after_prefill(self.attention_mask)
+        self.presence = self.processors.prompt_presence(self.input_ids, logits.shape[-1])
+        return self.commit(tokens[:, None].tolist(), scores, logits)
+
+    def drop_finished(self, running: list[int]) -> None:
+        """Finished sequences stop costing work: their cache rows, mask rows and drafter states go."""
+        if len(running) == len(self.live):
+            return
+        index = torch.tensor(running, device=self.input_ids.device)
+        self.target_cache.keep(index)
+        self.attention_mask = self.attention_mask[index]
+        self.generator.keep(running)
+        self.live = [self.live[row] for row in running]
+
+    def step(self) -> list[int]:
+        """Draft, verify, accept, commit. Returns the batch rows still running."""
+        device, live = self.input_ids.device, self.live
+        rows = torch.tensor(live, device=device)
+        lengths = torch.tensor([self.lengths[seq] for seq in live], device=device)
+        # never verify past max_length: a sequence with r tokens left commits at most r
+        room = [self.max_length - self.lengths[seq] for seq in live]
+        num_rows = min(self.verify_rows, max(room))
+        anchors = self.sequences[rows, lengths - 1][:, None]
+        candidates, draft_logits = self.generator.get_candidates(anchors)  # [anchor, argmax drafts], their logits
+        drafts, draft_probs = candidates[:, 1:num_rows], None
+        if self.rule.rejection:  # drafts sampled from the drafter's own distribution instead of its argmax
+            # the drafter's logits come from the lm_head's device; the target's scores are on the inputs'
+            drafts, draft_probs = self.rule.propose(draft_logits[:, : num_rows - 1].to(device))
+        block = torch.cat([anchors, drafts], dim=1)  # (b, n): [anchor, drafts]
+        real_lengths = torch.tensor([s.seq_len for s in self.generator.states], device=device)
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(live), num_rows)], dim=1)
+        self.generator.capture_rows(num_rows)
+        with self.target_cache.verifying():
+            logits = self.target(
+                input_ids=block,
+                attention_mask=self.target_cache.verify_mask(self.attention_mask, num_rows),
+                position_ids=real_lengths[:, None] - 1 + torch.arange(num_rows, device=device),
+                use_cache=True,
+                logits_to_keep=num_rows,
+                **{self.cache_arg: self.cache},
+            ).logits
+        prefixes = [self.sequences[seq : seq + 1, : self.lengths[seq]] for seq in live]
+        presence = None if self.presence is None else self.presence[rows]
+        scores = self.processors(logits, lengths, presence, drafts, prefixes)
+        tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
+        accepted = torch.minimum(accepted, torch.tensor(room, device=device) - 1).tolist()  # the step's host sync
+        self.attention_mask = self.target_cache.rollback(self.attention_mask, num_rows, accepted)
+        self.generator.update_candidate_strategy(block, scores, accepted)
+        for seq, taken in zip(live, accepted):
+            self.acceptance_lengths[seq].append(taken + 1)
+        return self.commit(
+            [row_tokens[: taken + 1] for row_tokens, taken in zip(tokens.tolist(), accepted)], scores, logits
+        )
+
+    def commit(self, row_tokens: list[list[int]], step_scores: torch.Tensor, step_logits: torch.Tensor) -> list[int]:
+        """Append each live sequence's new tokens, stopping it at the first token that ends it, exactly where plain
+        generate would. Returns the batch rows still running."""
+        running = []
+        for row, (seq, new) in enumerate(zip(self.live, row_tokens)):
+            count, done = self.stop_point(seq, new, step_scores[row : row + 1])
+            start = self.lengths[seq]
+            self.sequences[seq, start : start + count] = torch.tensor(new[:count], device=self.sequences.device)
+            self.lengths[seq] = start + count
+            if self.presence is not None:
+                self.presence[seq, new[:count]] = True
+            if self.keep_scores:
+                self.scores.extend(step_scores[row : row + 1, j] for j in range(count))
+            if self.keep_logits:
+                self.raw_logits.extend(step_logits[row : row + 1, j].to(torch.float32) for j in range(count))
+            if self.streamer is not None:
+                for token in new[:count]:
+                    self.streamer.put(torch.tensor([token]))
+            if not done:
+                running.append(row)
+        return running
+
+    def stop_point(self, seq: int, new: list[int], scores: torch.Tensor) -> tuple[int, bool]:
+        """How many of `new` sequence `seq` keeps, and whether it ends there. scores (1, n, V) of its rows."""
+        start = self.lengths[seq]
+        if self.host_criteria_only:
+            return _host_stop(new, start, self.eos_ids, self.max_length)
+        for j in range(len(new)):
+            self.sequences[seq, start + j] = new[j]
+            if bool(self.stopping_criteria(self.sequences[seq : seq + 1, : start + j + 1], scores[:, j]).all()):
+                return j + 1, True
+        return len(new), False
+
+    def output(self, return_dict: bool) -> torch.LongTensor | DFlashGenerateOutput:
+        sequences = self.sequences[:, : max(self.lengths)]
+        if not return_dict:
+            return sequences
+        return DFlashGenerateOutput(
+            sequences=sequences,
+            scores=tuple(self.scores) if self.keep_scores else None,
+            logits=tuple(self.raw_logits) if self.keep_logits else None,
+            acceptance_lengths=self.acceptance_lengths,
+            **{self.cache_arg: self.cache},
+        )
+
+
+def _check_call(
+    target: torch.nn.Module, drafter: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: Any,
+    generation_config: Any, streamer: Any, model_kwargs: dict[str, Any],
+) -> None:
+    """Refuse, before any forward, what this call asks that DFlash cannot honour."""
+    batch_size = input_ids.shape[0]
+    check_generation_mode(generation_config, model_kwargs)
+    check_logits_processors(logits_processor, batch_size)
+    check_drafter_fits(drafter, target)
+    block_size = drafter.config.block_size
+    max_length = generation_config.max_length
+    if max_length + block_size > drafter.config.max_position_embeddings:
+        raise ValueError(
+            f"max_length {max_length} plus a block of {block_size} exceeds the drafter's context allocation "
+            f"(max_position_embeddings={drafter.config.max_position_embeddings}); lower max_new_tokens or the prompt"
+        )
+    return_dict = generation_config.return_dict_in_generate
+    if batch_size > 1 and return_dict and (generation_config.output_scores or generation_config.output_logits):
+        raise ValueError(
+            "per-token scores/logits are returned for one sequence at a time on the DFlash path (sequences of a "
+            "batch commit different numbers of tokens per step); generate with a batch of 1 to get them"
+        )
+    if batch_size > 1 and streamer is not None:
+        raise ValueError("streamers take one sequence; generate with a batch of 1 to stream")
+    cache_refusal = rollback_problem(target, model_kwargs.get("cache", model_kwargs.get("past_key_values")))
+    if cache_refusal is not None:
+        raise ValueError(cache_refusal)
 
 
 def dflash_generate(
@@ -305,187 +433,45 @@ def dflash_generate(
     are likely to be accepted is cheaper. It never changes the output.
     `dflash_fast_path` (a generate keyword): None (the default) takes the CUDA-graph fast path (dflash_fast_path.py)
     whenever it can serve the call on a GPU; True insists (an error names what blocks it; on a CPU the same static
-    step runs without a graph); False always takes the eager loop below. The tokens are the same either way.
-
-    Sequences of a batch accept different numbers of drafts per step. The target's cache stays one rectangular
-    DynamicCache: each step keeps the rows of the longest acceptance and masks the rejected rows of the other
-    sequences out of the attention mask for good (positions come from each sequence's own length, so a masked row
-    is never seen again). Finished sequences leave the batch (cache, mask and drafter state).
+    step runs without a graph); False always takes the eager loop (`EagerDecoding`). The tokens are the same
+    either way.
     """
     target = model
-    if dflash_sampling not in ("point_mass", "rejection"):
-        raise ValueError(f"dflash_sampling must be 'point_mass' or 'rejection', got {dflash_sampling!r}")
-    rejection = generation_config.do_sample and dflash_sampling == "rejection"
-    check_generation_mode(generation_config, model_kwargs)
-    check_drafter_fits(drafter, target)
-    batch_size, prompt_len = input_ids.shape
+    rule = DecodingRule.for_call(generation_config, dflash_sampling)
+    _check_call(target, drafter, input_ids, logits_processor, generation_config, streamer, model_kwargs)
     block_size = drafter.config.block_size
     if dflash_verify_rows is not None and not 1 <= dflash_verify_rows <= block_size:
         raise ValueError(f"dflash_verify_rows must be between 1 and the block size {block_size}, got {dflash_verify_rows}")
     verify_rows = dflash_verify_rows or block_size
-    max_length = generation_config.max_length
-    if max_length + block_size > drafter.config.max_position_embeddings:
-        raise ValueError(
-            f"max_length {max_length} plus a block of {block_size} exceeds the drafter's context allocation "
-            f"(max_position_embeddings={drafter.config.max_position_embeddings}); lower max_new_tokens or the prompt"
-        )
-    return_dict = generation_config.return_dict_in_generate
-    keep_scores = return_dict and generation_config.output_scores
-    keep_logits = return_dict and generation_config.output_logits
-    if batch_size > 1 and (keep_scores or keep_logits):
-        raise ValueError(
-            "per-token scores/logits are returned for one sequence at a time on the DFlash path (sequences of a "
-            "batch commit different numbers of tokens per step); generate with a batch of 1 to get them"
-        )
-    if batch_size > 1 and streamer is not None:
-        raise ValueError("streamers take one sequence; generate with a batch of 1 to stream")
-    cache_arg = _cache_argument(target)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    cache_refusal = rollback_problem(target, cache)
-    if cache_refusal is not None:
-        raise ValueError(cache_refusal)
-    pad = generation_config._pad_token_tensor
-    pad_id = int(pad) if pad is not None else 0
-    device = input_ids.device
+    processors = StepProcessors(logits_processor)
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-
-    # sequences[i, :lengths[i]] is sequence i as plain generate would hold it (left padding included).
-    sequences = torch.full((batch_size, max_length), pad_id, dtype=torch.long, device=device)
-    sequences[:, :prompt_len] = input_ids
-    lengths = [prompt_len] * batch_size
-    live = list(range(batch_size))  # batch row -> sequence index
-    acceptance_lengths: list[list[int]] = [[] for _ in range(batch_size)]
-    scores: list[torch.Tensor] = []
-    raw_logits: list[torch.Tensor] = []
-
-    # eos and max_length, the criteria generate always adds, are decided on the host from the token ids the step
-    # already read back; only other criteria (stop strings, custom ones) are called token by token.
+    max_length = generation_config.max_length
     eos_ids, host_criteria_only = _host_stopping_rules(stopping_criteria)
-
     blocker = fast_path_blocker(
-        target, drafter, generation_config, logits_processor, host_criteria_only, streamer, verify_rows, attention_mask
+        target, drafter, generation_config, processors, host_criteria_only, streamer, verify_rows, attention_mask
     )
-    if dflash_fast_path and blocker is not None:
-        raise ValueError(f"dflash_fast_path=True, but the fast path cannot serve this call: {blocker}")
-    if dflash_fast_path or (dflash_fast_path is None and blocker is None and device.type == "cuda"):
-        step = static_step_for(target, drafter, batch_size, max_length, cache_arg)
+    if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
+        step = static_step_for(target, drafter, input_ids.shape[0], max_length, _cache_argument(target))
+        step.bind(processors, rule)
+        pad = generation_config._pad_token_tensor
         with step.generator.capture:
-            sequences, acceptance_lengths = _decode_static(step, input_ids, attention_mask, max_length, eos_ids, pad_id)
-        if not return_dict:
+            sequences, acceptance_lengths = _decode_static(
+                step, input_ids, attention_mask, max_length, eos_ids, int(pad) if pad is not None else 0,
+                logits_processor,
+            )
+        if not generation_config.return_dict_in_generate:
             return sequences
         return DFlashGenerateOutput(sequences=sequences, acceptance_lengths=acceptance_lengths)
-
-    def commit(row_tokens: list[list[int]], step_scores: torch.Tensor, step_logits: torch.Tensor) -> list[int]:
-        """Append each live sequence's new tokens, stopping it at the first token that ends it, exactly where plain
-        generate would. Returns the batch rows still running."""
-        running = []
-        for row, (seq, new) in enumerate(zip(live, row_tokens)):
-            start = lengths[seq]
-            if host_criteria_only:
-                count, done = _host_stop(new, start, eos_ids, max_length)
-            else:
-                count, done = len(new), False
-                for j in range(len(new)):
-                    sequences[seq, start + j] = new[j]
-                    if bool(stopping_criteria(sequences[seq : seq + 1, : start + j + 1], step_scores[row : row + 1, j]).all()):
-                        count, done = j + 1, True
-                        break
-            sequences[seq, start : start + count] = torch.tensor(new[:count], device=device)
-            lengths[seq] = start + count
-            if keep_scores:
-                scores.extend(step_scores[row : row + 1, j] for j in range(count))
-            if keep_logits:
-                raw_logits.extend(step_logits[row : row + 1, j].to(torch.float32) for j in range(count))
-            if streamer is not None:
-                for token in new[:count]:
-                    streamer.put(torch.tensor([token]))
-            if not done:
-                running.append(row)
-        return running
-
-    target_cache = TargetCacheRollback(target, cache)
-    generator = DFlashCandidateGenerator(drafter, target, batch_size, max_length, max_rows=max(prompt_len, block_size))
-    # Hooks live exactly as long as this block and the pages go back to the pool when it ends: the target leaves
-    # generate as it came in, even on error.
-    with generator.capture, _pages_returned(generator):
-        # 1. Prefill: the prompt's real rows become drafter context; the target picks each sequence's first token.
-        generator.capture_rows(prompt_len)
-        outputs = target(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=_positions(attention_mask),
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_arg: cache},
-        )
-        generator.commit_prefill(attention_mask)
-        target_cache.after_prefill(attention_mask)
-        prefixes = [input_ids[i : i + 1] for i in range(batch_size)]
-        step_scores = _process_scores(outputs.logits[:, -1:], prefixes, input_ids[:, :0], logits_processor)
-        tokens, _ = _verify(step_scores, input_ids[:, :0], generation_config.do_sample, None)
-        running = commit(tokens.tolist(), step_scores, outputs.logits[:, -1:])
-
-        # 2. Draft, verify, accept, until every sequence is finished.
-        while running:
-            if len(running) < len(live):  # finished sequences stop costing work
-                index = torch.tensor(running, device=device)
-                target_cache.keep(index)
-                attention_mask = attention_mask[index]
-                generator.keep(running)
-                live = [live[row] for row in running]
-            rows = torch.tensor(live, device=device)
-            ends = torch.tensor([lengths[seq] for seq in live], device=device)
-            # never verify past max_length: a sequence with r tokens left commits at most r
-            room = [max_length - lengths[seq] for seq in live]
-            num_rows = min(verify_rows, max(room))
-            anchors = sequences[rows, ends - 1][:, None]
-            candidates, draft_logits = generator.get_candidates(anchors)
-            block = candidates[:, :num_rows]  # (b, n): [anchor, drafts]
-            draft_probs = None
-            if rejection:  # drafts sampled from the drafter's own distribution instead of its argmax
-                temperature = generation_config.temperature or 1.0
-                # the drafter's logits come from the lm_head's device; the target's scores are on the inputs'
-                draft_probs = torch.softmax(draft_logits[:, : num_rows - 1].to(device).float() / temperature, dim=-1)
-                block = torch.cat([block[:, :1], _sample(draft_probs).to(block.device)], dim=1)
-            real_lengths = torch.tensor([s.seq_len for s in generator.states], device=device)
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), num_rows)], dim=1)
-            generator.capture_rows(num_rows)
-            with target_cache.verifying():
-                outputs = target(
-                    input_ids=block,
-                    attention_mask=target_cache.verify_mask(attention_mask, num_rows),
-                    position_ids=real_lengths[:, None] - 1 + torch.arange(num_rows, device=device),
-                    use_cache=True,
-                    logits_to_keep=num_rows,
-                    **{cache_arg: cache},
-                )
-            drafts = block[:, 1:]
-            prefixes = [sequences[seq : seq + 1, : lengths[seq]] for seq in live]
-            step_scores = _process_scores(outputs.logits, prefixes, drafts, logits_processor)
-            tokens, accepted = _verify(step_scores, drafts, generation_config.do_sample, draft_probs)
-            accepted = torch.minimum(accepted, torch.tensor(room, device=device) - 1).tolist()  # the step's host sync
-            attention_mask = target_cache.rollback(attention_mask, num_rows, accepted)
-            generator.update_candidate_strategy(block, step_scores, accepted)
-            for seq, taken in zip(live, accepted):
-                acceptance_lengths[seq].append(taken + 1)
-            running = commit(
-                [row_tokens[: taken + 1] for row_tokens, taken in zip(tokens.tolist(), accepted)],
-                step_scores,
-                outputs.logits,
-            )
-    if streamer is not None:
-        streamer.end()
-    sequences = sequences[:, : max(lengths)]
-    if not return_dict:
-        return sequences
-    return DFlashGenerateOutput(
-        sequences=sequences,
-        scores=tuple(scores) if keep_scores else None,
-        logits=tuple(raw_logits) if keep_logits else None,
-        acceptance_lengths=acceptance_lengths,
-        **{cache_arg: cache},
+    loop = EagerDecoding(
+        target, drafter, input_ids, attention_mask, cache, generation_config, processors, rule, stopping_criteria,
+        streamer, verify_rows,
     )
+    loop.run()
+    return loop.output(generation_config.return_dict_in_generate)
 
 
-__all__ = ["DFlashGenerateOutput", "check_drafter_fits", "check_generation_mode", "dflash_generate", "fit_problems"]
+__all__ = [
+    "DFlashGenerateOutput", "EagerDecoding", "check_drafter_fits", "check_generation_mode", "dflash_generate", "fit_problems",
+]

@@ -7,26 +7,38 @@ CUDA graph and replayed. The host reads back one small tensor per step ([target 
 sequence) to decide eos / max_length, exactly as plain generate would stop.
 
 Sequences keep their own slots (dflash_static_cache.py): a sequence that accepts fewer drafts than its neighbours
-just moves its anchor less; a finished one stays in the batch, frozen, until all are done.
+just moves its anchor less; a finished one is frozen, and once the running ones fit in half the batch they move to
+the first rows and the step runs at that smaller batch (`compact`, one graph per batch size).
 
-What the fast path serves: greedy decoding without logits processors, eos / max-length stopping, left-padded
-batches, a target and drafter on one device with sdpa or eager attention and no sliding windows. Anything else
-takes the eager loop (dflash_decoding.py), which gives the same tokens. `generate(..., dflash_fast_path=True)`
-insists (and names what blocks it); on a CPU it runs the same step without a graph, which is how CI tests it.
+What the fast path serves: greedy and sampled decoding (point-mass or rejection sampling, inside the step, with
+random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
+temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length, suppressed tokens, ...),
+eos / max-length stopping, left-padded batches, a dense (or GGUF-dequantized) Llama/Qwen3 target and the drafter on
+one device with sdpa or eager attention and no sliding windows. Anything else takes the eager loop
+(dflash_decoding.py), which gives the same tokens (the same distribution when sampling); on a GPU a warning says
+why, once. `generate(..., dflash_fast_path=True)` insists (and names what blocks it); on a CPU it runs the same step
+without a graph, which is how CI tests it.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
+from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
 from .dflash_paged_cache import PAGE_SIZE, PagedView
+from .dflash_prefill import prefill
+from .dflash_processors import StepProcessors
 from .dflash_static_cache import StaticTargetCache, page_slots
+
+logger = logging.get_logger(__name__)
 
 # Target cache lengths are rounded up to this, so prompts of similar length share one captured graph.
 SLOT_BUCKET = 256
@@ -35,51 +47,95 @@ SLOT_BUCKET = 256
 FAST_PATH_FAMILIES = ("llama", "qwen3")
 
 
+def _quantization_blocker(target: torch.nn.Module) -> str | None:
+    """Why the target's quantization keeps it off the fast path, or None.
+
+    A GGUF checkpoint is marked quantized by transformers even when it was dequantized into plain floating-point
+    weights at load time; such a target is dense and served. Any other quantizer (bitsandbytes and the like) computes
+    through its own layers, which the fast path is not tested with.
+    """
+    quantizer = getattr(target, "hf_quantizer", None)
+    config = getattr(quantizer, "quantization_config", None) or getattr(target.config, "quantization_config", None)
+    if quantizer is None and config is None and not getattr(target, "is_quantized", False):
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers keeps it as a QuantizationMethod enum
+    dense = all(p.is_floating_point() for p in target.parameters())
+    if method == "gguf" and dense:
+        return None
+    return f"the target is quantized ({method or 'unknown method'}); its quantized layers take the eager loop"
+
+
 def fast_path_blocker(
     target: torch.nn.Module,
     drafter: torch.nn.Module,
     generation_config: Any,
-    logits_processor: Any,
+    processors: StepProcessors,
     host_criteria_only: bool,
     streamer: Any,
     verify_rows: int,
     attention_mask: torch.Tensor,
 ) -> str | None:
-    """Why the fast path cannot serve this call, or None when it can."""
+    """Why the fast path cannot serve this call, with the fix when there is one; None when it can."""
     config = drafter.config
     text = target.config.get_text_config()
     devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
     if len(devices) != 1:
-        return f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device"
+        return (
+            f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device "
+            "(load both on one GPU)"
+        )
     if text.model_type not in FAST_PATH_FAMILIES:
         return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
-    if generation_config.do_sample:
-        return "do_sample=True (the fast path decodes greedily)"
-    if len(logits_processor) > 0:
-        return f"logits processors are active ({', '.join(type(p).__name__ for p in logits_processor)})"
+    if processors.host_only:
+        return (
+            f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
+            "drop them for the fast path"
+        )
     if not host_criteria_only:
-        return "stopping criteria other than eos and max_length are active"
+        return "stopping criteria other than eos and max_length are active (they are called token by token)"
     if streamer is not None:
-        return "a streamer is attached"
+        return "a streamer is attached (it is called token by token)"
     if generation_config.return_dict_in_generate and (
         generation_config.output_scores or generation_config.output_logits
     ):
-        return "output_scores / output_logits were requested"
+        return "output_scores / output_logits were requested (drop them for the fast path)"
     if verify_rows != config.block_size:
-        return "dflash_verify_rows is set"
+        return "dflash_verify_rows is set (drop it for the fast path)"
     if "sliding_attention" in config.layer_types or "sliding_attention" in (getattr(text, "layer_types", None) or []):
         return "a sliding-window layer (drafter or target)"
     if getattr(text, "sliding_window", None) is not None and getattr(text, "layer_types", None) is None:
         # Mistral-style: the window applies to every layer; the fast path's masks would attend past it
         return f"the target slides a window of {text.sliding_window} over every layer (sliding_window, no layer_types)"
-    if getattr(target, "hf_quantizer", None) is not None or getattr(target, "is_quantized", False):
-        return "the target is quantized"
+    quantized = _quantization_blocker(target)
+    if quantized is not None:
+        return quantized
     if text._attn_implementation not in ("sdpa", "eager"):
-        return f"the target uses {text._attn_implementation!r} attention (the fast path needs sdpa or eager)"
+        return (
+            f"the target uses {text._attn_implementation!r} attention (the fast path needs sdpa or eager: load it "
+            "with attn_implementation='sdpa')"
+        )
     real = attention_mask.long()
     if not bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding: zeros, then ones
-        return "the attention mask is not left padding"
+        return "the attention mask is not left padding (pad prompts on the left)"
     return None
+
+
+def takes_fast_path(insist: bool | None, blocker: str | None, device: torch.device) -> bool:
+    """Whether a call takes the fast path: `insist` is generate's `dflash_fast_path` (None: whenever it can on a GPU).
+
+    A GPU call that the fast path cannot serve says why once per reason (a logged warning); one that insists on it
+    is an error instead.
+    """
+    if insist and blocker is not None:
+        raise ValueError(f"dflash_fast_path=True, but the fast path cannot serve this call: {blocker}")
+    if insist is None and blocker is not None and device.type == "cuda":
+        logger.warning_once(
+            f"DFlash: this call takes the eager loop, not the CUDA-graph fast path, because {blocker}. The tokens are "
+            "the same; each verify step costs several times more. Pass dflash_fast_path=False to choose the eager "
+            "loop without this warning."
+        )
+    return bool(insist) or (insist is None and blocker is None and device.type == "cuda")
 
 
 def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -96,13 +152,40 @@ def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def bucket_size(running: int, batch_size: int) -> int:
+    """The batch a step runs at for `running` sequences: the next power of two, at most the full batch. Finished rows
+    leave the step once the running ones fit in half of it, so a batch is not held by its longest sequence, and a
+    held step records at most log2(b) + 1 graphs."""
+    return min(batch_size, 1 << max(running - 1, 0).bit_length())
+
+
+@dataclass
+class StepRows:
+    """The first `n` rows of a `DFlashStaticStep`'s per-sequence buffers, as views of its own memory: the rows one
+    step runs on (the running sequences sit first)."""
+
+    anchor_ids: torch.Tensor  # (n, 1) the last committed token
+    anchor_pos: torch.Tensor  # (n,) its position (real, padding excluded)
+    prev_pos: torch.Tensor  # (n,) the previous step's anchor position, whose verify rows become context now
+    offsets: torch.Tensor  # (n,) left padding
+    active: torch.Tensor  # (n,) 1 while the sequence runs
+    drafts: torch.Tensor  # (n, B - 1)
+    out: torch.Tensor  # (n, B + 1) the target's tokens at the B verified rows, then the accepted count
+    block_tables: torch.Tensor  # (n, pages) the drafter's pages of each sequence
+    verify_rows: torch.Tensor  # (n, B, k * H) the last verify's captured target rows
+    target_slots: torch.Tensor  # (n, B) where the verify's keys/values go
+    target_cache: StaticTargetCache
+    drafter_view: PagedView
+    presence: torch.Tensor | None  # (n, V) the tokens the repetition penalty counts
+
+
 class DFlashStaticStep:
     """Buffers and the step function of the fast path for one batch size and one cache length.
 
-    Device state per sequence (b,): `anchor_ids` the last committed token, `anchor_pos` its position (real, padding
-    excluded), `prev_pos` the anchor position of the previous step (whose verify rows become context now),
-    `offsets` the left padding, `active` 1 while the sequence runs. `out` (b, B + 1) holds the step's result:
-    the target's tokens at the B verified rows, then the number of accepted drafts.
+    Every per-sequence buffer has one row per sequence of the batch; `sequence_of_row[i]` is the call's sequence in
+    row i. Rows are kept with the running sequences first, and a step runs on the first `live_rows` of them
+    (`rows(n)`): when sequences finish, `compact` moves them behind the running ones and the step runs at a smaller
+    batch (one graph per batch size).
     """
 
     def __init__(
@@ -117,18 +200,15 @@ class DFlashStaticStep:
         self.max_length = num_slots - block  # the longest sequence (padding included) this step can hold
         self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
         # Capture hooks, per-sequence states and the drafter's page pools; prefill reuses the generator's methods.
-        self.generator = DFlashCandidateGenerator(drafter, target, batch_size, self.max_length, max_rows=self.max_length)
-        for state in self.generator.states:  # every page a sequence may need, once: the block tables never change
-            self.generator.cache.reserve(state, num_slots)
-        block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
-        self.block_tables = block_tables
-        draft_slots = block_tables.shape[1] * PAGE_SIZE
-        self.draft_key_positions = torch.arange(draft_slots, device=device)
-        self.drafter_view = PagedView(
-            self.generator.cache,
-            block_slots=torch.zeros(batch_size, block, dtype=torch.long, device=device),
-            read_slots=page_slots(block_tables, self.draft_key_positions.expand(batch_size, -1)),
+        self.generator = generator = DFlashCandidateGenerator(
+            drafter, target, batch_size, self.max_length, max_rows=self.max_length
         )
+        for state in self.generator.states:  # every page a sequence may need, once: a table moves only with its row
+            self.generator.cache.reserve(state, num_slots)
+        self.block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
+        self.draft_key_positions = torch.arange(self.block_tables.shape[1] * PAGE_SIZE, device=device)  # (S,)
+        self.draft_read_slots = page_slots(self.block_tables, self.draft_key_positions.expand(batch_size, -1))  # (b, S)
+        self.draft_block_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.target_cache = StaticTargetCache(
             num_layers=len(decoder_layers(target)),
@@ -142,7 +222,6 @@ class DFlashStaticStep:
         self.target_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         self.key_slots = torch.arange(num_slots, device=device)
         self.block_offsets = torch.arange(block, device=device)
-        self.mask_ids = torch.full((batch_size, block - 1), config.mask_token_id, dtype=torch.long, device=device)
         # Target hidden states of the verified rows land here (the capture hooks' destination during a step).
         self.verify_rows = torch.zeros(
             batch_size, block, config.num_context_features, dtype=self.generator.scratch.dtype, device=device
@@ -156,75 +235,125 @@ class DFlashStaticStep:
         self.drafts = torch.zeros(batch_size, block - 1, **long)
         self.out = torch.zeros(batch_size, block + 1, **long)
         self.max_length_now = torch.zeros((), **long)  # this call's max_length (a buffer: the graph reads it)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.vocab_size = generator.lm_head.weight.shape[0]
+        # The call's decoding rule and processors (`bind`); a recorded graph computes with the ones it was recorded
+        # with, so the graphs are kept only while later calls bring the same.
+        self.rule = DecodingRule(do_sample=False, rejection=False)
+        self.processors = StepProcessors([])
+        self.presence: torch.Tensor | None = None  # (b, V) bool, the tokens the repetition penalty counts
+        self.sequence_of_row = list(range(batch_size))
+        self.live_rows = batch_size
+        self.use_graphs = device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # rows -> the step recorded at that batch
+        self._rows: dict[int, StepRows] = {}
 
-    # -- one verify step, on device buffers only (recorded once as a CUDA graph) --------------------------------
+    def rows(self, n: int) -> StepRows:
+        """The first n rows of every per-sequence buffer (views, built once per n)."""
+        if n not in self._rows:
+            self._rows[n] = StepRows(
+                anchor_ids=self.anchor_ids[:n],
+                anchor_pos=self.anchor_pos[:n],
+                prev_pos=self.prev_pos[:n],
+                offsets=self.offsets[:n],
+                active=self.active[:n],
+                drafts=self.drafts[:n],
+                out=self.out[:n],
+                block_tables=self.block_tables[:n],
+                verify_rows=self.verify_rows[:n],
+                target_slots=self.target_slots[:n],
+                target_cache=self.target_cache.head(n),
+                drafter_view=PagedView(
+                    self.generator.cache, block_slots=self.draft_block_slots[:n], read_slots=self.draft_read_slots[:n]
+                ),
+                presence=None if self.presence is None else self.presence[:n],
+            )
+        return self._rows[n]
 
-    def step(self) -> None:
-        self.propose()
-        self.verify()
+    # -- one verify step, on device buffers only (recorded once per batch size as a CUDA graph) ----------------
 
-    def propose(self) -> None:
-        """Store the last verify's rows as context, then draft the next block into `drafts`."""
-        block, drafter, generator = self.block_size, self.drafter, self.generator
+    def step(self, rows: StepRows) -> None:
+        draft_probs = self.propose(rows)
+        self.verify(rows, draft_probs)
+
+    def propose(self, rows: StepRows) -> torch.Tensor | None:
+        """Store the last verify's rows as context, then draft the next block into `rows.drafts`. Returns the
+        distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None."""
+        block, generator = self.block_size, self.generator
         # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
         #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
-        context_positions = self.prev_pos[:, None] + self.block_offsets  # (b, B)
-        context_slots = page_slots(self.block_tables, context_positions)
-        for layer, (key, value) in enumerate(drafter.context_key_values(self.verify_rows, context_positions)):
-            generator.cache.write_rows(layer, context_slots, key, value)  # (b, g, B, d) at (b, B) slots
+        context_positions = rows.prev_pos[:, None] + self.block_offsets  # (n, B)
+        generator.write_context(rows.verify_rows, context_positions, page_slots(rows.block_tables, context_positions))
         # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
-        positions = self.anchor_pos[:, None] + self.block_offsets  # (b, B)
-        self.drafter_view.block_slots.copy_(page_slots(self.block_tables, positions))
-        noise_embeds = generator.input_embeddings(torch.cat([self.anchor_ids, self.mask_ids], dim=1))
-        visible = self.draft_key_positions < (self.anchor_pos + block)[:, None]  # (b, S)
-        hidden = drafter(
-            noise_embeds=noise_embeds,
-            position_ids=positions,
-            attention_mask={"full_attention": visible[:, None, None, :]},
-            cache=self.drafter_view,
-        ).last_hidden_state
-        self.drafts.copy_(generator.lm_head(hidden[:, 1:].to(generator.lm_head.weight.dtype)).argmax(dim=-1))
+        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
+        rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
+        visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
+        draft_logits = generator.draft_logits(
+            rows.anchor_ids, positions, {"full_attention": visible[:, None, None, :]}, rows.drafter_view
+        )
+        drafts, draft_probs = self.rule.propose(draft_logits)
+        rows.drafts.copy_(drafts)
+        return draft_probs
 
-    def verify(self) -> None:
+    def verify(self, rows: StepRows, draft_probs: torch.Tensor | None) -> None:
         """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""
-        block, drafts, generator = self.block_size, self.drafts, self.generator
-        positions = self.anchor_pos[:, None] + self.block_offsets  # (b, B)
+        block, drafts = self.block_size, rows.drafts
+        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
         # 3. Verify [anchor, drafts] at each sequence's own slots (its padded columns), causally.
-        slots = self.offsets[:, None] + positions  # (b, B)
-        self.target_slots.copy_(slots)
-        self.target_cache.write_slots = self.target_slots
-        mask = (self.key_slots >= self.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (b, B, L)
-        generator.capture.destination = self.verify_rows
+        slots = rows.offsets[:, None] + positions  # (n, B)
+        rows.target_slots.copy_(slots)
+        rows.target_cache.write_slots = rows.target_slots
+        mask = (self.key_slots >= rows.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (n, B, L)
+        self.generator.capture.destination = rows.verify_rows
         logits = self.target(
-            input_ids=torch.cat([self.anchor_ids, drafts], dim=1),
+            input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
             position_ids=positions,
             attention_mask=mask[:, None],
             use_cache=True,
             logits_to_keep=block,
-            **{self.cache_argument: self.target_cache},
+            **{self.cache_argument: rows.target_cache},
         ).logits
-        tokens = logits.argmax(dim=-1)  # (b, B) the target's own choice after each row
-        accepted = (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-        room = self.max_length_left()  # never commit past max_length
+        # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
+        scores = self.processors(logits, rows.offsets + rows.anchor_pos + 1, rows.presence, drafts)  # (n, B, V)
+        tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
+        # never commit past max_length: max_length minus the padded length is what a sequence may still commit
+        room = self.max_length_now - rows.offsets - rows.anchor_pos - 1
         accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
         # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
-        self.prev_pos.copy_(self.anchor_pos)
-        self.anchor_ids.copy_(torch.where(self.active[:, None] > 0, tokens.gather(1, accepted[:, None]), self.anchor_ids))
-        self.anchor_pos.add_((accepted + 1) * self.active)
-        self.out[:, :block].copy_(tokens)
-        self.out[:, block].copy_(accepted)
-
-    def max_length_left(self) -> torch.Tensor:
-        """Tokens each sequence may still commit: max_length minus its padded length (anchor_pos + 1 + offset)."""
-        return self.max_length_now - self.offsets - self.anchor_pos - 1
+        rows.prev_pos.copy_(rows.anchor_pos)
+        running = rows.active[:, None] > 0
+        rows.anchor_ids.copy_(torch.where(running, tokens.gather(1, accepted[:, None]), rows.anchor_ids))
+        rows.anchor_pos.add_((accepted + 1) * rows.active)
+        if rows.presence is not None:  # the committed tokens join the repetition penalty's set
+            committed = (self.block_offsets <= accepted[:, None]) & running  # (n, B)
+            hits = torch.zeros_like(rows.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
+            rows.presence.logical_or_(hits > 0)
+        rows.out[:, :block].copy_(tokens)
+        rows.out[:, block].copy_(accepted)
 
     # -- host side ------------------------------------------------------------------------------------------
 
+    def bind(self, processors: StepProcessors, rule: DecodingRule) -> None:
+        """Take this call's decoding rule and processors. A recorded graph baked in the ones it was recorded with
+        (temperatures, thresholds, the tensors they hold): the graphs are kept, with them, only for a call that
+        computes the same, and dropped otherwise."""
+        if self.graphs and (rule, processors.signature) == (self.rule, self.processors.signature):
+            return
+        self.graphs = {}
+        self._rows = {}
+        self.rule, self.processors = rule, processors
+        needs_presence = processors.penalty is not None
+        if needs_presence and self.presence is None:
+            self.presence = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool, device=self.anchor_ids.device)
+        elif not needs_presence:
+            self.presence = None
+
     @torch.no_grad()
-    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int) -> list[int]:
+    def prefill(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, logits_processor: Any
+    ) -> list[int]:
         """Eager prompt forward into the static cache; the prompt rows become drafter context. Returns each
-        sequence's first token (the call's one synchronization before the loop)."""
+        sequence's first token (the call's one synchronization before the loop), chosen under the call's own
+        processors exactly as plain generate chooses it."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         self.generator.restart()
@@ -238,44 +367,73 @@ class DFlashStaticStep:
         sees = (self.key_slots <= columns[:, None]) & (self.key_slots < prompt_len)  # (P, L)
         real_keys = torch.nn.functional.pad(real.bool(), (0, self.num_slots - prompt_len))  # (b, L)
         mask = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])
-        self.generator.capture_rows(prompt_len)
-        logits = self.target(
-            input_ids=input_ids,
-            position_ids=(real.cumsum(dim=1) - 1).clamp(min=0),
-            attention_mask=mask[:, None],
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_argument: self.target_cache},
-        ).logits
-        self.generator.commit_prefill(real)
+        call = StepProcessors(logits_processor)
+        first, _, _ = prefill(
+            self.target, self.generator, input_ids, real, mask[:, None], {self.cache_argument: self.target_cache},
+            call, self.rule.do_sample,
+        )
         self.generator.store_new_context(self.generator.states)
-        first = logits[:, -1].argmax(dim=-1)
+        if self.presence is not None:
+            self.presence.copy_(call.prompt_presence(input_ids, self.vocab_size))
+            self.presence[torch.arange(batch, device=device), first] = True
         self.anchor_ids.copy_(first[:, None])
         self.anchor_pos.copy_(real.sum(dim=1))
         self.prev_pos.copy_(self.anchor_pos)  # nothing new for the first step: its context rows land in block slots
         self.active.fill_(1)
+        self.sequence_of_row = list(range(batch))
+        self.live_rows = batch
         return first.tolist()
 
-    def capture_graph(self) -> None:
-        """Record `step` as a CUDA graph, leaving the device state as it was."""
-        saved = [t.clone() for t in (self.anchor_ids, self.anchor_pos, self.prev_pos)]
-        self.graph = record_cuda_graph(self.step)
-        # Warm-up steps wrote only slots at or after each anchor, which the first real step overwrites.
-        for tensor, value in zip((self.anchor_ids, self.anchor_pos, self.prev_pos), saved):
+    def capture_graph(self, n: int) -> None:
+        """Record `step` over the first n rows as a CUDA graph, leaving the device state as it was."""
+        rows = self.rows(n)
+        state = [t for t in (rows.anchor_ids, rows.anchor_pos, rows.prev_pos, rows.verify_rows, rows.presence) if t is not None]
+        saved = [t.clone() for t in state]
+        self.graphs[n] = record_cuda_graph(lambda: self.step(rows))
+        # Warm-up steps wrote only slots at or after each anchor, which the next real step overwrites before any
+        # read; the rows they captured and the anchors they moved are put back.
+        for tensor, value in zip(state, saved):
             tensor.copy_(value)
 
     @torch.no_grad()
-    def run_step(self) -> list[list[int]]:
-        """One verify step; returns per sequence [tokens at the B rows..., accepted]."""
-        if self.graph is not None:
-            self.graph.replay()
+    def run_step(self) -> dict[int, list[int]]:
+        """One verify step over the live rows; returns per running sequence [tokens at the B rows..., accepted]."""
+        n = self.live_rows
+        if self.use_graphs and n not in self.graphs:
+            self.capture_graph(n)
+        if n in self.graphs:
+            self.graphs[n].replay()
         else:
-            self.step()
-        return self.out.tolist()  # the step's one host synchronization
+            self.step(self.rows(n))
+        out = self.out[:n].tolist()  # the step's one host synchronization
+        return {sequence: out[row] for row, sequence in enumerate(self.sequence_of_row[:n])}
 
-    def stop(self, row: int) -> None:
-        """Freeze a finished sequence: it stays in the batch but its anchor no longer moves."""
-        self.active[row] = 0
+    def stop(self, sequence: int) -> None:
+        """Freeze a finished sequence: its anchor no longer moves, and `compact` may move it out of the live rows."""
+        self.active[self.sequence_of_row.index(sequence)] = 0
+
+    def compact(self, running: list[int]) -> None:
+        """Move the running sequences to the first rows and run on the smallest batch that holds them, once that
+        batch is at most half the current one (`bucket_size`); one copy of each per-sequence buffer's rows."""
+        n = bucket_size(len(running), self.batch_size)
+        if n >= self.live_rows:
+            return
+        row_of = {sequence: row for row, sequence in enumerate(self.sequence_of_row)}
+        first = [row_of[sequence] for sequence in running]
+        order = first + sorted(set(range(self.batch_size)) - set(first))
+        index = torch.tensor(order, device=self.anchor_ids.device)
+        per_row = (
+            self.anchor_ids, self.anchor_pos, self.prev_pos, self.offsets, self.active, self.block_tables,
+            self.draft_read_slots, self.verify_rows, self.presence,
+        )
+        for buffer in per_row:
+            if buffer is not None:
+                buffer.copy_(buffer[index])
+        self.target_cache.reorder(index)
+        # a sequence's pages move with its block-table row; the states follow so the next prefill pairs them again
+        self.generator.states = [self.generator.states[row] for row in order]
+        self.sequence_of_row = [self.sequence_of_row[row] for row in order]
+        self.live_rows = n
 
 
 def static_step_for(
@@ -298,4 +456,6 @@ def release_fast_path(drafter: torch.nn.Module) -> None:
     drafter._dflash_static_step = None
 
 
-__all__ = ["DFlashStaticStep", "fast_path_blocker", "record_cuda_graph", "release_fast_path", "static_step_for"]
+__all__ = [
+    "DFlashStaticStep", "StepRows", "bucket_size", "fast_path_blocker", "record_cuda_graph", "release_fast_path", "static_step_for", "takes_fast_path",
+]

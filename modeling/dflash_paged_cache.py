@@ -42,31 +42,17 @@ class DflashProposerState:
     """Watermark: slots [0, ctx_committed) already have their keys/values in the pages. Each propose computes only
     [ctx_committed, ctx_len); 0 forces a full rebuild."""
     ctx_count_drafter: int = 0
-    """Page slots holding valid keys/values: ctx_committed, plus the block rows while a propose is pending."""
-    last_num_drafted: int = 0
-    """Drafts produced by the last propose (block_size - 1, or fewer near max_length)."""
-    last_num_accepted: int = 0
-    """Drafts the target accepted in the verify that followed the last propose."""
-    prefill_done: bool = False
-    """Whether the prompt's rows have been appended to the accumulator."""
-    skip_next_decode_append: bool = False
-    """Set when a verify (or the prefill) appended this step's rows 0..a itself; the next propose then appends
-    nothing and consumes the flag. A propose that finds it unset has no new context and refuses to run."""
+    """Page slots holding valid keys/values: ctx_committed, plus the block rows while a propose is pending. A propose
+    reserves pages for this many slots and its block rows read exactly these."""
+    context_ready: bool = False
+    """The row-order rule: a verify (or the prefill) appends the rows it captured, anchor included, itself, so the
+    next propose appends nothing and only consumes this flag. A propose that finds it unset would draft from a
+    context that lacks the last verify's rows, and refuses to run."""
 
     @property
     def max_ctx_len(self) -> int:
         """Accumulator capacity in slots."""
         return self.ctx_hidden_acc.shape[0]
-
-    @property
-    def ctx_slot_bytes(self) -> int:
-        """Bytes of one accumulator slot (k * H_target elements)."""
-        return self.ctx_hidden_acc.shape[1] * self.ctx_hidden_acc.element_size()
-
-    @property
-    def max_ctx_count_drafter(self) -> int:
-        """Page slots this sequence can address without another page."""
-        return len(self.block_table) * PAGE_SIZE
 
     def append_context(self, rows: torch.Tensor, first_position: int) -> None:
         """Append `rows` (n, k*H_target) as the slots of positions first_position .. first_position + n - 1."""
@@ -81,7 +67,7 @@ class DflashProposerState:
             first_position, first_position + n, device=self.ctx_positions.device
         )
         self.ctx_len += n
-        self.skip_next_decode_append = True
+        self.context_ready = True
 
 
 class PagedDrafterCache:
@@ -171,11 +157,12 @@ class PagedCacheView(PagedView):
 
     def __init__(self, cache: PagedDrafterCache, states: list[DflashProposerState], block_size: int, window: int | None):
         self.states = states
-        lengths = [s.ctx_committed + block_size for s in states]
+        for state in states:  # the block rows follow the committed context
+            state.ctx_count_drafter = state.ctx_committed + block_size
+            cache.reserve(state, state.ctx_count_drafter)
+        lengths = [s.ctx_count_drafter for s in states]
         kv_len = max(lengths)
         device = cache.device
-        for state, length in zip(states, lengths):
-            cache.reserve(state, length)
         # Block rows' slots (b*q,) and every row's readable slots (b, kv_len); short rows repeat their slot 0,
         # which the mask hides.
         block_slots = torch.cat([cache.slot_mapping(s, s.ctx_committed, s.ctx_committed + block_size) for s in states])
@@ -198,8 +185,6 @@ class PagedCacheView(PagedView):
             # as z-lab's reference and vLLM run the published sliding-window drafters (benchmarks/NOTES.md).
             behind = query_pos[:, :, None] - key_pos[None, None, :]  # (b, q, kv)
             self.window_mask = ((behind >= 0) & (behind < window) & valid[:, None, :])[:, None]
-        for state in states:
-            state.ctx_count_drafter = state.ctx_committed + block_size
 
     @property
     def attention_masks(self) -> dict[str, torch.Tensor | None]:

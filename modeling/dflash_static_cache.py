@@ -6,7 +6,8 @@ length on the host after construction; every index is a device tensor that the s
 - `StaticTargetCache`: the target's keys/values, one (b, g, L, d) buffer per layer. Slot s of a sequence is column
   s of its left-padded row, so every sequence writes its own block at its own slots. Rejecting drafts needs no crop:
   the sequence's anchor simply stays behind, the rejected slots fall outside its mask and the next block overwrites
-  them. The target's attention reads all L slots under a 4D mask that the fast path builds.
+  them. The target's attention reads all L slots under a 4D mask that the fast path builds. When sequences finish,
+  the fast path reorders the rows (running ones first) and runs on a `head` of them.
 - `page_slots`: the drafter's paged cache (dflash_paged_cache.py) addressed from device tensors, so the fast path's
   `PagedView` can take fixed slot tensors: the block rows' (a buffer the step refills) and, per sequence, those of
   every position it may reach.
@@ -45,6 +46,20 @@ class StaticTargetCache:
     @property
     def num_slots(self) -> int:
         return self.keys[0].shape[2]
+
+    def head(self, rows: int) -> "StaticTargetCache":
+        """A cache over the first `rows` sequences only, sharing this one's memory (the fast path's smaller batches)."""
+        view = object.__new__(StaticTargetCache)
+        view.keys = [key[:rows] for key in self.keys]
+        view.values = [value[:rows] for value in self.values]
+        view.write_slots = None
+        return view
+
+    def reorder(self, index: torch.LongTensor) -> None:
+        """Row i takes what row index[i] held (index (b,), a permutation of the sequences)."""
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer.copy_(buffer[index])
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object

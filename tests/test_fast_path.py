@@ -10,15 +10,20 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from transformers.testing_utils import CaptureLogger
+
+from hf_dflash.modeling import dflash_decoding, dflash_fast_path
 from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
-from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path, takes_fast_path
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class OracleHead(torch.nn.Module):
     """Stands in for the lm_head inside the static step: its argmax is the reference continuation of each sequence
-    (read from the step's own device state), wrong at every `wrong_every`-th column, so acceptance varies from 1 to B
-    and differs between sequences."""
+    (read from the step's own device state and its row -> sequence map), wrong at every `wrong_every`-th column, so
+    acceptance varies from 1 to B and differs between sequences."""
 
     def __init__(self, step: DFlashStaticStep, reference: torch.LongTensor, wrong_every: int, vocab: int):
         super().__init__()
@@ -27,11 +32,12 @@ class OracleHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows, drafts = hidden.shape[:2]
+        sequences = torch.tensor(self.step.sequence_of_row[:rows])
         # padded column of the token at position anchor + k, k = 1..B-1
-        columns = self.step.offsets[:, None] + self.step.anchor_pos[:, None] + 1 + torch.arange(drafts)
+        columns = self.step.offsets[:rows, None] + self.step.anchor_pos[:rows, None] + 1 + torch.arange(drafts)
         clipped = columns.clamp(max=self.reference.shape[1] - 1)
-        tokens = self.reference.gather(1, clipped)
-        wrong = ((columns + torch.arange(rows)[:, None]) % self.wrong_every == 0) | (columns != clipped)
+        tokens = self.reference[sequences].gather(1, clipped)
+        wrong = ((columns + sequences[:, None]) % self.wrong_every == 0) | (columns != clipped)
         tokens = torch.where(wrong, (tokens + 1) % 200, tokens)
         return torch.nn.functional.one_hot(tokens, self.vocab).float()
 
@@ -40,11 +46,11 @@ class OracleHead(torch.nn.Module):
 def oracle_static_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int):
     original = DFlashStaticStep.step
 
-    def step(self):
+    def step(self, rows):
         real_head = self.generator.lm_head
         self.generator.lm_head = OracleHead(self, reference, wrong_every, vocab)
         try:
-            original(self)
+            original(self, rows)
         finally:
             self.generator.lm_head = real_head
 
@@ -172,8 +178,7 @@ def test_static_step_is_reused_across_calls_and_rebuilt_for_a_new_shape():
 @pytest.mark.parametrize(
     "kwargs, blocker",
     [
-        (dict(do_sample=True), "do_sample=True"),
-        (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+        (dict(no_repeat_ngram_size=2), "NoRepeatNGramLogitsProcessor"),
         (dict(stopping_criteria=StoppingCriteriaList([NeverStop()])), "stopping criteria"),
         (dict(dflash_verify_rows=2), "dflash_verify_rows"),
     ],
@@ -210,3 +215,162 @@ def test_right_padding_is_not_served_by_the_fast_path():
     mask[1, -2:] = 0
     with pytest.raises(ValueError, match="not left padding"):
         target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True)
+
+
+# What the models' generation_config.json files set: Qwen3 (-8B, -4B, ...) and Llama-3.1-Instruct.
+CHAT_DEFAULTS = {
+    "qwen3": dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
+    "llama": dict(do_sample=True, temperature=0.6, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CHAT_DEFAULTS))
+def test_a_chat_models_default_call_is_served_by_the_static_step(family, monkeypatch):
+    """A plain generate call on a chat model samples under its generation_config; on a GPU it takes the fast path.
+    The decision is taken as on a GPU (the step then runs without a graph here)."""
+    target = tiny_target(family)
+    target.generation_config.update(**CHAT_DEFAULTS[family])
+    drafter = tiny_drafter(target)
+    blockers, replays = [], []
+    decide = dflash_decoding.takes_fast_path
+    monkeypatch.setattr(
+        dflash_decoding, "takes_fast_path",
+        lambda insist, blocker, device: blockers.append(blocker) or decide(insist, blocker, torch.device("cuda")),
+    )
+    run_step = DFlashStaticStep.run_step
+    monkeypatch.setattr(DFlashStaticStep, "run_step", lambda self: replays.append(1) or run_step(self))
+    out = target.generate(random_prompt(6, batch=2), max_new_tokens=12, assistant_model=drafter, pad_token_id=0)
+    release_fast_path(drafter)
+    assert blockers == [None]
+    assert replays and out.shape == (2, 18)
+
+
+def test_a_gpu_call_off_the_fast_path_says_why_once():
+    logger = dflash_fast_path.logger
+    cuda = torch.device("cuda")
+    with CaptureLogger(logger) as captured:
+        assert not takes_fast_path(None, "a streamer is attached (test of the warning)", cuda)
+        assert not takes_fast_path(None, "a streamer is attached (test of the warning)", cuda)
+        assert not takes_fast_path(False, "a streamer is attached (test of the warning)", cuda)  # chosen: silent
+        assert not takes_fast_path(None, "a streamer is attached (test of the warning, on a CPU)", torch.device("cpu"))
+    assert captured.out.count("takes the eager loop") == 1
+    assert "because a streamer is attached (test of the warning)" in captured.out
+    assert takes_fast_path(None, None, cuda) and takes_fast_path(True, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="dflash_fast_path=True, but the fast path cannot serve this call: why"):
+        takes_fast_path(True, "why", cuda)
+
+
+def blocker_of(target, drafter):
+    return dflash_fast_path.fast_path_blocker(
+        target, drafter, target.generation_config, dflash_decoding.StepProcessors([]), True, None,
+        drafter.config.block_size, torch.ones(1, 4, dtype=torch.long),
+    )
+
+
+def write_tiny_llama_gguf(path, vocab: int = 256, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2):
+    """A float32 Llama checkpoint in GGUF, the way llama.cpp names its tensors (random weights)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}".encode() for i in range(vocab)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([1] * vocab)
+    generator = np.random.default_rng(0)
+    kv = kv_heads * hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
+            f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": (2 * hidden, hidden), f"blk.{i}.ffn_up.weight": (2 * hidden, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, 2 * hidden),
+        })
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (generator.standard_normal(shape) * 0.1).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_target_loaded_from_gguf_takes_the_fast_path(tmp_path):
+    """transformers marks a GGUF checkpoint quantized (hf_quantizer, quantization_config) although it loads it as
+    dense float weights: the fast path serves it, with plain generate's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    target = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    assert target.hf_quantizer is not None and target.config.quantization_config is not None
+    drafter = tiny_drafter(target)
+    assert blocker_of(target, drafter) is None
+    ids = random_prompt(6, seed=3)
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    fast = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
+    assert torch.equal(fast, plain)
+    release_fast_path(drafter)
+    # GGUF weights kept in their packed blocks (integer tensors) are not dense
+    target.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
+        torch.zeros(64, 32, dtype=torch.uint8), requires_grad=False
+    )
+    assert "quantized (gguf)" in blocker_of(target, drafter)
+
+
+def test_a_bitsandbytes_target_takes_the_eager_loop_with_the_reason(tmp_path):
+    from tests.test_quantized import quantized_target
+
+    target = quantized_target(tmp_path, "llama", "nf4")
+    drafter = tiny_drafter(target)
+    assert blocker_of(target, drafter) == (
+        "the target is quantized (bitsandbytes); its quantized layers take the eager loop"
+    )
+
+
+def test_finished_sequences_leave_the_static_steps_batch(monkeypatch):
+    """Sequences that end early (their own eos, at different steps) move out of the step's rows: the step runs at
+    smaller batches (8 -> 4 -> 2 -> 1 as they finish) and every sequence still equals plain greedy generate."""
+    target = tiny_target("qwen3", seed=9)
+    drafter = tiny_drafter(target, block_size=4)
+    ids, mask = left_padded(8, 9, [0, 3, 1, 5, 0, 2, 4, 6], seed=9)
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    # an eos each row meets at a different point of its own continuation (or never)
+    eos = int(reference[5, 9 + 3])
+    batches = []
+    run_step = DFlashStaticStep.run_step
+    monkeypatch.setattr(DFlashStaticStep, "run_step", lambda self: batches.append(self.live_rows) or run_step(self))
+    plain = target.generate(
+        ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos
+    )
+    with oracle_static_drafts(reference, 3, target.config.vocab_size):
+        fast = target.generate(
+            ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos,
+            assistant_model=drafter, dflash_fast_path=True,
+        )
+    lengths = (plain != 0).sum(dim=1)
+    assert len(set(lengths.tolist())) > 2, "the rows should end at different steps"
+    assert torch.equal(fast, plain)
+    assert batches[0] == 8 and min(batches) < 8 and batches == sorted(batches, reverse=True)
+    # a second call reuses the held step, whose rows were reordered, and is still exact
+    again = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                            eos_token_id=eos, assistant_model=drafter, dflash_fast_path=True)
+    assert torch.equal(again, plain)
+    # rows moved with their pages: each row's block table is its state's, and no page is reachable from two rows
+    step = drafter._dflash_static_step[1]
+    assert torch.equal(step.block_tables, torch.stack([state.block_table_dev for state in step.generator.states]))
+    assert step.block_tables.unique().numel() == step.block_tables.numel()
+    release_fast_path(drafter)
+
+
+@pytest.mark.parametrize("running, batch, expected", [(8, 8, 8), (5, 8, 8), (4, 8, 4), (3, 8, 4), (1, 8, 1), (6, 6, 6), (4, 6, 4)])
+def test_bucket_sizes(running, batch, expected):
+    assert dflash_fast_path.bucket_size(running, batch) == expected

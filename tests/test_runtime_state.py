@@ -23,7 +23,6 @@ def test_pages_are_never_shared_and_come_back():
     cache.reserve(a, 20)  # still two
     assert len(a.block_table) == 2 and len(b.block_table) == 3
     assert not set(a.block_table) & set(b.block_table)
-    assert a.max_ctx_count_drafter == 2 * PAGE_SIZE
     assert torch.equal(a.block_table_dev, torch.tensor(a.block_table))
     with pytest.raises(RuntimeError, match="exhausted"):
         cache.reserve(a, 4 * PAGE_SIZE)
@@ -54,7 +53,6 @@ def test_accumulator_refuses_to_overflow():
     with pytest.raises(ValueError, match="holds 10 positions"):
         state.append_context(torch.ones(3, 8), first_position=8)
     assert state.ctx_len == 8  # nothing written on refusal
-    assert state.ctx_slot_bytes == 8 * 4
 
 
 @pytest.mark.parametrize("family, wrong_every", [("llama", 3), ("qwen3", 2), ("qwen3", 1000)])
@@ -112,10 +110,10 @@ def test_propose_refuses_a_stale_context():
         target(prompt)
     generator.commit_prefill(torch.ones_like(prompt))
     state = generator.states[0]
-    assert state.prefill_done and state.ctx_len == 6 and state.seq_len == 7
+    assert state.context_ready and state.ctx_len == 6 and state.seq_len == 7
     candidates, logits = generator.get_candidates(torch.cat([prompt, torch.tensor([[3]])], dim=1))
     assert candidates.shape == (1, 7 + 3) and logits.shape == (1, 3, target.config.vocab_size)
-    assert state.ctx_committed == 6 and state.ctx_count_drafter == 6 + 4 and state.last_num_drafted == 3
+    assert state.ctx_committed == 6 and state.ctx_count_drafter == 6 + 4 and not state.context_ready
     with pytest.raises(RuntimeError, match="stale"):
         generator.get_candidates(candidates)
     generator.release()

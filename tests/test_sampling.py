@@ -1,12 +1,18 @@
-"""Speculative sampling is distributed exactly as the target's own sampling (chi-square over sampled tokens)."""
+"""Speculative sampling is distributed exactly as the target's own sampling (chi-square over sampled tokens), in the
+eager loop and in the fast path's static step (run on the CPU without a graph), which share one acceptance."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
+from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
+from tests.test_fast_path import oracle_static_drafts
 from tests.test_greedy_identity import oracle_drafts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL_VOCAB = 12
 TEMPERATURE, TOP_K = 0.8, 4
@@ -33,37 +39,110 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), statistic / 2))
 
 
-@pytest.mark.parametrize("rule", ["point_mass", "rejection"])
-def test_sampled_pairs_follow_the_target_distribution(rule):
-    target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
-    prompt = torch.tensor([[3, 7, 1, 4]])
-    # Exact probabilities of the first two sampled tokens.
+# A second setting: a processor that reads the prefix (the repetition penalty) before temperature and top-p, in the
+# order generate builds them; its expected distribution comes from transformers' own processors.
+PENALTY_TOP_P = dict(temperature=TEMPERATURE, top_p=0.9, repetition_penalty=1.5)
+PENALTY_TOP_P_PROCESSORS = LogitsProcessorList(
+    [RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(TEMPERATURE), TopPLogitsWarper(0.9)]
+)
+
+
+def pair_probabilities(target: torch.nn.Module, prompt: torch.LongTensor, penalty_top_p: bool = False) -> torch.Tensor:
+    """Exact probabilities (V, V) of the first two sampled tokens, under temperature + top-k (or PENALTY_TOP_P)."""
+
+    def probs(prefix: torch.LongTensor) -> torch.Tensor:
+        logits = target(prefix).logits[0, -1]
+        if not penalty_top_p:
+            return processed_probs(logits)
+        return torch.softmax(PENALTY_TOP_P_PROCESSORS(prefix, logits[None].clone())[0], dim=-1)
+
     with torch.no_grad():
-        first = processed_probs(target(prompt).logits[0, -1])
+        first = probs(prompt)
         pair = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
         for t1 in range(SMALL_VOCAB):
             if first[t1] > 0:
-                nxt = torch.cat([prompt, torch.tensor([[t1]])], dim=1)
-                pair[t1] = first[t1] * processed_probs(target(nxt).logits[0, -1])
-    # Point mass: drafts are the target's greedy continuation, accepted exactly when the sample equals it (often).
-    # Rejection: drafts are sampled from the random drafter's distribution over 12 tokens, which overlaps p.
-    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False).repeat(SAMPLES, 1)
-    torch.manual_seed(0)
-    with oracle_drafts(greedy, wrong_every=10**6):
-        out = target.generate(
-            prompt.repeat(SAMPLES, 1), max_new_tokens=3, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
-            assistant_model=drafter, return_dict_in_generate=True, pad_token_id=0, dflash_sampling=rule,
-        )
-    assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
-    samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
+                pair[t1] = first[t1] * probs(torch.cat([prompt, torch.tensor([[t1]])], dim=1))
+    return pair
+
+
+def assert_pairs_follow(samples: torch.LongTensor, pair: torch.Tensor, greedy_pair: list[int]) -> None:
     counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
     for t1, t2 in samples.tolist():
         counts[t1, t2] += 1
     assert chi_square_p_value(counts.flatten(), pair.flatten()) > 1e-3
     # The test has teeth: "accept the greedy draft whenever offered" would put far more mass on the greedy pair.
     biased = pair.clone()
-    g1, g2 = greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist()
-    biased[g1, g2] += 0.1
+    biased[greedy_pair[0], greedy_pair[1]] += 0.1
     biased /= biased.sum()
     assert chi_square_p_value(counts.flatten(), biased.flatten()) < 1e-3
+
+
+SAMPLED = dict(do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, return_dict_in_generate=True, pad_token_id=0)
+
+
+@pytest.mark.parametrize("rule", ["point_mass", "rejection"])
+def test_sampled_pairs_follow_the_target_distribution(rule):
+    target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
+    prompt = torch.tensor([[3, 7, 1, 4]])
+    pair = pair_probabilities(target, prompt)
+    # Point mass: drafts are the target's greedy continuation, accepted exactly when the sample equals it (often).
+    # Rejection: drafts are sampled from the random drafter's distribution over 12 tokens, which overlaps p.
+    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False).repeat(SAMPLES, 1)
+    torch.manual_seed(0)
+    with oracle_drafts(greedy, wrong_every=10**6):
+        out = target.generate(
+            prompt.repeat(SAMPLES, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
+            dflash_fast_path=False, **SAMPLED,
+        )
+    assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
+    samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
+    assert_pairs_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
+
+
+@pytest.mark.parametrize("penalty_top_p", [False, True], ids=["top_k", "penalty_top_p"])
+@pytest.mark.parametrize("rule", ["point_mass", "rejection"])
+def test_the_static_step_samples_the_target_distribution(rule, penalty_top_p):
+    """The fast path's step (processors, drafts, acceptance and the random numbers all inside it) against the same
+    exact pair distribution. The drafter's lm_head proposes one-hot logits of the target's greedy continuation: its
+    argmax under point mass, samples of their softmax at the temperature under rejection sampling."""
+    target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
+    prompt = torch.tensor([[3, 7, 1, 4]])
+    pair = pair_probabilities(target, prompt, penalty_top_p)
+    settings = {**SAMPLED, **(dict(top_k=None, **PENALTY_TOP_P) if penalty_top_p else {})}
+    batch = SAMPLES // 5
+    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
+    torch.manual_seed(1)
+    # Five calls of 600 reuse one held step (the fast path's buffers hold every sequence's whole cache).
+    with oracle_static_drafts(greedy.repeat(batch, 1), wrong_every=10**6, vocab=SMALL_VOCAB):
+        outs = [
+            target.generate(
+                prompt.repeat(batch, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
+                dflash_fast_path=True, **settings,
+            )
+            for _ in range(5)
+        ]
+    release_fast_path(drafter)
+    assert max(max(lengths) for out in outs for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
+    samples = torch.cat([out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2] for out in outs])
+    assert_pairs_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_manual_seed_reproduces_a_sampled_run(fast):
+    target = tiny_target("qwen3", seed=3)
+    drafter = tiny_drafter(target, block_size=4)
+    prompt = torch.tensor([[5, 9, 2, 7, 1]])
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(
+            target.generate(
+                prompt.repeat(4, 1), max_new_tokens=12, assistant_model=drafter, dflash_fast_path=fast,
+                do_sample=True, temperature=1.5, pad_token_id=0,
+            )
+        )
+    release_fast_path(drafter)
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])

@@ -185,7 +185,7 @@ class DrafterStateMachine(RuleBasedStateMachine):
             assert state.ctx_len == state.seq_len - 1  # every committed position before the anchor
             assert state.ctx_positions[:n].tolist() == ref.positions
             assert torch.equal(state.ctx_hidden_acc[:n], torch.stack(ref.rows))
-            assert state.skip_next_decode_append == (not self.proposed)
+            assert state.context_ready == (not self.proposed)
 
     @invariant()
     def every_page_is_in_exactly_one_place(self) -> None:

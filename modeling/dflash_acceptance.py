@@ -1,0 +1,100 @@
+"""Acceptance of a verified block: greedy, point-mass and rejection sampling, written once for both loops.
+
+Everything here is tensor work with fixed shapes and no host synchronization, so the fast path records it inside its
+CUDA graph and the eager loop runs the same functions. Random numbers come from `exponential_` on the default
+generator (an exponential race instead of `torch.multinomial`): a CUDA graph replays them with fresh values on every
+replay, and `torch.manual_seed` before generate reproduces a run.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def sample(probs: torch.Tensor) -> torch.LongTensor:
+    """One token per row of probs (..., V), drawn with probability probs[..., v] / probs[...].sum().
+
+    The exponential race: with E_v ~ Exp(1) independent, argmax_v p_v / E_v is v with probability p_v / sum(p).
+    A zero-probability token scores 0 and is never drawn; the clamp keeps an Exp(1) draw of exactly 0 (which some
+    generators can return) from dividing by zero.
+    """
+    race = torch.empty_like(probs, dtype=torch.float32).exponential_().clamp_(min=torch.finfo(torch.float32).tiny)
+    return (probs.float() / race).argmax(dim=-1)
+
+
+def draft_distribution(draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The distribution rejection sampling draws drafts from: the drafter's softmax at the generation temperature.
+
+    draft_logits (b, n, V) -> float32 (b, n, V). Any full-support proposal keeps rejection sampling exact; this one
+    tracks the target's temperature, which is what keeps acceptance high.
+    """
+    return torch.softmax(draft_logits.float() / temperature, dim=-1)
+
+
+@dataclass(frozen=True)
+class DecodingRule:
+    """How a call proposes and accepts: greedy, sampling with a point-mass proposal, or full rejection sampling."""
+
+    do_sample: bool
+    rejection: bool
+    """Drafts are sampled from the drafter's distribution at `temperature` and accepted by rejection sampling;
+    otherwise the drafter's argmax is proposed and accepted when it equals the target's own choice."""
+    temperature: float = 1.0
+
+    @classmethod
+    def for_call(cls, generation_config: object, dflash_sampling: str) -> "DecodingRule":
+        if dflash_sampling not in ("point_mass", "rejection"):
+            raise ValueError(f"dflash_sampling must be 'point_mass' or 'rejection', got {dflash_sampling!r}")
+        do_sample = bool(generation_config.do_sample)
+        return cls(
+            do_sample=do_sample,
+            rejection=do_sample and dflash_sampling == "rejection",
+            temperature=float(generation_config.temperature or 1.0),
+        )
+
+    def propose(self, draft_logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """draft_logits (b, n, V) -> (drafts (b, n), the distribution they were sampled from (b, n, V) or None)."""
+        if not self.rejection:
+            return draft_logits.argmax(dim=-1), None
+        probs = draft_distribution(draft_logits, self.temperature)
+        return sample(probs), probs
+
+
+def accept(
+    scores: torch.Tensor, drafts: torch.LongTensor, do_sample: bool, draft_probs: torch.Tensor | None
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Acceptance of a block. scores (b, n, V) processed target scores; drafts (b, n - 1).
+
+    Returns (tokens (b, n), accepted (b,)): sequence i commits tokens[i, : accepted[i] + 1], its accepted drafts
+    followed by the target's own token (the bonus, or the correction of the first rejected draft).
+    - greedy, and sampling with a point-mass proposal (`draft_probs` None): the target picks its token at every
+      row (argmax or a sample of its distribution) and a draft is accepted while it equals that token; each
+      committed token is then exactly the target's own choice.
+    - rejection sampling (`draft_probs` (b, n - 1, V), the distribution the drafts were sampled from): accept
+      draft j with probability min(1, p_j(d) / q_j(d)); the first rejected one is replaced by a sample of
+      normalize(max(p_j - q_j, 0)); if none is rejected the bonus is a sample of p at the last row.
+    """
+    if draft_probs is None:
+        tokens = sample(torch.softmax(scores, dim=-1)) if do_sample else scores.argmax(dim=-1)
+        return tokens, (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+    probs = torch.softmax(scores, dim=-1)
+    p = probs[:, :-1].gather(-1, drafts[..., None])[..., 0]  # (b, n - 1)
+    q = draft_probs.gather(-1, drafts[..., None])[..., 0]
+    keep = torch.rand_like(p) * q < p  # u < p / q without dividing by a zero q
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)
+    residual = (probs[:, :-1] - draft_probs).clamp(min=0)
+    # Where p <= q everywhere (possible only if p == q), rejection has probability 0; keep the sampler defined.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs[:, :-1])
+    corrections = torch.cat([sample(residual), sample(probs[:, -1:])], dim=1)  # (b, n)
+    # tokens[j] = drafts[j] for j < accepted, corrections[accepted] at accepted (later columns are never read)
+    columns = torch.arange(corrections.shape[1], device=corrections.device)
+    padded_drafts = torch.cat([drafts, corrections[:, -1:]], dim=1)
+    tokens = torch.where(columns == accepted[:, None], corrections, padded_drafts)
+    return tokens, accepted
+
+
+__all__ = ["DecodingRule", "accept", "draft_distribution", "sample"]

@@ -1,0 +1,246 @@
+"""The call's logits processors applied to every verified row of a step at once, on the device.
+
+Plain generate calls each processor once per token with the whole prefix. A verify step scores B rows per sequence
+at once, and row j must see what plain generate would have seen there: the committed prefix followed by drafts[:j].
+Most processors that generate builds read less than the prefix, which is what lets them run on the device, inside
+the fast path's CUDA graph, for all rows together:
+
+- row processors read only their row's scores (temperature, top-k, top-p, top-h, min-p, typical-p, epsilon, eta,
+  suppress-tokens, inf/nan removal, renormalization, single-token sequence bias / bad words): called as they are on
+  the (b * B, V) rows;
+- length-gated processors act only at some prefix lengths (min-length, min-new-tokens, begin-suppress, forced
+  BOS/EOS): each is called once as if its condition held, and each row takes that result where its own length meets
+  the condition;
+- the repetition penalty reads the set of tokens in the prefix: the prompt's set is read once from the processor
+  itself (so its treatment of left padding, which changed between transformers versions, is kept), committed tokens
+  join it after each step, and row j adds drafts[:j].
+
+The others read the whole prefix (no-repeat n-grams, multi-token sequence bias / bad words, prefix_allowed_tokens_fn,
+green-list watermarking, the exponential length penalty) or are unknown to us (a processor passed in
+`logits_processor`): they stay on the host and are called one sequence and one row at a time, in their place in the
+list, exact because they keep no state between calls; such a call takes the eager loop. Processors that keep state between calls
+or run their own forward (classifier-free guidance, SynthID watermarking) cannot see B rows in one step the way they
+saw one token per call, and are refused before any forward (`check_logits_processors`).
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from transformers.generation import logits_process as lp
+
+
+def _classes(*names: str) -> tuple[type, ...]:
+    """The processor classes of these names that this transformers version has (top-h came in 5.x)."""
+    return tuple(getattr(lp, name) for name in names if hasattr(lp, name))
+
+
+ROW_PROCESSORS = _classes(
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "TopHLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+    "SuppressTokensLogitsProcessor",
+    "InfNanRemoveLogitsProcessor",
+    "LogitNormalization",
+)
+# Processor -> (the prefix length at which its condition holds, the condition per row length (rows,) -> bool (rows,)).
+LENGTH_GATES: dict[type, tuple[Callable[[Any], int], Callable[[Any, torch.Tensor], torch.Tensor]]] = {
+    lp.MinLengthLogitsProcessor: (lambda p: 0, lambda p, length: length < p.min_length),
+    lp.MinNewTokensLengthLogitsProcessor: (
+        lambda p: 0, lambda p, length: length - p.prompt_length_to_skip < p.min_new_tokens
+    ),
+    lp.SuppressTokensAtBeginLogitsProcessor: (lambda p: p.begin_index, lambda p, length: length == p.begin_index),
+    lp.ForcedBOSTokenLogitsProcessor: (lambda p: 1, lambda p, length: length == 1),
+    lp.ForcedEOSTokenLogitsProcessor: (lambda p: p.max_length - 1, lambda p, length: length == p.max_length - 1),
+}
+# Keep state between calls or run their own forward: refused (see the module docstring).
+STATEFUL_PROCESSORS = _classes(
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor",
+    "ClassifierFreeGuidanceLogitsProcessor",
+    "SynthIDTextWatermarkLogitsProcessor",
+)
+# Hold one tensor row per sequence of the batch (or call a function with the row index), so a call with one sequence
+# at a time reads the wrong row: served for a batch of 1 only.
+BATCH_BOUND_PROCESSORS = _classes(
+    "PrefixConstrainedLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor"
+)
+# Attributes a processor fills or changes while it runs (caches, per-call inputs), left out of the signature.
+_RUNTIME_ATTRIBUTES = {"prompt_ignore_length", "logits_indices", "cu_seq_lens_q", "length_1_bias", "multi_token_biases",
+                       "prepared_bias_variables"}
+
+
+def check_logits_processors(logits_processor: Any, batch_size: int) -> None:
+    """Refuse, before any forward, the processors a verify of several rows per step cannot serve exactly."""
+    for processor in logits_processor:
+        if isinstance(processor, STATEFUL_PROCESSORS):
+            what = "guidance_scale (classifier-free guidance)" if "Guidance" in type(processor).__name__ else (
+                "SynthID text watermarking"
+            )
+            raise ValueError(
+                f"{what} is not supported with a DFlash drafter: its {type(processor).__name__} keeps state between "
+                "calls (its own forward's cache, or a context of past tokens) one token at a time, which a verify of "
+                "several tokens per step would corrupt; drop it or the drafter"
+            )
+        if batch_size > 1 and isinstance(processor, BATCH_BOUND_PROCESSORS):
+            raise ValueError(
+                f"{type(processor).__name__} holds one row per sequence of the batch, and DFlash applies it to one "
+                "sequence at a time; generate with a batch of 1 to use it"
+            )
+
+
+def _single_token_bias(processor: Any) -> bool:
+    """A sequence-bias / bad-words processor whose sequences are all one token long reads no prefix."""
+    return isinstance(processor, lp.SequenceBiasLogitsProcessor) and all(
+        len(sequence) == 1 for sequence in processor.sequence_bias
+    )
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for a processor attribute (tensors by their values)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), tuple(value.flatten().tolist()))
+    if isinstance(value, dict):
+        return tuple(sorted((repr(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+@contextlib.contextmanager
+def _no_distribution_checks() -> Iterator[None]:
+    """Eta and top-h build a torch Categorical, whose argument check reads a tensor back to the host (which a CUDA
+    graph cannot record); the arguments are logits, always valid, so the check is off while they run."""
+    checks = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(checks)
+
+
+class StepProcessors:
+    """The call's processors, sorted into those the device applies to all verify rows and those left on the host.
+
+    `host_only` names the processors that need the host (empty when the whole list runs on the device).
+    `signature` identifies what the device work computes, so a recorded CUDA graph is replayed only for a call whose
+    processors compute the same thing.
+    """
+
+    def __init__(self, logits_processor: Any):
+        self.processors = list(logits_processor)
+        penalties = [p for p in self.processors if type(p) is lp.RepetitionPenaltyLogitsProcessor]
+        host = [
+            p for p in self.processors
+            if not (type(p) in ROW_PROCESSORS or type(p) in LENGTH_GATES or _single_token_bias(p))
+            and not (penalties and p is penalties[0])
+        ]
+        self._host = host
+        self.host_only = [type(p).__name__ for p in host]
+        # One repetition penalty is served on the device; a second one (passed by hand) would need its own prompt set.
+        self.penalty = penalties[0] if penalties else None
+        self._every_token_penalty = (
+            lp.RepetitionPenaltyLogitsProcessor(self.penalty.penalty) if self.penalty is not None else None
+        )
+
+    @property
+    def signature(self) -> tuple:
+        """What the device work computes: the processors' types and settings (asked only of a device-ready list)."""
+        return tuple(
+            (type(p).__name__, tuple(sorted((k, _frozen(v)) for k, v in vars(p).items() if k not in _RUNTIME_ATTRIBUTES)))
+            for p in self.processors
+        )
+
+    def first_token_scores(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+        """The prefill's scores, processed exactly as plain generate processes its first token: every processor
+        called once on the whole batch. input_ids (b, P); logits (b, V) -> float32 (b, V)."""
+        scores = logits.to(dtype=torch.float32, copy=True)  # processors may write in place; the logits are returned
+        for processor in self.processors:
+            scores = processor(input_ids, scores)
+        return scores
+
+    def prompt_presence(self, input_ids: torch.LongTensor, vocab_size: int) -> torch.Tensor | None:
+        """(b, V) bool: the tokens of each prompt that the repetition penalty counts, or None without a penalty.
+
+        Read from the processor itself: it divides a score of 1 exactly where it counts the token.
+        """
+        if self.penalty is None:
+            return None
+        ones = torch.ones(input_ids.shape[0], vocab_size, dtype=torch.float32, device=input_ids.device)
+        return self.penalty(input_ids, ones) != 1
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        lengths: torch.LongTensor,
+        presence: torch.Tensor | None,
+        drafts: torch.LongTensor,
+        prefixes: list[torch.LongTensor] | None = None,
+    ) -> torch.Tensor:
+        """Processed float32 scores (b, n, V) of the verify rows, each processor applied in the list's order.
+
+        logits (b, n, V); lengths (b,) each sequence's length as plain generate's input_ids have it (left padding
+        included) before row 0's token; presence (b, V) the tokens the repetition penalty counts so far (None without
+        one); drafts (b, n - 1): row j sees the prefix followed by drafts[:, :j], which is the committed prefix
+        whenever row j matters (every earlier draft accepted). `prefixes[i]` (1, t_i), the committed tokens of
+        sequence i, is needed only by host processors.
+        """
+        b, n, vocab = logits.shape
+        scores = logits.to(dtype=torch.float32, copy=True).reshape(b * n, vocab)
+        row_lengths = (lengths[:, None] + torch.arange(n, device=lengths.device)).reshape(b * n)
+        no_prefix = torch.zeros((), dtype=torch.long, device=scores.device).expand(b * n, 0)
+        with _no_distribution_checks():
+            for processor in self.processors:
+                if processor is self.penalty:
+                    every_token = torch.arange(vocab, device=scores.device).expand(b * n, vocab)
+                    penalized = self._every_token_penalty(every_token, scores)
+                    scores = torch.where(self._row_presence(presence, drafts), penalized, scores)
+                elif type(processor) in LENGTH_GATES:
+                    trigger_length, holds = LENGTH_GATES[type(processor)]
+                    prefix = torch.zeros((), dtype=torch.long, device=scores.device).expand(b * n, trigger_length(processor))
+                    scores = torch.where(holds(processor, row_lengths)[:, None], processor(prefix, scores), scores)
+                elif any(processor is p for p in self._host):
+                    scores = _row_by_row(processor, scores.view(b, n, vocab), prefixes, drafts).reshape(b * n, vocab)
+                else:
+                    scores = processor(no_prefix, scores)
+        return scores.view(b, n, vocab)
+
+    @staticmethod
+    def _row_presence(presence: torch.Tensor, drafts: torch.LongTensor) -> torch.Tensor:
+        """(b * n, V) bool: row j of a sequence counts its prefix's tokens and drafts[:j]."""
+        b, vocab = presence.shape
+        n = drafts.shape[1] + 1
+        earlier = torch.ones(n, n - 1, dtype=torch.int32, device=drafts.device).tril(-1)  # [j, k] = k < j
+        hits = torch.zeros(b, n, vocab, dtype=torch.int32, device=drafts.device)
+        hits.scatter_add_(2, drafts[:, None, :].expand(b, n, n - 1), earlier.expand(b, n, n - 1))
+        return (presence[:, None] | (hits > 0)).reshape(b * n, vocab)
+
+
+def _row_by_row(
+    processor: Any, scores: torch.Tensor, prefixes: list[torch.LongTensor], drafts: torch.LongTensor
+) -> torch.Tensor:
+    """A host processor called as plain generate calls it: one sequence and one row at a time, row j with the
+    sequence's prefix followed by drafts[:j]. scores (b, n, V) -> (b, n, V)."""
+    return torch.stack(
+        [
+            torch.cat(
+                [
+                    processor(torch.cat([prefix, drafts[i : i + 1, :j]], dim=1), scores[i : i + 1, j])
+                    for j in range(scores.shape[1])
+                ]
+            )
+            for i, prefix in enumerate(prefixes)
+        ]
+    )
+
+
+__all__ = ["StepProcessors", "check_logits_processors"]
