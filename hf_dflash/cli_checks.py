@@ -268,8 +268,10 @@ def check_train(args: argparse.Namespace) -> None:
     at_least("--mask-token-id", args.mask_token_id, 0)
     at_least("--temperature", args.temperature, 0)
     at_least("--save-every", args.save_every, 0)
-    for option in ("gamma", "epochs", "lr", "time_limit"):
+    for option in ("gamma", "epochs", "time_limit"):
         above("--" + option.replace("_", "-"), getattr(args, option), 0)
+    # lr 0 is allowed: a run that only records (history, tau) and leaves an --init-from drafter's weights as they are
+    at_least("--lr", args.lr, 0)
     if not 0 <= args.warmup_ratio < 1:
         raise BadArgument(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio:g}")
     ids = args.target_layer_ids or []

@@ -81,7 +81,7 @@ def refused(argv, capsys) -> str:
         (["bench", "--batch-sizes", "1", "0"], "--batch-sizes must be at least 1, got 0"),
         (["bench", "--prompts", "missing.jsonl"], "--prompts missing.jsonl: no such file"),
         (["bench", "--out", "."], "--out . is a folder"),
-        (["train", "--target", "smollm2", "--out", "o", "--lr", "0"], "--lr must be greater than 0"),
+        (["train", "--target", "smollm2", "--out", "o", "--lr", "-1"], "--lr must be at least 0"),
         (["train", "--target", "smollm2", "--out", "o", "--steps", "0"], "--steps must be at least 1"),
         (["train", "--target", "smollm2", "--out", "o", "--block-size", "1"], "--block-size must be at least 2"),
         (["train", "--target", "smollm2", "--out", "o", "--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1)"),
