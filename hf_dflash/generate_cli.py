@@ -118,7 +118,7 @@ def warm_up(target: Any, drafter: Any, tokenizer: Any, device: str, dflash_setti
     except ValueError as refusal:
         # The default call decides: it raises again if the call itself is wrong, not just the fast path.
         target.generate(**warm, **settings, assistant_model=drafter, **dflash_settings)
-        return f"eager loop ({str(refusal).split('cannot serve this call: ')[-1]})"
+        return f"eager loop: {str(refusal).split('cannot serve this call: ')[-1]}"
 
 
 def run(args: argparse.Namespace) -> int:

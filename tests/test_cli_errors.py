@@ -243,6 +243,6 @@ def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
     warm_up = hf_dflash.generate_cli.warm_up
     assert warm_up(target, drafter, None, "cuda", {}) == "CUDA-graph fast path"
     assert warm_up(target, drafter, None, "cuda", {"dflash_verify_rows": 2}) == (
-        "eager loop (dflash_verify_rows is set (drop it for the fast path))"
+        "eager loop: dflash_verify_rows is set (drop it for the fast path)"
     )
     assert warm_up(target, drafter, None, "cpu", {}) == "eager loop (the CUDA-graph fast path runs on a GPU)"
