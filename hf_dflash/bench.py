@@ -12,6 +12,11 @@ memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights
 built at a published shape without weights (for speed at real scale), prompts are random ids of each
 `--context-lengths`, and two GPU figures are added: the target's own 1-token step as a CUDA graph (the floor a
 verify step is compared against) and our step split into its propose and verify graphs.
+
+`--sampling qwen3` (or `llama3`) decodes every method with that model family's published sampling defaults, as a
+chat model's `generation_config.json` makes `generate` do; tau and speed are then compared, not tokens (each call
+is seeded). `--own-lengths` runs batch-1 prompts at their own lengths instead of left-padding them to the longest:
+what a user's loop over prompts does, where compiled plain `generate` meets a new shape per prompt.
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ RANDOM_SHAPES = {
         ),
         "drafter": dict(num_hidden_layers=5, block_size=16, mask_token_id=151669),
     },
+}
+# Sampling settings of `--sampling`: what the published generation_config.json of each family sets (transformers'
+# defaults fill the rest, e.g. top_k 50 for Llama-3.1-Instruct, as they do for a user's call).
+SAMPLING = {
+    "greedy": dict(do_sample=False),
+    "qwen3": dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
+    "llama3": dict(do_sample=True, temperature=0.6, top_p=0.9),
 }
 
 
@@ -107,10 +119,12 @@ def _method_kwargs(method: str, drafter: torch.nn.Module) -> dict[str, Any]:
 
 def run_method(
     method: str, target: torch.nn.Module, drafter: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
-    max_new_tokens: int, setting: str, pad_token_id: int,
+    max_new_tokens: int, setting: str, pad_token_id: int, sampling: str = "greedy",
 ) -> tuple[Measurement, list[list[int]]]:
-    """Warm up once on the first batch (compiles and graph captures happen there), then time every batch."""
-    kwargs = dict(do_sample=False, pad_token_id=pad_token_id, **_method_kwargs(method, drafter))
+    """Warm up once on the first batch (compiles and graph captures happen there), then time every batch. Sampled
+    calls are seeded, so a rerun draws the same tokens."""
+    kwargs = dict(pad_token_id=pad_token_id, **SAMPLING[sampling], **_method_kwargs(method, drafter))
+    torch.manual_seed(0)
     target.generate(**batches[0], max_new_tokens=max_new_tokens, **kwargs)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -118,9 +132,10 @@ def run_method(
     new_tokens = steps = 0
     committed = verified = 0  # tokens committed by verify steps, and those steps (all sequences together)
     outputs: list[list[int]] = []
-    for batch in tqdm(batches, desc=f"{setting} {method}", leave=False):
+    for index, batch in enumerate(tqdm(batches, desc=f"{setting} {method}", leave=False)):
         prompt_len = batch["input_ids"].shape[1]
         ttft += timed(lambda: target.generate(**batch, max_new_tokens=1, **kwargs))[1]
+        torch.manual_seed(index)
         with StepCounter() as counter:
             out, elapsed = timed(lambda: target.generate(**batch, max_new_tokens=max_new_tokens, **kwargs))
         sequences = out.sequences if hasattr(out, "sequences") else out
@@ -205,9 +220,15 @@ def random_pair(shape: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.M
 
 
 def _padded_batches(
-    prompts: list[list[int]], batch_size: int, pad_token_id: int, device: str
+    prompts: list[list[int]], batch_size: int, pad_token_id: int, device: str, own_lengths: bool = False
 ) -> list[dict[str, torch.Tensor]]:
-    """All prompts left-padded to the longest one, so every call has one shape (one compile, one graph bucket)."""
+    """All prompts left-padded to the longest one, so every call has one shape (one compile, one graph bucket);
+    with `own_lengths` (batch 1), each prompt alone at its own length."""
+    if own_lengths:
+        return [
+            {"input_ids": torch.tensor([p], device=device), "attention_mask": torch.ones(1, len(p), dtype=torch.long, device=device)}
+            for p in prompts
+        ]
     longest = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -228,7 +249,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         vocab = target.config.vocab_size - 1000  # keep clear of the mask row at the end of the vocabulary
         for length in args.context_lengths:
             prompts = torch.randint(0, vocab, (args.batch_size, length), generator=generator).tolist()
-            settings.append((f"{args.random_weights} ctx {length} b{args.batch_size}", prompts))
+            settings.append((f"{args.random_weights} ctx {length}{_label(args)} b{args.batch_size}", prompts))
     else:
         from .generate_cli import DEFAULT_DRAFTER, encode, load_target
         from .training.data import load_prompts
@@ -239,21 +260,21 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         texts = load_prompts(args.prompts)[: args.limit]
         prompts = [encode(tokenizer, text, "cpu")["input_ids"][0].tolist() for text in texts]
         for batch_size in args.batch_sizes:
-            settings.append((f"{Path(str(args.target)).name} {Path(args.prompts).stem} b{batch_size}", prompts))
+            settings.append((f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}", prompts))
     target.eval()
     cache_argument = _cache_argument(target)
     results: list[Measurement] = []
     for setting, prompts in settings:
         batch_size = args.batch_size if args.random_weights else int(setting.rsplit("b", 1)[1])
-        batches = _padded_batches(prompts, batch_size, pad_token_id, device)
+        batches = _padded_batches(prompts, batch_size, pad_token_id, device, args.own_lengths)
         reference = None
         for method in args.methods:
             measurement, outputs = run_method(
-                method, target, drafter, batches, args.max_new_tokens, setting, pad_token_id
+                method, target, drafter, batches, args.max_new_tokens, setting, pad_token_id, args.sampling
             )
             if method == "plain":
                 reference = outputs
-            if reference is not None:
+            if reference is not None and args.sampling == "greedy":  # sampled outputs agree in distribution only
                 measurement.identical_to_plain = sum(a == b for a, b in zip(outputs, reference)) / len(outputs)
             held = getattr(drafter, "_dflash_static_step", None)
             if method == "dflash" and device.startswith("cuda") and held is not None:
@@ -276,6 +297,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for m in results
         ],
     }
+
+
+def _label(args: argparse.Namespace) -> str:
+    """What a setting's name adds for non-default decoding: the sampling preset and unpadded prompts."""
+    return ("" if args.sampling == "greedy" else f" {args.sampling}-sampling") + (" own-lengths" if args.own_lengths else "")
 
 
 def _add_ratios(setting_results: list[Measurement]) -> None:
@@ -377,6 +403,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes of prompt-set runs")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                        help="decode with a family's published sampling defaults (qwen3: temperature 0.6, top_k 20, "
+                        "top_p 0.95; llama3: temperature 0.6, top_p 0.9), every method alike")
+    parser.add_argument("--own-lengths", action="store_true",
+                        help="batch 1 only: each prompt at its own length, not left-padded to the longest")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--out", default="benchmarks/results/bench.json", help="JSON report (a .png plot is written beside it)")

@@ -248,6 +248,9 @@ def check_bench(args: argparse.Namespace) -> None:
     each_at_least("--context-lengths", args.context_lengths, 1)
     each_at_least("--batch-sizes", args.batch_sizes, 1)
     check_device("--device", args.device)
+    if args.own_lengths and (args.random_weights or args.batch_sizes != [1]):
+        raise BadArgument("--own-lengths runs prompts one by one at their own lengths: use it with --batch-sizes 1 "
+                          "and a prompt set, not --random-weights")
     if Path(args.out).is_dir():
         raise BadArgument(f"--out {args.out} is a folder; pass the JSON file to write, e.g. {args.out}/bench.json")
     if args.random_weights is None:

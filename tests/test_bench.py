@@ -37,3 +37,32 @@ def test_bench_reports_every_method_side_by_side(tmp_path):
         ours, plain = rows[batch, "dflash"], rows[batch, "plain"]
         assert ours["extra"]["speedup_over_plain"] == pytest.approx(ours["tokens_per_s"] / plain["tokens_per_s"])
         assert plain["extra"]["speedup_over_plain"] == 1
+
+
+def test_bench_samples_with_a_family_preset_and_runs_prompts_at_their_own_lengths(tmp_path):
+    target, _ = load_stories260k()
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Once upon a time there was", "Tom saw"]))
+    common = ["bench", "--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+              "--max-new-tokens", "10", "--batch-sizes", "1", "--methods", "plain", "dflash", "--dtype", "fp32"]
+    reports = []
+    for run in range(2):  # seeded: the same sampled tokens twice
+        out = tmp_path / f"sampled{run}.json"
+        main(common + ["--sampling", "qwen3", "--own-lengths", "--out", str(out)])
+        reports.append(json.loads(out.read_text())["results"])
+    rows = {r["method"]: r for r in reports[0]}
+    assert all("qwen3-sampling own-lengths" in r["setting"] for r in reports[0])
+    assert rows["plain"]["identical_to_plain"] is None  # sampled tokens are compared in distribution, not here
+    assert [r["new_tokens"] for r in reports[0]] == [r["new_tokens"] for r in reports[1]]
+    assert [r["tau"] for r in reports[0]] == [r["tau"] for r in reports[1]]
+
+
+def test_bench_refuses_own_lengths_with_batches(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--target", "stories260k", "--batch-sizes", "1", "4", "--own-lengths",
+              "--out", str(tmp_path / "r.json")])
+    assert exit_.value.code == 2
+    assert "--own-lengths" in capsys.readouterr().err

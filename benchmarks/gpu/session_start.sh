@@ -24,6 +24,10 @@ stage)
 train)
     deadline=$(( $(date +%s) + ${2:?seconds from now by which training must stop} ))
     if [ -z "${HF_DFLASH_SMOLLM2_GGUF:-}" ]; then echo "no SmolLM2 GGUF on this machine: carry .stage/a, b, c"; exit 1; fi
+    # no throughput call this session: an earlier session's report, carried with the prompts, sizes the run
+    if [ ! -f "$report" ] && [ -f .stage/prompts/training_throughput_h200.json ]; then
+        cp .stage/prompts/training_throughput_h200.json "$report"
+    fi
     # A step's time for the long run: the slower of the two A/B arms' settings (hard labels or distillation, batch
     # 64, grouped, compiled loss), plus 15% for real data; without the compiled loss when it failed here.
     read -r ms compile <<<"$(python3 - "$report" <<'PY'
@@ -39,6 +43,8 @@ else:
     print(400, "off")
 PY
 )"
+    # A step time measured on real data in an earlier session (MS_PER_STEP=...) overrides the estimate.
+    ms=${MS_PER_STEP:-$ms}
     echo "long run sized at $ms ms per step, compiled loss: $compile"
     DEADLINE=$deadline MS_PER_STEP=$ms EXTRA="--compile-loss $compile" \
         setsid nohup bash benchmarks/gpu/train_session.sh > ~/session.log 2>&1 < /dev/null &

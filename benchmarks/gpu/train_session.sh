@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device session of drafter training, meant to run detached while short calls poll it (poll.sh beside this):
 #   1. regenerate: the target answers the prompt mix (greedy), once;
+#      (skipped when .stage/regen/ holds a regenerated file that an earlier session copied back: poll.sh COPY=regen);
 #   2. A/B: two short runs from the same start (INIT_FROM, a fresh optimizer, one learning-rate schedule of STEPS
 #      steps): hard labels, and hard labels plus distillation to the target's top-DISTILL_TOPK; AB_SECONDS each;
+#      AB_SECONDS=0 skips it and ARM (hard or distill) trains alone;
 #   3. the run with the higher simulated tau resumes and trains until DEADLINE (seconds since the epoch).
 # Every SAVE_EVERY steps the current run writes a checkpoint and the drafter itself (bf16, in shards small enough
 # to come back through a device call) to $RUN/<arm>; $RUN/current names the run in progress; $RUN/done appears at
@@ -19,6 +21,7 @@ set -u
 : "${INIT_FROM:=hf_dflash/drafters/smollm2-135m-instruct}"
 : "${RUN:=$HOME/run}"
 : "${AB_SECONDS:=75}"
+: "${ARM:=distill}"
 : "${STEPS:=4000}"
 : "${MS_PER_STEP:=}"
 : "${BATCH:=64}"
@@ -36,26 +39,34 @@ echo $$ > "$RUN/pid"
 train=(python3 -m hf_dflash.cli train --target "$TARGET" --target-description "$TARGET_DESCRIPTION"
        --prompts "$PROMPTS" --regenerated "$RUN/regenerated.safetensors" --max-new-tokens "$MAX_NEW_TOKENS"
        --max-prompt-tokens "$MAX_PROMPT_TOKENS" --gen-batch-size "$GEN_BATCH")
-echo "== regenerate $(date -u +%T)"
+if ls .stage/regen/regenerated.part* >/dev/null 2>&1 && [ ! -f "$RUN/regenerated.safetensors" ]; then
+    cat .stage/regen/regenerated.part* | gunzip > "$RUN/regenerated.safetensors" || exit 1
+    echo "== regenerated data from an earlier session: $(du -h "$RUN/regenerated.safetensors" | cut -f1)"
+fi
+echo "== regenerate $(date -u +%T) (reused when the file exists)"
 "${train[@]}" --out "$RUN/hard" --regenerate-only || exit 1
 
 left=$(( DEADLINE - $(date +%s) ))
 if [ -n "$MS_PER_STEP" ]; then
     # The winner trains for what is left less the loser's A/B time and two model loads (about 20 s each).
-    STEPS=$(( (left - AB_SECONDS - 40) * 1000 / MS_PER_STEP ))
+    STEPS=$(( (left - AB_SECONDS - (AB_SECONDS > 0 ? 40 : 20)) * 1000 / MS_PER_STEP ))
 fi
 echo "== $left s left: planned $STEPS steps of $BATCH sequences"
 run=("${train[@]}" --init-from "$INIT_FROM" --steps "$STEPS" --batch-size "$BATCH" --lr "$LR" --bf16
      --max-length "$MAX_LENGTH" --group-by-length --save-every "$SAVE_EVERY" --max-shard-size "$MAX_SHARD_SIZE"
      --log-every 25 --seed 0 $EXTRA)
-for arm in hard distill; do
-    flags=()
-    if [ "$arm" = distill ]; then flags=(--distill-topk "$DISTILL_TOPK"); fi
-    echo "$RUN/$arm" > "$RUN/current"
-    echo "== A/B arm $arm $(date -u +%T)"
-    "${run[@]}" "${flags[@]}" --out "$RUN/$arm" --time-limit "$AB_SECONDS" || exit 1
-done
-winner=$(python3 - "$RUN" <<'PY'
+winner=$ARM
+resume=()
+if [ "$AB_SECONDS" -gt 0 ]; then
+    resume=(--resume)
+    for arm in hard distill; do
+        flags=()
+        if [ "$arm" = distill ]; then flags=(--distill-topk "$DISTILL_TOPK"); fi
+        echo "$RUN/$arm" > "$RUN/current"
+        echo "== A/B arm $arm $(date -u +%T)"
+        "${run[@]}" "${flags[@]}" --out "$RUN/$arm" --time-limit "$AB_SECONDS" || exit 1
+    done
+    winner=$(python3 - "$RUN" <<'PY'
 import json, sys
 from pathlib import Path
 taus = {arm: json.loads((Path(sys.argv[1]) / arm / "training_args.json").read_text())["final_tau"]
@@ -64,11 +75,12 @@ print(max(taus, key=taus.get))
 print(f"A/B simulated tau (last 50 steps): {taus}", file=sys.stderr)
 PY
 )
+fi
 flags=()
 if [ "$winner" = distill ]; then flags=(--distill-topk "$DISTILL_TOPK"); fi
 echo "$RUN/$winner" > "$RUN/current"
 left=$(( DEADLINE - $(date +%s) ))
-echo "== long run: $winner resumes for $left s $(date -u +%T)"
-"${run[@]}" "${flags[@]}" --out "$RUN/$winner" --resume --time-limit "$left"
+echo "== long run: $winner ${resume[*]:-starts} for $left s $(date -u +%T)"
+"${run[@]}" "${flags[@]}" --out "$RUN/$winner" "${resume[@]}" --time-limit "$left"
 echo "== done $(date -u +%T)"
 touch "$RUN/done"
