@@ -49,7 +49,9 @@ def grouped_sdpa_attention(
     g = key.shape[1]
     groups = h // g
     if attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     # Query head i reads key/value head i // G (transformers' repeat_kv order), so heads [j * G, (j + 1) * G) are
     # contiguous: a view, no copy.
     folded = query.reshape(b, g, groups * q, d)  # (b, g, G * q, d)

@@ -118,4 +118,6 @@ def contiguous_block_tables(block_tables: torch.Tensor) -> bool:
     return bool(torch.equal(block_tables, expected))
 
 
-__all__ = ["ContiguousPagedView", "StaticTargetCache", "contiguous_block_tables", "page_slots", "reorder_contiguous_rows"]
+__all__ = [
+    "ContiguousPagedView", "StaticTargetCache", "contiguous_block_tables", "page_slots", "reorder_contiguous_rows",
+]

@@ -79,7 +79,7 @@ def test_grouped_attention_equals_transformers_sdpa(groups, mask_kind, repeat_kv
     }[mask_kind]
     module = Heads(groups)
     expected, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-    assert len(repeat_kv_calls) == 2  # transformers' own path copies the key and value heads; the check below could fail
+    assert len(repeat_kv_calls) == 2  # transformers' own path copies the key and value heads (so this test can fail)
     out, weights = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.3)
     assert weights is None and out.shape == (b, q, h, d) and out.is_contiguous()
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
@@ -212,4 +212,30 @@ def test_the_drafter_reads_its_context_as_a_view_of_the_pool():
         gathered_key, gathered_value = cache.read(layer, read_all)
         assert torch.equal(key, gathered_key) and torch.equal(value, gathered_value)
         assert key.abs().sum() > 0  # the prompt's context is there, not an empty pool
+    release_fast_path(drafter)
+
+
+def test_compaction_moves_each_sequences_drafter_context_to_its_new_row():
+    """When finished sequences leave the step, the running ones move to the first rows: their drafter keys/values
+    move with them, so the contiguous read of row r is still sequence_of_row[r]'s context."""
+    target = tiny_target("qwen3", seed=1)
+    drafter = tiny_drafter(target, block_size=4)
+    ids, mask = left_padded(4, 9, [0, 2, 5, 1])
+    target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                    assistant_model=drafter, dflash_fast_path=True)
+    step = drafter._dflash_static_step[1]
+    pools = step.generator.cache.key_pools + step.generator.cache.value_pools
+
+    def rows_of(pool: torch.Tensor) -> torch.Tensor:
+        return pool.view(4, step.draft_slots_per_row, *pool.shape[1:])  # (b, S, g, d)
+
+    before = {
+        sequence: [rows_of(pool)[row].clone() for pool in pools] for row, sequence in enumerate(step.sequence_of_row)
+    }
+    assert not torch.equal(before[0][0], before[2][0])  # rows differ, so a wrong move could not pass
+    step.compact([2, 3])
+    assert step.live_rows == 2 and step.sequence_of_row[:2] == [2, 3]
+    for row, sequence in enumerate(step.sequence_of_row):
+        for pool, held in zip(pools, before[sequence]):
+            assert torch.equal(rows_of(pool)[row], held)
     release_fast_path(drafter)

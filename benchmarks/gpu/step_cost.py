@@ -61,7 +61,7 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def fast_path_attention(function: Any):
-    """The fast path's forwards call `function` while inside (they name GROUPED_SDPA; grouped_attention switches them)."""
+    """The fast path's forwards call `function` while inside (grouped_attention points them at GROUPED_SDPA)."""
     AttentionInterface.register(GROUPED_SDPA, function)
     try:
         yield
