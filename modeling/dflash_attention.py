@@ -52,17 +52,16 @@ def grouped_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    # Query head i reads key/value head i // G (transformers' repeat_kv order), so heads [j * G, (j + 1) * G) are
-    # contiguous: a view, no copy.
+    # Query head i reads key/value head i // G (transformers' repeat_kv order), so heads [j * G, (j + 1) * G) become
+    # the rows of head j. Only the query (q rows) may be copied here; the keys/values (L slots) are read in place.
     folded = query.reshape(b, g, groups * q, d)  # (b, g, G * q, d)
-    mask = attention_mask
+    mask = attention_mask  # (b, 1 or h, q or 1, L)
     mask_batch, mask_heads, mask_rows, kv = mask.shape
-    if mask_heads == 1 and mask_rows == 1:
-        pass  # (b, 1, 1, L): one row of keys for every query row already broadcasts over the folded rows
-    elif mask_heads == 1:  # (b, 1, q, L) -> (b, 1, G * q, L): each head's block of rows sees the same keys
+    if mask_heads == 1 and mask_rows > 1:  # (b, 1, q, L) -> (b, 1, G * q, L): every head's rows see the same keys
         mask = mask[:, :, None].expand(mask_batch, 1, groups, q, kv).reshape(mask_batch, 1, groups * q, kv)
-    else:  # (b, h, q, L) -> (b, g, G * q, L), the same grouping as the query
+    elif mask_heads > 1:  # (b, h, q, L) -> (b, g, G * q, L), the same grouping as the query
         mask = mask.expand(mask_batch, h, q, kv).reshape(mask_batch, g, groups * q, kv)
+    # else (b, 1, 1, L): one row of keys for every query row, which broadcasts over the folded rows as it is
     out = torch.nn.functional.scaled_dot_product_attention(
         folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )  # (b, g, G * q, d_v)
