@@ -31,12 +31,15 @@ import torch
 from transformers.utils import logging
 
 from .dflash_acceptance import DecodingRule, accept
+from .dflash_attention import grouped_attention
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
-from .dflash_paged_cache import PAGE_SIZE, PagedView
+from .dflash_paged_cache import PAGE_SIZE
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
-from .dflash_static_cache import StaticTargetCache, page_slots
+from .dflash_static_cache import (
+    ContiguousPagedView, StaticTargetCache, contiguous_block_tables, page_slots, reorder_contiguous_rows,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -175,7 +178,7 @@ class StepRows:
     verify_rows: torch.Tensor  # (n, B, k * H) the last verify's captured target rows
     target_slots: torch.Tensor  # (n, B) where the verify's keys/values go
     target_cache: StaticTargetCache
-    drafter_view: PagedView
+    drafter_view: ContiguousPagedView
     presence: torch.Tensor | None  # (n, V) the tokens the repetition penalty counts
 
 
@@ -203,11 +206,13 @@ class DFlashStaticStep:
         self.generator = generator = DFlashCandidateGenerator(
             drafter, target, batch_size, self.max_length, max_rows=self.max_length
         )
-        for state in self.generator.states:  # every page a sequence may need, once: a table moves only with its row
+        for state in self.generator.states:  # every page a sequence may need, once, in row order (the pool is fresh)
             self.generator.cache.reserve(state, num_slots)
         self.block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
-        self.draft_key_positions = torch.arange(self.block_tables.shape[1] * PAGE_SIZE, device=device)  # (S,)
-        self.draft_read_slots = page_slots(self.block_tables, self.draft_key_positions.expand(batch_size, -1))  # (b, S)
+        if not contiguous_block_tables(self.block_tables):  # a fresh pool hands out low pages first, row by row
+            raise RuntimeError("the drafter's pages are not laid out row by row; this is a bug: please report it")
+        self.draft_slots_per_row = self.block_tables.shape[1] * PAGE_SIZE  # S
+        self.draft_key_positions = torch.arange(self.draft_slots_per_row, device=device)  # (S,)
         self.draft_block_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.target_cache = StaticTargetCache(
@@ -262,8 +267,8 @@ class DFlashStaticStep:
                 verify_rows=self.verify_rows[:n],
                 target_slots=self.target_slots[:n],
                 target_cache=self.target_cache.head(n),
-                drafter_view=PagedView(
-                    self.generator.cache, block_slots=self.draft_block_slots[:n], read_slots=self.draft_read_slots[:n]
+                drafter_view=ContiguousPagedView(
+                    self.generator.cache, self.draft_block_slots[:n], num_rows=n, slots_per_row=self.draft_slots_per_row
                 ),
                 presence=None if self.presence is None else self.presence[:n],
             )
@@ -287,9 +292,10 @@ class DFlashStaticStep:
         positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
         visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
-        draft_logits = generator.draft_logits(
-            rows.anchor_ids, positions, {"full_attention": visible[:, None, None, :]}, rows.drafter_view
-        )
+        with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
+            draft_logits = generator.draft_logits(
+                rows.anchor_ids, positions, {"full_attention": visible[:, None, None, :]}, rows.drafter_view
+            )
         drafts, draft_probs = self.rule.propose(draft_logits)
         rows.drafts.copy_(drafts)
         return draft_probs
@@ -304,14 +310,15 @@ class DFlashStaticStep:
         rows.target_cache.write_slots = rows.target_slots
         mask = (self.key_slots >= rows.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (n, B, L)
         self.generator.capture.destination = rows.verify_rows
-        logits = self.target(
-            input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
-            position_ids=positions,
-            attention_mask=mask[:, None],
-            use_cache=True,
-            logits_to_keep=block,
-            **{self.cache_argument: rows.target_cache},
-        ).logits
+        with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
+            logits = self.target(
+                input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
+                position_ids=positions,
+                attention_mask=mask[:, None],
+                use_cache=True,
+                logits_to_keep=block,
+                **{self.cache_argument: rows.target_cache},
+            ).logits
         # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
         scores = self.processors(logits, rows.offsets + rows.anchor_pos + 1, rows.presence, drafts)  # (n, B, V)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
@@ -427,15 +434,15 @@ class DFlashStaticStep:
         order = first + sorted(set(range(self.batch_size)) - set(first))
         index = torch.tensor(order, device=self.anchor_ids.device)
         per_row = (
-            self.anchor_ids, self.anchor_pos, self.prev_pos, self.offsets, self.active, self.block_tables,
-            self.draft_read_slots, self.verify_rows, self.presence,
+            self.anchor_ids, self.anchor_pos, self.prev_pos, self.offsets, self.active, self.verify_rows, self.presence,
         )
         for buffer in per_row:
             if buffer is not None:
                 buffer.copy_(buffer[index])
         self.target_cache.reorder(index)
-        # a sequence's pages move with its block-table row; the states follow so the next prefill pairs them again
-        self.generator.states = [self.generator.states[row] for row in order]
+        # the drafter's keys/values move to their row's pages, so every row keeps its contiguous stretch of the pool
+        # (and its state and block table, which the next prefill pairs again)
+        reorder_contiguous_rows(self.generator.cache, index, self.draft_slots_per_row)
         self.sequence_of_row = [self.sequence_of_row[row] for row in order]
         self.live_rows = n
 

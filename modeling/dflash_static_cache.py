@@ -8,11 +8,14 @@ length on the host after construction; every index is a device tensor that the s
   the sequence's anchor simply stays behind, the rejected slots fall outside its mask and the next block overwrites
   them. The target's attention reads all L slots under a 4D mask that the fast path builds. When sequences finish,
   the fast path reorders the rows (running ones first) and runs on a `head` of them.
-- `page_slots`: the drafter's paged cache (dflash_paged_cache.py) addressed from device tensors, so the fast path's
-  `PagedView` can take fixed slot tensors: the block rows' (a buffer the step refills) and, per sequence, those of
-  every position it may reach.
+- `page_slots`: the drafter's paged cache (dflash_paged_cache.py) addressed from device tensors, so the fast path can
+  write context and block rows at slots computed on the device.
+- `ContiguousPagedView`: the drafter's reads in the fast path. The step reserves every page of every sequence at once,
+  in row order, so row r owns pages [r * P, (r + 1) * P) of each pool: its slots are one stretch of memory and each
+  layer reads them as a view, with no gather of the whole context per layer per step.
 
-`StaticTargetCache` speaks the one method of transformers' Cache API that attention layers call: `update`.
+`StaticTargetCache` and `ContiguousPagedView` speak the one method of transformers' Cache API that attention layers
+call: `update`.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .dflash_paged_cache import PAGE_SIZE
+from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache
 
 
 class StaticTargetCache:
@@ -77,4 +80,44 @@ def page_slots(block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return block_tables.gather(1, positions // PAGE_SIZE) * PAGE_SIZE + positions % PAGE_SIZE
 
 
-__all__ = ["StaticTargetCache", "page_slots"]
+class ContiguousPagedView:
+    """The drafter's paged cache for the first `num_rows` sequences of a pool laid out row by row: sequence r owns
+    pages [r * P, (r + 1) * P) of every layer's pool, P = slots_per_row / PAGE_SIZE. The block rows' keys/values go to
+    `block_slots` (b, q) as in a `PagedView`; each layer reads back every slot of its rows as a (b, g, slots_per_row, d)
+    view of the pool. Which slots a block row may see is the attention mask's business."""
+
+    def __init__(self, cache: PagedDrafterCache, block_slots: torch.Tensor, num_rows: int, slots_per_row: int):
+        self.cache = cache
+        self.block_slots = block_slots
+        self.num_rows = num_rows
+        self.slots_per_row = slots_per_row
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.write_rows(layer_idx, self.block_slots, key, value)
+        return tuple(
+            pool.view(-1, self.slots_per_row, *pool.shape[1:])[: self.num_rows].transpose(1, 2)
+            for pool in (self.cache.key_pools[layer_idx], self.cache.value_pools[layer_idx])
+        )
+
+
+def reorder_contiguous_rows(cache: PagedDrafterCache, index: torch.LongTensor, slots_per_row: int) -> None:
+    """In a pool laid out row by row (`ContiguousPagedView`), row i's pages take what row index[i]'s held (index (b,),
+    a permutation of the rows): the contents move, the layout stays."""
+    for pool in (*cache.key_pools, *cache.value_pools):
+        rows = pool.view(-1, slots_per_row, *pool.shape[1:])  # (b, slots_per_row, g, d)
+        rows.copy_(rows[index])
+
+
+def contiguous_block_tables(block_tables: torch.Tensor) -> bool:
+    """Whether row r of `block_tables` (b, P) holds exactly pages r * P .. (r + 1) * P - 1, the layout that
+    `ContiguousPagedView` reads."""
+    b, pages = block_tables.shape
+    expected = torch.arange(b * pages, device=block_tables.device).view(b, pages)
+    return bool(torch.equal(block_tables, expected))
+
+
+__all__ = [
+    "ContiguousPagedView", "StaticTargetCache", "contiguous_block_tables", "page_slots", "reorder_contiguous_rows",
+]

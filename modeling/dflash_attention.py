@@ -1,0 +1,102 @@
+"""Grouped-query attention for the fast path's forwards, reading the caches without expanding key/value heads.
+
+Given a mask, transformers' sdpa attention copies every key/value head G times (`repeat_kv`, G = heads per key/value
+head) before calling `scaled_dot_product_attention`, because torch's fused CUDA kernels do not all take a mask and
+grouped heads together. A verify step attends 16 rows to every slot of the static cache, so that copy of all L slots
+of every layer dominates its growth with context (benchmarks/NOTES.md, issue 15).
+
+Here the G query heads of a group become G blocks of rows of one head instead: query (b, h, q, d) is viewed as
+(b, g, G * q, d) against key/value (b, g, L, d), and the mask is repeated over the group's rows. Each key/value head is
+then read once, in place, by an ordinary multi-head sdpa call with a mask, which every sdpa backend that takes a mask
+serves (the memory-efficient kernel on CUDA). transformers does the same for one query row (`pack_gqa`, 5.24).
+
+`grouped_attention(*models)` switches the models whose attention is "sdpa" to this function for the forwards inside
+it (it is registered in transformers' AttentionInterface under `GROUPED_SDPA`) and puts every config back on exit,
+also on an exception.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+GROUPED_SDPA = "dflash_grouped_sdpa"
+
+
+def grouped_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """sdpa over query (b, h, q, d) and key/value (b, g, L, d) with h = G * g, under `attention_mask` (bool, or
+    additive float) broadcastable to (b, h, q, L). Returns (b, q, h, d) and no weights, as transformers' sdpa does.
+
+    Without a mask (transformers' sdpa then uses grouped heads natively), with one head per group, or with an
+    argument only transformers' sdpa handles (position bias, softcap), the call goes to transformers' sdpa as is."""
+    b, h, q, d = query.shape
+    g = key.shape[1]
+    groups = h // g
+    if attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # Query head i reads key/value head i // G (transformers' repeat_kv order), so heads [j * G, (j + 1) * G) become
+    # the rows of head j. Only the query (q rows) may be copied here; the keys/values (L slots) are read in place.
+    folded = query.reshape(b, g, groups * q, d)  # (b, g, G * q, d)
+    mask = attention_mask  # (b, 1 or h, q or 1, L)
+    mask_batch, mask_heads, mask_rows, kv = mask.shape
+    if mask_heads == 1 and mask_rows > 1:  # (b, 1, q, L) -> (b, 1, G * q, L): every head's rows see the same keys
+        mask = mask[:, :, None].expand(mask_batch, 1, groups, q, kv).reshape(mask_batch, 1, groups * q, kv)
+    elif mask_heads > 1:  # (b, h, q, L) -> (b, g, G * q, L), the same grouping as the query
+        mask = mask.expand(mask_batch, h, q, kv).reshape(mask_batch, g, groups * q, kv)
+    # else (b, 1, 1, L): one row of keys for every query row, which broadcasts over the folded rows as it is
+    out = torch.nn.functional.scaled_dot_product_attention(
+        folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )  # (b, g, G * q, d_v)
+    return out.reshape(b, h, q, -1).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """Every distinct config the model's modules read their attention implementation from (a composite model's
+    sub-configs included)."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+@contextmanager
+def grouped_attention(*models: torch.nn.Module) -> Iterator[None]:
+    """Within: every config of `models` whose attention is "sdpa" names `GROUPED_SDPA` instead. On exit, also on an
+    exception, each one names what it named before.
+
+    The internal field is written, not the `_attn_implementation` setter, which would also rewrite sub-configs that
+    use another implementation."""
+    switched = [config for model in models for config in _configs(model) if config._attn_implementation == "sdpa"]
+    for config in switched:
+        config._attn_implementation_internal = GROUPED_SDPA
+    try:
+        yield
+    finally:
+        for config in switched:
+            config._attn_implementation_internal = "sdpa"
+
+
+__all__ = ["GROUPED_SDPA", "grouped_attention", "grouped_sdpa_attention"]

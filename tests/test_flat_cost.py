@@ -1,0 +1,241 @@
+"""The fast path's attention without key/value expansion (dflash_attention.py) and the drafter's contiguous context
+read (dflash_static_cache.py): same values as transformers' sdpa, same tokens as plain greedy generate, and the user's
+model left as it was."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations import sdpa_attention
+
+from hf_dflash.modeling.dflash_attention import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention
+from hf_dflash.modeling.dflash_decoding import _cache_argument
+from hf_dflash.modeling.dflash_fast_path import release_fast_path
+from hf_dflash.modeling.dflash_static_cache import StaticTargetCache, page_slots
+from tests.conftest import tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Heads(torch.nn.Module):
+    """What an attention function reads from its module: the query heads per key/value head."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+@pytest.fixture
+def grouped_calls():
+    """The calls the fast path's forwards make to the grouped attention: (module class, heads, kv heads, masked)."""
+    calls = []
+
+    def counting(module, query, key, value, attention_mask, **kwargs):
+        calls.append((type(module).__name__, query.shape[1], key.shape[1], attention_mask is not None))
+        return grouped_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(GROUPED_SDPA, counting)
+    yield calls
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+
+
+@pytest.fixture
+def repeat_kv_calls(monkeypatch):
+    """How often transformers' sdpa copied key/value heads (`repeat_kv`)."""
+    calls = []
+    original = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.LongTensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 250, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("mask_kind", ["rows", "one_row", "per_head", "additive"])
+def test_grouped_attention_equals_transformers_sdpa(groups, mask_kind, repeat_kv_calls):
+    torch.manual_seed(0)
+    b, g, q, slots, d = 3, 2, 5, 37, 8
+    h = g * groups
+    query, key, value = torch.randn(b, h, q, d), torch.randn(b, g, slots, d), torch.randn(b, g, slots, d)
+    columns = torch.arange(slots)
+    visible = (columns >= torch.tensor([0, 4, 9])[:, None, None]) & (columns <= 20 + torch.arange(q)[None, :, None])
+    mask = {
+        "rows": visible[:, None],  # (b, 1, q, L), the verify's
+        "one_row": visible[:, None, :1],  # (b, 1, 1, L), the drafter's
+        "per_head": visible[:, None].expand(b, h, q, slots) & (torch.rand(b, h, q, slots) > 0.2) | (columns == 20),
+        "additive": torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None],
+    }[mask_kind]
+    module = Heads(groups)
+    expected, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert len(repeat_kv_calls) == 2  # transformers' own path copies the key and value heads (so this test can fail)
+    out, weights = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.3)
+    assert weights is None and out.shape == (b, q, h, d) and out.is_contiguous()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    assert len(repeat_kv_calls) == 2  # and the grouped one did not
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("heads", [4, 8])
+def test_a_verify_forward_gives_the_same_logits_with_grouped_attention(family, heads, grouped_calls):
+    """A left-padded batch's prompt in the static cache, then 5 verify rows over all its slots under the fast path's
+    mask: the logits (float32) with and without the grouped attention agree to rounding."""
+    target = tiny_target(family, seed=5, num_attention_heads=heads, num_key_value_heads=2)
+    text = target.config
+    ids, real = left_padded(3, 11, [0, 3, 6], seed=1)
+    batch, prompt_len = ids.shape
+    num_slots, rows = 32, 5
+
+    def cache() -> StaticTargetCache:
+        return StaticTargetCache(
+            text.num_hidden_layers, batch, text.num_key_value_heads, text.hidden_size // heads, num_slots,
+            torch.float32, "cpu",
+        )
+
+    slots = torch.arange(num_slots)
+    columns = torch.arange(prompt_len)
+    prompt_mask = (slots <= columns[:, None]) & (slots < prompt_len) & torch.nn.functional.pad(
+        real.bool(), (0, num_slots - prompt_len)
+    )[:, None, :] | (slots == columns[:, None])
+    offsets = prompt_len - real.sum(dim=1)
+    positions = real.sum(dim=1)[:, None] + torch.arange(rows)  # (b, rows)
+    write = offsets[:, None] + positions
+    verify_mask = (slots >= offsets[:, None, None]) & (slots <= write[:, :, None])  # (b, rows, L)
+    block = torch.randint(1, 250, (batch, rows), generator=torch.Generator().manual_seed(2))
+    argument = _cache_argument(target)
+    logits = []
+    for grouped in (False, True):
+        static = cache()
+        with torch.no_grad():
+            static.write_slots = columns.expand(batch, -1)
+            target(input_ids=ids, position_ids=(columns - offsets[:, None]).clamp(min=0),
+                   attention_mask=prompt_mask[:, None], use_cache=True, **{argument: static})
+            static.write_slots = write
+            with grouped_attention(target) if grouped else contextlib.nullcontext():
+                logits.append(
+                    target(input_ids=block, position_ids=positions, attention_mask=verify_mask[:, None],
+                           use_cache=True, **{argument: static}).logits
+                )
+    assert len(grouped_calls) == text.num_hidden_layers and all(masked for *_, masked in grouped_calls)
+    assert {(h, g) for _, h, g, _ in grouped_calls} == {(heads, 2)}
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("heads", [4, 8])
+def test_the_fast_path_attends_with_grouped_heads_and_equals_plain_greedy(family, heads, grouped_calls):
+    target = tiny_target(family, seed=7, num_attention_heads=heads, num_key_value_heads=2)
+    drafter = tiny_drafter(target, seed=8, block_size=4)
+    ids, mask = left_padded(3, 10, [0, 4, 7], seed=3)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert not grouped_calls  # plain generate never sees the fast path's attention
+    fast = target.generate(
+        ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=drafter,
+        dflash_fast_path=True,
+    )
+    release_fast_path(drafter)
+    assert torch.equal(fast, plain)
+    callers = {name for name, *_ in grouped_calls}
+    assert callers == {"DFlashAttention", type(target.model.layers[0].self_attn).__name__}
+    assert all(masked for *_, masked in grouped_calls)
+    assert target.config._attn_implementation == drafter.config._attn_implementation == "sdpa"
+
+
+def test_the_users_models_are_left_as_they_were_when_a_step_fails():
+    target = tiny_target("qwen3", seed=2)
+    drafter = tiny_drafter(target, block_size=4)
+    ids, mask = left_padded(2, 9, [0, 2])
+    before = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+
+    def fail_in_the_verify(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] == drafter.config.block_size:
+            raise RuntimeError("a failing verify")
+
+    hook = target.model.layers[-1].register_forward_pre_hook(fail_in_the_verify, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="a failing verify"):
+            target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                            assistant_model=drafter, dflash_fast_path=True)
+    finally:
+        hook.remove()
+        release_fast_path(drafter)
+    for model in (target, drafter):
+        assert {module.config._attn_implementation for module in model.modules() if hasattr(module, "config")} == {
+            "sdpa"
+        }
+    after = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(after, before)
+
+
+def test_only_sdpa_attention_is_switched():
+    """A model whose attention is not sdpa (eager here) keeps it inside `grouped_attention`; an sdpa one is switched
+    for the duration only."""
+    target = tiny_target("llama", seed=4, attn_implementation="eager")
+    drafter = tiny_drafter(target, block_size=4)
+    assert drafter.config._attn_implementation == "sdpa"
+    with grouped_attention(target, drafter):
+        assert target.config._attn_implementation == "eager"
+        assert drafter.config._attn_implementation == GROUPED_SDPA
+    assert target.config._attn_implementation == "eager" and drafter.config._attn_implementation == "sdpa"
+
+
+def test_the_drafter_reads_its_context_as_a_view_of_the_pool():
+    """Each row's drafter slots are one stretch of every layer's pool: the read shares the pool's memory and holds
+    what the gather through the block tables reads."""
+    target = tiny_target("llama", seed=6)
+    drafter = tiny_drafter(target, block_size=4)
+    ids, mask = left_padded(3, 9, [0, 2, 5])
+    target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                    assistant_model=drafter, dflash_fast_path=True)
+    step = drafter._dflash_static_step[1]
+    rows = step.rows(3)
+    cache = step.generator.cache
+    g, d = cache.key_pools[0].shape[1:]
+    block = torch.randn(3, g, drafter.config.block_size, d)
+    read_all = page_slots(rows.block_tables, step.draft_key_positions.expand(3, -1))  # (3, S), the gather's slots
+    for layer in range(drafter.config.num_hidden_layers):
+        key, value = rows.drafter_view.update(block, -block, layer)
+        assert key.untyped_storage().data_ptr() == cache.key_pools[layer].untyped_storage().data_ptr()
+        assert value.untyped_storage().data_ptr() == cache.value_pools[layer].untyped_storage().data_ptr()
+        gathered_key, gathered_value = cache.read(layer, read_all)
+        assert torch.equal(key, gathered_key) and torch.equal(value, gathered_value)
+        assert key.abs().sum() > 0  # the prompt's context is there, not an empty pool
+    release_fast_path(drafter)
+
+
+def test_compaction_moves_each_sequences_drafter_context_to_its_new_row():
+    """When finished sequences leave the step, the running ones move to the first rows: their drafter keys/values
+    move with them, so the contiguous read of row r is still sequence_of_row[r]'s context."""
+    target = tiny_target("qwen3", seed=1)
+    drafter = tiny_drafter(target, block_size=4)
+    ids, mask = left_padded(4, 9, [0, 2, 5, 1])
+    target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                    assistant_model=drafter, dflash_fast_path=True)
+    step = drafter._dflash_static_step[1]
+    pools = step.generator.cache.key_pools + step.generator.cache.value_pools
+
+    def rows_of(pool: torch.Tensor) -> torch.Tensor:
+        return pool.view(4, step.draft_slots_per_row, *pool.shape[1:])  # (b, S, g, d)
+
+    before = {
+        sequence: [rows_of(pool)[row].clone() for pool in pools] for row, sequence in enumerate(step.sequence_of_row)
+    }
+    assert not torch.equal(before[0][0], before[2][0])  # rows differ, so a wrong move could not pass
+    step.compact([2, 3])
+    assert step.live_rows == 2 and step.sequence_of_row[:2] == [2, 3]
+    for row, sequence in enumerate(step.sequence_of_row):
+        for pool, held in zip(pools, before[sequence]):
+            assert torch.equal(rows_of(pool)[row], held)
+    release_fast_path(drafter)
