@@ -13,11 +13,12 @@ the first rows and the step runs at that smaller batch (`compact`, one graph per
 What the fast path serves: greedy and sampled decoding (point-mass or rejection sampling, inside the step, with
 random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
 temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length, suppressed tokens, ...),
-eos / max-length stopping, left-padded batches, a dense (or GGUF-dequantized) Llama/Qwen3 target and the drafter on
-one device with sdpa or eager attention and no sliding windows. Anything else takes the eager loop
-(dflash_decoding.py), which gives the same tokens (the same distribution when sampling); on a GPU a warning says
-why, once. `generate(..., dflash_fast_path=True)` insists (and names what blocks it); on a CPU it runs the same step
-without a graph, which is how CI tests it.
+eos / max-length stopping, left-padded batches, a dense (or GGUF-dequantized) target of the families in
+`FAST_PATH_FAMILIES` (sliding-window layers and gpt-oss's attention sinks included; MoE experts on a GPU only where
+their dispatch can be captured) and the drafter (its own sliding layers included) on one device with sdpa or eager
+attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same
+distribution when sampling); on a GPU a warning says why, once. `generate(..., dflash_fast_path=True)` insists (and
+names what blocks it); on a CPU it runs the same step without a graph, which is how CI tests it.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -40,14 +41,29 @@ from .dflash_processors import StepProcessors
 from .dflash_static_cache import (
     ContiguousPagedView, StaticTargetCache, contiguous_block_tables, page_slots, reorder_contiguous_rows,
 )
+from .dflash_target_cache import FULL, SLIDING, _additive
 
 logger = logging.get_logger(__name__)
 
 # Target cache lengths are rounded up to this, so prompts of similar length share one captured graph.
 SLOT_BUCKET = 256
-# Target families whose forward the fast path is tested with (a 4D mask and our static cache go straight through
-# their attention); others take the eager loop rather than risk a forward that reads the cache differently.
-FAST_PATH_FAMILIES = ("llama", "qwen3")
+# Target families whose forward the fast path is tested with (4D masks, one per layer type, and our static cache go
+# straight through their attention); others take the eager loop rather than risk a forward that reads the cache
+# differently.
+FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral")
+# Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
+# Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
+MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe")
+
+
+def target_layer_types(text: Any) -> list[str]:
+    """The attention kind of each target layer, as the target's masks apply them: its `layer_types`, or for a
+    Mistral-style config (`sliding_window`, no `layer_types`) sliding everywhere."""
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    sliding = getattr(text, "sliding_window", None) is not None
+    return [SLIDING if sliding else FULL] * text.num_hidden_layers
 
 
 def _quantization_blocker(target: torch.nn.Module) -> str | None:
@@ -67,6 +83,61 @@ def _quantization_blocker(target: torch.nn.Module) -> str | None:
     if method == "gguf" and dense:
         return None
     return f"the target is quantized ({method or 'unknown method'}); its quantized layers take the eager loop"
+
+
+def _window_blocker(text: Any) -> str | None:
+    """Why the fast path's masks cannot window this target's layers as its own forward does, or None."""
+    family = text.model_type
+    unknown = sorted(set(target_layer_types(text)) - {FULL, SLIDING})
+    if unknown:
+        return (
+            f"the {family} target has {', '.join(unknown)} layers (the fast path masks full and sliding attention only)"
+        )
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "layer_types", None) is None and window is not None and family not in MISTRAL_STYLE_FAMILIES:
+        return (
+            f"the {family} target's config sets sliding_window={window} without layer_types, which "
+            f"{family} models do not apply in their masks (only transformers' cache would); drop it from the config"
+        )
+    return None
+
+
+def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | None:
+    """Why the target's MoE experts cannot run inside a CUDA graph, or None (always None off CUDA: the fast path runs
+    there without a graph).
+
+    transformers dispatches experts by `config._experts_implementation`. "eager" loops over the experts that
+    `nonzero` finds hit (a host synchronization and a data-dependent number of kernels per layer); "batched_mm"
+    gathers each routed pair's weights and runs fixed-shape batched matmuls (nothing on the host); "grouped_mm" sorts
+    and counts on the device and runs torch's grouped matmul, whose CUTLASS kernel reads the group offsets on the
+    device for bfloat16 on compute capability 9.x/10.x; for other dtypes and GPUs torch (and transformers' own
+    fallback) copy the offsets to the host.
+    """
+    experts = [m for m in target.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
+    if device.type != "cuda" or not experts:
+        return None
+    implementation = getattr(target.config.get_text_config(), "_experts_implementation", None) or "eager"
+    if implementation == "batched_mm":
+        return None
+    if implementation == "grouped_mm":
+        dtype, capability = experts[0].gate_up_proj.dtype, torch.cuda.get_device_capability(device)
+        if dtype == torch.bfloat16 and capability[0] in (9, 10):
+            return None
+        return (
+            f"the target's MoE experts run grouped_mm, which for {dtype} weights on compute capability "
+            f"{capability[0]}.{capability[1]} copies its group sizes to the host (only bfloat16 on 9.x/10.x stays on "
+            "the device), so a CUDA graph cannot hold it; load the target with experts_implementation='batched_mm'"
+        )
+    if implementation == "eager":
+        return (
+            "the target's MoE experts run 'eager', which finds the routed experts on the host every layer, so a CUDA "
+            "graph cannot hold it; load the target with experts_implementation='batched_mm' (or 'grouped_mm' in "
+            "bfloat16 on a compute capability 9.x/10.x GPU)"
+        )
+    return (
+        f"the target's MoE experts run {implementation!r}, which the fast path is not tested with inside a CUDA graph; "
+        "load the target with experts_implementation='batched_mm'"
+    )
 
 
 def fast_path_blocker(
@@ -105,11 +176,9 @@ def fast_path_blocker(
         return "output_scores / output_logits were requested (drop them for the fast path)"
     if verify_rows != config.block_size:
         return "dflash_verify_rows is set (drop it for the fast path)"
-    if "sliding_attention" in config.layer_types or "sliding_attention" in (getattr(text, "layer_types", None) or []):
-        return "a sliding-window layer (drafter or target)"
-    if getattr(text, "sliding_window", None) is not None and getattr(text, "layer_types", None) is None:
-        # Mistral-style: the window applies to every layer; the fast path's masks would attend past it
-        return f"the target slides a window of {text.sliding_window} over every layer (sliding_window, no layer_types)"
+    windows = _window_blocker(text)
+    if windows is not None:
+        return windows
     quantized = _quantization_blocker(target)
     if quantized is not None:
         return quantized
@@ -118,6 +187,15 @@ def fast_path_blocker(
             f"the target uses {text._attn_implementation!r} attention (the fast path needs sdpa or eager: load it "
             "with attn_implementation='sdpa')"
         )
+    if text._attn_implementation != "eager" and any(hasattr(m, "sinks") for m in target.modules()):
+        # gpt-oss passes its sinks to the attention function as `s_aux`; transformers' sdpa function ignores it
+        return (
+            f"the target has attention sinks, which {text._attn_implementation!r} attention drops (load it with "
+            "attn_implementation='eager')"
+        )
+    experts = _experts_blocker(target, next(iter(devices)))
+    if experts is not None:
+        return experts
     real = attention_mask.long()
     if not bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding: zeros, then ones
         return "the attention mask is not left padding (pad prompts on the left)"
@@ -226,6 +304,12 @@ class DFlashStaticStep:
         )
         self.target_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         self.key_slots = torch.arange(num_slots, device=device)
+        # The target's forward takes one mask per layer type when its config lists them (a dict), else one for every
+        # layer; a sliding layer's query at position p sees positions p - W + 1 .. p, as plain decoding's does.
+        layer_types = target_layer_types(text)
+        self.mask_types = sorted(set(layer_types)) if getattr(text, "layer_types", None) is not None else None
+        self.target_window = text.sliding_window if SLIDING in layer_types else None
+        self.mask_dtype = target.dtype
         self.block_offsets = torch.arange(block, device=device)
         # Target hidden states of the verified rows land here (the capture hooks' destination during a step).
         self.verify_rows = torch.zeros(
@@ -274,6 +358,17 @@ class DFlashStaticStep:
             )
         return self._rows[n]
 
+    def target_masks(self, visible: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What the target's forward takes as `attention_mask`, from the slots each query sees under full attention
+        (visible (n, q, L)) and the queries' own slots (n, q). Additive (n, 1, q, L) masks: eager attention adds
+        them and sdpa takes them as they are (a boolean mask would be added as 0/1 by eager attention)."""
+        windowed = None
+        if self.target_window is not None:  # slot distances are position distances (a sequence's slots are contiguous)
+            windowed = visible & (self.key_slots > query_slots[:, :, None] - self.target_window)
+        if self.mask_types is None:
+            return _additive(visible if windowed is None else windowed, self.mask_dtype)
+        return {kind: _additive(windowed if kind == SLIDING else visible, self.mask_dtype) for kind in self.mask_types}
+
     # -- one verify step, on device buffers only (recorded once per batch size as a CUDA graph) ----------------
 
     def step(self, rows: StepRows) -> None:
@@ -292,10 +387,12 @@ class DFlashStaticStep:
         positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
         visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
+        masks = {FULL: visible[:, None, None, :]}
+        if generator.window is not None:  # causal within the block too, as the eager loop's PagedCacheView
+            behind = positions[:, :, None] - self.draft_key_positions  # (n, B, S)
+            masks[SLIDING] = ((behind >= 0) & (behind < generator.window))[:, None]
         with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
-            draft_logits = generator.draft_logits(
-                rows.anchor_ids, positions, {"full_attention": visible[:, None, None, :]}, rows.drafter_view
-            )
+            draft_logits = generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)
         drafts, draft_probs = self.rule.propose(draft_logits)
         rows.drafts.copy_(drafts)
         return draft_probs
@@ -308,13 +405,13 @@ class DFlashStaticStep:
         slots = rows.offsets[:, None] + positions  # (n, B)
         rows.target_slots.copy_(slots)
         rows.target_cache.write_slots = rows.target_slots
-        mask = (self.key_slots >= rows.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (n, B, L)
+        visible = (self.key_slots >= rows.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (n, B, L)
         self.generator.capture.destination = rows.verify_rows
         with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
             logits = self.target(
                 input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
                 position_ids=positions,
-                attention_mask=mask[:, None],
+                attention_mask=self.target_masks(visible, slots),
                 use_cache=True,
                 logits_to_keep=block,
                 **{self.cache_argument: rows.target_cache},
@@ -373,10 +470,11 @@ class DFlashStaticStep:
         # empty one would write NaN keys/values that later masked reads still multiply by zero).
         sees = (self.key_slots <= columns[:, None]) & (self.key_slots < prompt_len)  # (P, L)
         real_keys = torch.nn.functional.pad(real.bool(), (0, self.num_slots - prompt_len))  # (b, L)
-        mask = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])
+        visible = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])  # (b, P, L)
         call = StepProcessors(logits_processor)
+        forward_mask = self.target_masks(visible, columns.expand(batch, -1))
         first, _, _ = prefill(
-            self.target, self.generator, input_ids, real, mask[:, None], {self.cache_argument: self.target_cache},
+            self.target, self.generator, input_ids, real, forward_mask, {self.cache_argument: self.target_cache},
             call, self.rule.do_sample,
         )
         self.generator.store_new_context(self.generator.states)

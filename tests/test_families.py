@@ -13,12 +13,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from hf_dflash import DFlashConfig
+from hf_dflash import DFlashCandidateGenerator, DFlashConfig
 from hf_dflash.hub import published_drafters
+from hf_dflash.modeling import dflash_fast_path
 from hf_dflash.modeling.dflash_capture import decoder_layers
-from hf_dflash.modeling.dflash_fast_path import FAST_PATH_FAMILIES
+from hf_dflash.modeling.dflash_fast_path import FAST_PATH_FAMILIES, DFlashStaticStep, release_fast_path
 from tests.conftest import VOCAB, random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
+from tests.test_fast_path import blocker_of, oracle_static_drafts
 from tests.test_greedy_identity import oracle_drafts
 from tests.test_sampling import TEMPERATURE, TOP_K, chi_square_p_value, processed_probs
 
@@ -61,6 +63,10 @@ FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=WINDOW), False),
 }
 WINDOWED = ("gpt_oss", "mistral")
+# What the fast path serves (on a CPU without a graph, as here) and refuses; gpt-oss loads with eager attention only.
+FAST = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral")
+REFUSED_BY_FAST_PATH = tuple(family for family in FAMILIES if family not in FAST)
+FAST_ATTENTION = [(family, "eager") for family in FAST] + [(family, "sdpa") for family in FAST if family != "gpt_oss"]
 
 
 def family_target(name: str, seed: int = 0, vocab_size: int = VOCAB, **overrides) -> torch.nn.Module:
@@ -127,10 +133,15 @@ def test_the_window_binds(family):
     assert not torch.equal(windowed, unwindowed)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_next", "qwen3_5", "mistral"])
-def test_sampling_follows_the_target_distribution(family):
+@pytest.mark.parametrize(
+    "family, fast",
+    [(family, False) for family in ("llama", "gpt_oss", "qwen3_next", "qwen3_5", "mistral")]
+    + [(family, True) for family in ("gpt_oss", "mistral", "qwen3_moe")],
+)
+def test_sampling_follows_the_target_distribution(family, fast):
     """Three sampled tokens after the prompt, with rejection sampling: the third often comes after a verify whose
-    drafts were partly rejected, i.e. from the rolled-back cache."""
+    drafts were partly rejected, i.e. from the rolled-back cache (the eager loop) or from slots the fast path's masks
+    hide."""
     vocab, samples = 12, 2000
     # Weights ten times the default scale: a tiny random model then depends strongly on its context, so a cache
     # rolled back wrong changes the distribution of the third token (default-scale models barely look back).
@@ -148,6 +159,7 @@ def test_sampling_follows_the_target_distribution(family):
     out = target.generate(
         prompt.repeat(samples, 1), max_new_tokens=3, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
         assistant_model=drafter, return_dict_in_generate=True, pad_token_id=0, dflash_sampling="rejection",
+        dflash_fast_path=fast,
     )
     assert any(lengths[0] < 3 for lengths in out.acceptance_lengths), "no verify step was partly rejected"
     assert any(lengths[0] > 1 for lengths in out.acceptance_lengths), "no draft was ever accepted"
@@ -159,25 +171,161 @@ def test_sampling_follows_the_target_distribution(family):
     assert chi_square_p_value(counts, 0.9 * joint + 0.1 * shifted) < 1e-3
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fast_path_serves_or_refuses_the_family(family):
+def test_the_fast_path_families_are_the_tested_ones():
+    assert set(FAST_PATH_FAMILIES) == set(FAST)
+
+
+def fast_path_generate(target, drafter, batch: dict, reference: torch.LongTensor, wrong_every: int, **kwargs):
+    """The fast path's greedy run on `batch` with the drafts right up to every `wrong_every`-th column of `reference`
+    (acceptance then varies from 1 to B, differently per sequence)."""
+    with oracle_static_drafts(reference, wrong_every, target.config.get_text_config().vocab_size):
+        out = target.generate(
+            **batch, max_new_tokens=reference.shape[1] - batch["input_ids"].shape[1], do_sample=False,
+            pad_token_id=PAD, assistant_model=drafter, dflash_fast_path=True, return_dict_in_generate=True, **kwargs,
+        )
+    release_fast_path(drafter)
+    return out
+
+
+@pytest.mark.parametrize("family, attention", FAST_ATTENTION)
+def test_fast_path_equals_plain_greedy(family, attention):
+    """Batch 1 and a ragged left-padded batch of 3, prompts and generations longer than the window (the window binds,
+    test_the_window_binds), with acceptance varying per sequence, under eager and sdpa attention."""
+    target = family_target(family, seed=4)
+    target.set_attn_implementation(attention)
+    drafter = tiny_drafter(target, block_size=4)
+    for batch in (left_pad([random_prompt(9, seed=4)]), left_pad([random_prompt(n, seed=n) for n in (4, 9, 2)])):
+        plain = target.generate(**batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
+        out = fast_path_generate(target, drafter, batch, plain, wrong_every=3)
+        assert torch.equal(out.sequences, plain)
+        assert max(max(lengths) for lengths in out.acceptance_lengths) > 1
+        assert min(min(lengths) for lengths in out.acceptance_lengths) < drafter.config.block_size
+    assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1  # the batch's sequences accepted differently
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_fast_path_window_is_not_off_by_one(family):
+    """The tests above have teeth on the window's edge: the fast path with a window one longer (query at p seeing
+    p - W .. p) decodes otherwise, and so does one a position shorter."""
+    target = family_target(family, seed=4, initializer_range=0.2)
+    drafter = tiny_drafter(target, block_size=4)
+    batch = left_pad([random_prompt(n, seed=n) for n in (4, 9, 2)])
+    plain = target.generate(**batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(fast_path_generate(target, drafter, batch, plain, wrong_every=3).sequences, plain)
+    original_init = DFlashStaticStep.__init__
+    for shift in (1, -1):
+
+        def shifted_init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self.target_window += shift
+
+        DFlashStaticStep.__init__ = shifted_init
+        try:
+            out = fast_path_generate(target, drafter, batch, plain, wrong_every=3)
+        finally:
+            DFlashStaticStep.__init__ = original_init
+        assert not torch.equal(out.sequences, plain)
+
+
+@pytest.mark.parametrize("family", REFUSED_BY_FAST_PATH)
+def test_fast_path_refuses_the_family_before_any_forward(family):
     target = family_target(family, seed=4)
     drafter = tiny_drafter(target, block_size=4)
-    prompt = random_prompt(5, seed=4)
     model_type = target.config.get_text_config().model_type
-    if model_type in FAST_PATH_FAMILIES:
-        plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
-        fast = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
-        assert torch.equal(fast, plain)
-        return
     forwards = []
     handle = target.register_forward_pre_hook(lambda *args: forwards.append(1))
     try:
         with pytest.raises(ValueError, match=f"fast path.*{model_type}"):
-            target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
+            target.generate(
+                random_prompt(5, seed=4), max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                dflash_fast_path=True,
+            )
     finally:
         handle.remove()
     assert not forwards, "the refusal came after a forward"
+
+
+@torch.no_grad()
+def test_fast_path_drafter_sliding_window_drafts_as_the_eager_loop(monkeypatch):
+    """A drafter with a sliding layer whose window binds (3 < context + block) drafts the same logits inside the
+    static step as in the eager loop (whose window test_drafter_sliding_window_matches_the_reference checks against
+    the reference), step after step; without its window the static step would draft otherwise."""
+    target = family_target("qwen3", seed=6)
+    layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    batch = left_pad([random_prompt(n, seed=n) for n in (7, 3)])
+    recorded: list[list[torch.Tensor]] = []
+    original = DFlashCandidateGenerator.draft_logits
+
+    def record(self, *args):
+        logits = original(self, *args)
+        recorded[-1].append(logits.clone())
+        return logits
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "draft_logits", record)
+    outputs = []
+    for window, fast in ((3, False), (3, True), (100, True)):
+        drafter = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **dict(layout, sliding_window=window))
+        recorded.append([])
+        outputs.append(target.generate(
+            **batch, max_new_tokens=16, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
+            dflash_fast_path=fast,
+        ))
+        release_fast_path(drafter)
+    assert torch.equal(outputs[0], outputs[1])
+    eager, static, unwindowed = recorded
+    steps = [i for i, logits in enumerate(eager) if logits.shape[0] == 2]  # the eager loop drops finished rows
+    assert len(steps) > 3
+    for i in steps:
+        torch.testing.assert_close(static[i], eager[i], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(static[steps[-1]], unwindowed[steps[-1]], atol=1e-3)
+
+
+def test_fast_path_refuses_a_window_the_model_does_not_apply():
+    """Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would drop keys past it):
+    the fast path, which windows through its masks, refuses rather than guess."""
+    target = family_target("llama")
+    target.config.sliding_window = WINDOW
+    drafter = tiny_drafter(target, block_size=4)
+    with pytest.raises(ValueError, match=f"fast path.*llama target's config sets sliding_window={WINDOW} without"):
+        target.generate(
+            random_prompt(5), max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True
+        )
+
+
+def test_fast_path_refuses_attention_that_drops_the_sinks():
+    """gpt-oss passes its sinks to the attention function as `s_aux`: eager attention adds them, transformers' sdpa
+    function ignores them (gpt-oss refuses to load with sdpa; a config switched afterwards is caught here)."""
+    target = family_target("gpt_oss")
+    drafter = tiny_drafter(target, block_size=4)
+    assert blocker_of(target, drafter) is None
+    target.config._attn_implementation = "sdpa"
+    assert blocker_of(target, drafter) == (
+        "the target has attention sinks, which 'sdpa' attention drops (load it with attn_implementation='eager')"
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_experts_in_a_cuda_graph(family, monkeypatch):
+    """On CUDA, MoE targets take the fast path only with an experts implementation that stays on the device: eager
+    (host-side `nonzero` per layer) is refused, batched_mm served, grouped_mm served in bfloat16 on compute capability
+    9.x/10.x only. On a CPU (no graph) every one is served, as the tests above show."""
+    target = family_target(family)
+    cuda = torch.device("cuda")
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    blocker = dflash_fast_path._experts_blocker
+    target.set_experts_implementation("eager")
+    assert "experts run 'eager', which finds the routed experts on the host" in blocker(target, cuda)
+    assert blocker(target, torch.device("cpu")) is None
+    target.set_experts_implementation("batched_mm")
+    assert blocker(target, cuda) is None
+    target.set_experts_implementation("grouped_mm")
+    assert "grouped_mm, which for torch.float32 weights on compute capability 9.0" in blocker(target, cuda)
+    target.to(torch.bfloat16)
+    assert blocker(target, cuda) is None
+    capability[0] = (8, 0)
+    assert "compute capability 8.0 copies its group sizes to the host" in blocker(target, cuda)
+    assert blocker(family_target("llama"), cuda) is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
@@ -208,18 +356,6 @@ def test_sliding_layers_keep_about_a_window(family):
             assert slots <= WINDOW + drafter.config.block_size
         else:
             assert slots >= prompt.shape[1] + 40 - drafter.config.block_size
-
-
-def test_fast_path_treats_a_mistral_style_window_as_windowed():
-    """A config with `sliding_window` and no `layer_types` slides on every layer: the fast path, whose masks do not
-    window, refuses it (here on a llama-shaped target, which the fast path otherwise serves)."""
-    target = family_target("llama")
-    target.config.sliding_window = WINDOW
-    drafter = tiny_drafter(target, block_size=4)
-    with pytest.raises(ValueError, match=f"fast path.*window of {WINDOW} over every layer"):
-        target.generate(
-            random_prompt(5), max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True
-        )
 
 
 def reference_draft_logits(target, drafter, context: torch.Tensor, anchor: int) -> torch.Tensor:
