@@ -24,6 +24,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from transformers.utils import logging
 from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
+from .dflash_linear_state import HYBRID_FAMILIES, HybridStaticCache, hybrid_blocker
 from .dflash_paged_cache import PAGE_SIZE, PagedView
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
@@ -85,8 +87,13 @@ def fast_path_blocker(
             f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device "
             "(load both on one GPU)"
         )
-    if text.model_type not in FAST_PATH_FAMILIES:
-        return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
+    if text.model_type not in FAST_PATH_FAMILIES + HYBRID_FAMILIES:
+        return (
+            f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES + HYBRID_FAMILIES)} targets, not "
+            f"{text.model_type!r}"
+        )
+    if text.model_type in HYBRID_FAMILIES and (hybrid := hybrid_blocker(target, next(iter(devices)))) is not None:
+        return hybrid
     if processors.host_only:
         return (
             f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
@@ -210,8 +217,11 @@ class DFlashStaticStep:
         self.draft_read_slots = page_slots(self.block_tables, self.draft_key_positions.expand(batch_size, -1))  # (b, S)
         self.draft_block_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.target_cache = StaticTargetCache(
-            num_layers=len(decoder_layers(target)),
+        # hybrid targets: keys/values for the full-attention layers, rolled-back states for the linear ones
+        self.hybrid = text.model_type in HYBRID_FAMILIES
+        cache_kind = dict(target=target) if self.hybrid else dict(num_layers=len(decoder_layers(target)))
+        self.target_cache = (HybridStaticCache if self.hybrid else StaticTargetCache)(
+            **cache_kind,
             batch_size=batch_size,
             num_key_value_heads=text.num_key_value_heads,
             head_dim=head_dim,
@@ -304,14 +314,17 @@ class DFlashStaticStep:
         rows.target_cache.write_slots = rows.target_slots
         mask = (self.key_slots >= rows.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (n, B, L)
         self.generator.capture.destination = rows.verify_rows
-        logits = self.target(
-            input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
-            position_ids=positions,
-            attention_mask=mask[:, None],
-            use_cache=True,
-            logits_to_keep=block,
-            **{self.cache_argument: rows.target_cache},
-        ).logits
+        # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
+        attention_mask = {"full_attention": mask[:, None], "linear_attention": None} if self.hybrid else mask[:, None]
+        with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
+            logits = self.target(
+                input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
+                position_ids=positions,
+                attention_mask=attention_mask,
+                use_cache=True,
+                logits_to_keep=block,
+                **{self.cache_argument: rows.target_cache},
+            ).logits
         # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
         scores = self.processors(logits, rows.offsets + rows.anchor_pos + 1, rows.presence, drafts)  # (n, B, V)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
@@ -323,6 +336,8 @@ class DFlashStaticStep:
         running = rows.active[:, None] > 0
         rows.anchor_ids.copy_(torch.where(running, tokens.gather(1, accepted[:, None]), rows.anchor_ids))
         rows.anchor_pos.add_((accepted + 1) * rows.active)
+        if self.hybrid:  # the linear layers advance over the rows each sequence keeps (none for a finished one)
+            rows.target_cache.commit((accepted + 1) * rows.active)
         if rows.presence is not None:  # the committed tokens join the repetition penalty's set
             committed = (self.block_offsets <= accepted[:, None]) & running  # (n, B)
             hits = torch.zeros_like(rows.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
@@ -368,10 +383,13 @@ class DFlashStaticStep:
         real_keys = torch.nn.functional.pad(real.bool(), (0, self.num_slots - prompt_len))  # (b, L)
         mask = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])
         call = StepProcessors(logits_processor)
-        first, _, _ = prefill(
-            self.target, self.generator, input_ids, real, mask[:, None], {self.cache_argument: self.target_cache},
-            call, self.rule.do_sample,
-        )
+        # a hybrid target's linear layers zero the padding's inputs, as in generate, and start from empty states
+        forward_mask = {"full_attention": mask[:, None], "linear_attention": real} if self.hybrid else mask[:, None]
+        with self.target_cache.prefilling() if self.hybrid else contextlib.nullcontext():
+            first, _, _ = prefill(
+                self.target, self.generator, input_ids, real, forward_mask, {self.cache_argument: self.target_cache},
+                call, self.rule.do_sample,
+            )
         self.generator.store_new_context(self.generator.states)
         if self.presence is not None:
             self.presence.copy_(call.prompt_presence(input_ids, self.vocab_size))
