@@ -13,8 +13,9 @@ the first rows and the step runs at that smaller batch (`compact`, one graph per
 What the fast path serves: greedy and sampled decoding (point-mass or rejection sampling, inside the step, with
 random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
 temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length, suppressed tokens, ...),
-eos / max-length stopping, left-padded batches, a dense (or GGUF-dequantized) Llama/Qwen3 target and the drafter on
-one device with sdpa or eager attention and no sliding windows. Anything else takes the eager loop
+eos / max-length stopping, left-padded batches, a dense (or GGUF-dequantized) Llama/Qwen3 target, or a hybrid one
+(Qwen3-Next, Qwen3.5/3.6: Gated DeltaNet layers, rolled back inside the step by dflash_linear_state.py), and the
+drafter on one device with sdpa or eager attention and no sliding windows. Anything else takes the eager loop
 (dflash_decoding.py), which gives the same tokens (the same distribution when sampling); on a GPU a warning says
 why, once. `generate(..., dflash_fast_path=True)` insists (and names what blocks it); on a CPU it runs the same step
 without a graph, which is how CI tests it.
