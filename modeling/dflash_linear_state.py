@@ -25,7 +25,9 @@ The layers talk to their cache through transformers' linear-attention methods, w
 are not handed to the cache, so during the verify the modeling module's `torch_chunk_gated_delta_rule` (transformers'
 kernel dispatcher: flash-linear-attention's kernel when installed, else its PyTorch code) is wrapped by one that
 records them and calls it unchanged (`deferring`); it is put back when the forward returns. A CUDA graph records the
-kernels of that forward, so replays need no Python wrapper.
+kernels of that forward, so replays need no Python wrapper. (The wrapper is module-wide while it is in place: a
+forward of another model of the same family in another thread at that moment would be recorded too; run such calls
+one at a time, as the fast path's own step, held one per drafter, already does.)
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
