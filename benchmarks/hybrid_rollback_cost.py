@@ -17,18 +17,31 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from linear_rollback_cost import BLOCK, SHAPES, layer_and_cache, timed  # noqa: E402
+from linear_rollback_cost import BLOCK, SHAPES, layer_and_cache  # noqa: E402
 
 from hf_dflash.bench import run_environment  # noqa: E402
 from hf_dflash.modeling.dflash_linear_state import HybridStaticCache  # noqa: E402
 
 RESULT = Path(__file__).parent / "results" / "hybrid_rollback_cost_cpu.json"
 KEPT = {1: [8], 4: [1, 5, 9, 16]}  # batch -> rows kept per sequence (anchor + accepted drafts)
+REPEATS = 7
+
+
+def fastest_ms(fn) -> float:
+    """The fastest of REPEATS calls after a warm-up: on a CPU shared with other jobs the minimum is the stable figure."""
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(min(times), 2)
 
 
 @torch.no_grad()
@@ -87,10 +100,10 @@ def measure(model_type: str, overrides: dict, batch: int) -> dict:
     torch.testing.assert_close(static.recurrent[0], chunk_states, atol=1e-4, rtol=1e-4)
     return {
         "kept_rows": KEPT[batch],
-        "verify_chunk_ms": round(timed(verify), 2),
-        "masked_chunk_rerun_ms": round(timed(masked_chunk), 2),
-        "masked_B_step_loop_ms": round(timed(masked_loop), 2),
-        "re_advance_through_the_layer_ms": round(timed(re_advance), 2),
+        "verify_chunk_ms": fastest_ms(verify),
+        "masked_chunk_rerun_ms": fastest_ms(masked_chunk),
+        "masked_B_step_loop_ms": fastest_ms(masked_loop),
+        "re_advance_through_the_layer_ms": fastest_ms(re_advance),
     }
 
 
@@ -101,7 +114,7 @@ def main() -> None:
         for name, (model_type, overrides) in SHAPES.items()
         for batch in KEPT
     }
-    report = {**run_environment("cpu"), "block": BLOCK, "threads": 2, "shapes": results}
+    report = {**run_environment("cpu"), "block": BLOCK, "threads": 2, "statistic": f"fastest of {REPEATS}", "shapes": results}
     RESULT.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
 
