@@ -129,6 +129,7 @@ class HybridStaticCache(StaticTargetCache):
         self._init_runtime()
 
     def _init_runtime(self) -> None:
+        """The per-forward state, and 5.17's per-layer views over this cache's (or view's) buffers."""
         self.layers = [
             _LayerStates([self.conv[i]], [self.recurrent[i]]) if i in self.conv else None for i in range(len(self.keys))
         ]

@@ -97,6 +97,7 @@ def test_finished_rows_leave_the_batch(family):
             dflash_fast_path=True, return_dict_in_generate=True,
         )
     assert torch.equal(out.sequences, plain)
+    assert drafter._dflash_static_step[1].live_rows < 3, "no sequence left the batch"
     release_fast_path(drafter)
 
 
