@@ -34,7 +34,8 @@ REPEATS = 7
 
 
 def fastest_ms(fn) -> float:
-    """The fastest of REPEATS calls after a warm-up: on a CPU shared with other jobs the minimum is the stable figure."""
+    """The fastest of REPEATS calls after a warm-up (on a CPU shared with other jobs, the minimum is the stable
+    figure)."""
     fn()
     times = []
     for _ in range(REPEATS):
@@ -114,7 +115,9 @@ def main() -> None:
         for name, (model_type, overrides) in SHAPES.items()
         for batch in KEPT
     }
-    report = {**run_environment("cpu"), "block": BLOCK, "threads": 2, "statistic": f"fastest of {REPEATS}", "shapes": results}
+    report = {
+        **run_environment("cpu"), "block": BLOCK, "threads": 2, "statistic": f"fastest of {REPEATS}", "shapes": results
+    }
     RESULT.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
 

@@ -84,7 +84,8 @@ def own_cache_step_ms(target, context: int, device: str) -> dict:
             return {"ms": timed_ms(step, device, graph=True), "graph": True}
         except Exception as error:  # noqa: BLE001 (recorded: the reason the floor is eager)
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            print(f"  transformers' StaticCache 1-token step did not record as a CUDA graph ({reason}); timing it eagerly")
+            print(f"  transformers' StaticCache 1-token step did not record as a CUDA graph ({reason}); timing it "
+                  "eagerly")
             return {"ms": timed_ms(step, device, graph=False), "graph": False, "graph_error": reason}
     return {"ms": timed_ms(step, device, graph=False), "graph": False}
 
@@ -122,7 +123,9 @@ def measure(args) -> dict:
     with torch.device(device):
         target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         layers = 2 if args.tiny else 6
-        drafter_config = DFlashConfig.for_target(config, num_hidden_layers=layers, block_size=16, mask_token_id=shape["vocab_size"] - 1)
+        drafter_config = DFlashConfig.for_target(
+            config, num_hidden_layers=layers, block_size=16, mask_token_id=shape["vocab_size"] - 1
+        )
         drafter = DFlashDraftModel._from_config(drafter_config, dtype=dtype).eval()
     linear = type(next(layer.linear_attn for layer in target.model.layers if hasattr(layer, "linear_attn")))
     kernels = chunk_rule_kernels(sys.modules[linear.__module__])
