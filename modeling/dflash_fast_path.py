@@ -14,9 +14,10 @@ What the fast path serves: greedy and sampled decoding (point-mass or rejection 
 random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
 temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length, suppressed tokens, ...),
 eos / max-length stopping, left-padded batches, a dense (or GGUF-dequantized) target of the families in
-`FAST_PATH_FAMILIES` (sliding-window layers and gpt-oss's attention sinks included; MoE experts on a GPU only where
-their dispatch can be captured) and the drafter (its own sliding layers included) on one device with sdpa or eager
-attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same
+`FAST_PATH_FAMILIES` (sliding-window layers and gpt-oss's attention sinks included; hybrid Qwen3-Next / Qwen3.5 /
+Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU
+only where their dispatch can be captured) and the drafter (its own sliding layers included) on one device with sdpa
+or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same
 distribution when sampling); on a GPU a warning says why, once. `generate(..., dflash_fast_path=True)` insists (and
 names what blocks it); on a CPU it runs the same step without a graph, which is how CI tests it.
 
@@ -25,6 +26,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ from .dflash_acceptance import DecodingRule, accept
 from .dflash_attention import grouped_attention
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
+from .dflash_linear_state import HYBRID_FAMILIES, HybridStaticCache, hybrid_blocker
 from .dflash_paged_cache import PAGE_SIZE
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
@@ -50,10 +53,12 @@ SLOT_BUCKET = 256
 # Target families whose forward the fast path is tested with (4D masks, one per layer type, and our static cache go
 # straight through their attention); others take the eager loop rather than risk a forward that reads the cache
 # differently.
-FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral")
+FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES)
 # Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
 # Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
 MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe")
+# The layer type of a hybrid target's Gated DeltaNet layers, whose mask is a padding mask or none (not a 4D one).
+LINEAR = "linear_attention"
 
 
 def target_layer_types(text: Any) -> list[str]:
@@ -161,6 +166,8 @@ def fast_path_blocker(
         )
     if text.model_type not in FAST_PATH_FAMILIES:
         return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
+    if text.model_type in HYBRID_FAMILIES and (hybrid := hybrid_blocker(target, next(iter(devices)))) is not None:
+        return hybrid
     if processors.host_only:
         return (
             f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
@@ -293,8 +300,11 @@ class DFlashStaticStep:
         self.draft_key_positions = torch.arange(self.draft_slots_per_row, device=device)  # (S,)
         self.draft_block_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.target_cache = StaticTargetCache(
-            num_layers=len(decoder_layers(target)),
+        # hybrid targets: keys/values for the full-attention layers, rolled-back states for the linear ones
+        self.hybrid = text.model_type in HYBRID_FAMILIES
+        cache_kind = dict(target=target) if self.hybrid else dict(num_layers=len(decoder_layers(target)))
+        self.target_cache = (HybridStaticCache if self.hybrid else StaticTargetCache)(
+            **cache_kind,
             batch_size=batch_size,
             num_key_value_heads=text.num_key_value_heads,
             head_dim=head_dim,
@@ -358,16 +368,23 @@ class DFlashStaticStep:
             )
         return self._rows[n]
 
-    def target_masks(self, visible: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    def target_masks(
+        self, visible: torch.Tensor, query_slots: torch.Tensor, linear_attention: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor | None]:
         """What the target's forward takes as `attention_mask`, from the slots each query sees under full attention
         (visible (n, q, L)) and the queries' own slots (n, q). Additive (n, 1, q, L) masks: eager attention adds
-        them and sdpa takes them as they are (a boolean mask would be added as 0/1 by eager attention)."""
+        them and sdpa takes them as they are (a boolean mask would be added as 0/1 by eager attention). A hybrid
+        target's linear-attention layers take `linear_attention` instead: the prompt's padding mask (b, P) in the
+        prefill, none in a verify (a block has no padding)."""
         windowed = None
         if self.target_window is not None:  # slot distances are position distances (a sequence's slots are contiguous)
             windowed = visible & (self.key_slots > query_slots[:, :, None] - self.target_window)
         if self.mask_types is None:
             return _additive(visible if windowed is None else windowed, self.mask_dtype)
-        return {kind: _additive(windowed if kind == SLIDING else visible, self.mask_dtype) for kind in self.mask_types}
+        return {
+            kind: linear_attention if kind == LINEAR else _additive(windowed if kind == SLIDING else visible, self.mask_dtype)
+            for kind in self.mask_types
+        }
 
     # -- one verify step, on device buffers only (recorded once per batch size as a CUDA graph) ----------------
 
@@ -407,15 +424,17 @@ class DFlashStaticStep:
         rows.target_cache.write_slots = rows.target_slots
         visible = (self.key_slots >= rows.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (n, B, L)
         self.generator.capture.destination = rows.verify_rows
-        with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
-            logits = self.target(
-                input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
-                position_ids=positions,
-                attention_mask=self.target_masks(visible, slots),
-                use_cache=True,
-                logits_to_keep=block,
-                **{self.cache_argument: rows.target_cache},
-            ).logits
+        # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
+        with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
+            with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
+                logits = self.target(
+                    input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
+                    position_ids=positions,
+                    attention_mask=self.target_masks(visible, slots),
+                    use_cache=True,
+                    logits_to_keep=block,
+                    **{self.cache_argument: rows.target_cache},
+                ).logits
         # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
         scores = self.processors(logits, rows.offsets + rows.anchor_pos + 1, rows.presence, drafts)  # (n, B, V)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
@@ -427,6 +446,8 @@ class DFlashStaticStep:
         running = rows.active[:, None] > 0
         rows.anchor_ids.copy_(torch.where(running, tokens.gather(1, accepted[:, None]), rows.anchor_ids))
         rows.anchor_pos.add_((accepted + 1) * rows.active)
+        if self.hybrid:  # the linear layers advance over the rows each sequence keeps (none for a finished one)
+            rows.target_cache.commit((accepted + 1) * rows.active)
         if rows.presence is not None:  # the committed tokens join the repetition penalty's set
             committed = (self.block_offsets <= accepted[:, None]) & running  # (n, B)
             hits = torch.zeros_like(rows.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
@@ -472,11 +493,13 @@ class DFlashStaticStep:
         real_keys = torch.nn.functional.pad(real.bool(), (0, self.num_slots - prompt_len))  # (b, L)
         visible = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])  # (b, P, L)
         call = StepProcessors(logits_processor)
-        forward_mask = self.target_masks(visible, columns.expand(batch, -1))
-        first, _, _ = prefill(
-            self.target, self.generator, input_ids, real, forward_mask, {self.cache_argument: self.target_cache},
-            call, self.rule.do_sample,
-        )
+        # a hybrid target's linear layers zero the padding's inputs, as in generate, and start from empty states
+        forward_mask = self.target_masks(visible, columns.expand(batch, -1), linear_attention=real)
+        with self.target_cache.prefilling() if self.hybrid else contextlib.nullcontext():
+            first, _, _ = prefill(
+                self.target, self.generator, input_ids, real, forward_mask, {self.cache_argument: self.target_cache},
+                call, self.rule.do_sample,
+            )
         self.generator.store_new_context(self.generator.states)
         if self.presence is not None:
             self.presence.copy_(call.prompt_presence(input_ids, self.vocab_size))

@@ -1,0 +1,263 @@
+"""The fast path's target cache for hybrid targets (Qwen3-Next, Qwen3.5, Qwen3.6: Gated DeltaNet layers between
+full-attention ones), with an exact rollback of the linear layers inside the step: no host sync, no data-dependent
+shape, so the whole step stays one CUDA graph.
+
+A Gated DeltaNet layer keeps per sequence a conv state (its last K conv inputs, (conv_dim, K)) and a recurrent state
+((value heads, dk, dv), float32). The verify runs the B rows of a block through each such layer as one chunk, as
+transformers does for any multi-token forward; the sequence then keeps only its first `taken` rows (anchor and
+accepted drafts; 0 for a finished sequence). `HybridStaticCache` leaves the states untouched during the verify and
+remembers, per layer, what the layer handed it: the conv window [conv state | block inputs] (b, conv_dim, K + B), and
+the arguments of its chunked gated-delta-rule call (queries, keys, values, gates g and beta per block row). After
+acceptance, `commit(taken)`:
+
+- conv state = the K columns of the window that end at row `taken - 1`: a gather at taken + 0..K-1.
+- recurrent state = the same chunked rule again from the state before the block, with g and beta zeroed on the rows
+  past `taken`. A row with g = 0 and beta = 0 leaves the state as it was (decay exp(0) = 1, update scaled by 0), which
+  is how the rule's own kernels pad a chunk; so one call gives every sequence its state after exactly its own rows.
+  It re-reads no weights (the projections are not run again) and costs one more pass of the recurrence over B rows:
+  benchmarks/NOTES.md, "hybrid targets on the fast path", has the measurements and the other ways weighed.
+
+The full-attention layers keep their keys/values in the `StaticTargetCache` this class extends.
+
+The layers talk to their cache through transformers' linear-attention methods, which changed between 5.17
+(`has_previous_state`, `layers[i].conv_states[0]`, `layers[i].recurrent_states[0]`, `layers[i].record_past`) and 5.24
+(`get_conv_state`, `get_recurrent_state`, `is_recording_past`); both are spoken here. The chunked rule's arguments
+are not handed to the cache, so during the verify the modeling module's `torch_chunk_gated_delta_rule` (transformers'
+kernel dispatcher: flash-linear-attention's kernel when installed, else its PyTorch code) is wrapped by one that
+records them and calls it unchanged (`deferring`); it is put back when the forward returns. A CUDA graph records the
+kernels of that forward, so replays need no Python wrapper. (The wrapper is module-wide while it is in place: a
+forward of another model of the same family in another thread at that moment would be recorded too; run such calls
+one at a time, as the fast path's own step, held one per drafter, already does.)
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .dflash_capture import decoder_layers
+from .dflash_static_cache import StaticTargetCache
+
+# Text model types of the hybrid families the fast path serves (a multimodal wrapper's text config has the same).
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# The module-level name under which transformers' hybrid modeling files call the chunked gated delta rule.
+CHUNK_RULE = "torch_chunk_gated_delta_rule"
+
+
+def linear_attention_modules(target: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Layer index -> the Gated DeltaNet module (`linear_attn`) of each linear-attention decoder layer."""
+    return {i: layer.linear_attn for i, layer in enumerate(decoder_layers(target)) if hasattr(layer, "linear_attn")}
+
+
+def hybrid_blocker(target: torch.nn.Module, device: torch.device) -> str | None:
+    """Why the fast path cannot serve this hybrid target, or None (called only for HYBRID_FAMILIES)."""
+    text = target.config.get_text_config()
+    modules = linear_attention_modules(target)
+    if not modules:
+        return f"this {text.model_type} target has no Gated DeltaNet (`linear_attn`) layers where the fast path looks"
+    for module in modules.values():
+        if not callable(getattr(sys.modules[type(module).__module__], CHUNK_RULE, None)):
+            return (
+                f"{type(module).__module__} has no {CHUNK_RULE} (this transformers changed how its Gated DeltaNet "
+                "layers are called)"
+            )
+    experts = getattr(text, "_experts_implementation", None)
+    if device.type == "cuda" and getattr(text, "num_experts", 0) and experts != "batched_mm":
+        # the default expert loop picks the experts each token routes to with nonzero(): a host sync no graph holds
+        return (
+            f"the target's MoE layers run with experts_implementation={experts!r}, which a CUDA graph cannot record "
+            "(load the target with experts_implementation='batched_mm')"
+        )
+    return None
+
+
+@dataclass
+class _LayerStates:
+    """transformers 5.17's view of a linear layer's cache entry (`cache.layers[i]`), over the fixed buffers."""
+
+    conv_states: list[torch.Tensor]
+    recurrent_states: list[torch.Tensor]
+    record_past: bool = False
+
+
+@dataclass
+class _Pending:
+    """What a verify handed one linear layer's cache: the conv window (n, conv_dim, K + B) and the chunked rule's
+    call (the function, its arguments)."""
+
+    window: torch.Tensor
+    rule: Any = None
+    args: tuple = ()
+    kwargs: dict | None = None
+
+
+class HybridStaticCache(StaticTargetCache):
+    """`StaticTargetCache` for the full-attention layers plus fixed per-sequence conv and recurrent states for the
+    linear-attention ones; `deferring` + `commit` roll the linear layers back to each sequence's accepted rows."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        batch_size: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        linear = linear_attention_modules(target)
+        num_layers = len(decoder_layers(target))
+        super().__init__(0, batch_size, num_key_value_heads, head_dim, num_slots, dtype, device)
+        shape = (batch_size, num_key_value_heads, num_slots, head_dim)
+        empty = torch.zeros(batch_size, 0, dtype=dtype, device=device)  # a linear layer holds no keys/values
+        self.keys = [
+            empty if i in linear else torch.zeros(shape, dtype=dtype, device=device) for i in range(num_layers)
+        ]
+        self.values = [empty if i in linear else torch.zeros_like(key) for i, key in enumerate(self.keys)]
+        self.conv: dict[int, torch.Tensor] = {}  # (b, conv_dim, K) the last K conv inputs
+        self.recurrent: dict[int, torch.Tensor] = {}  # (b, value heads, dk, dv) float32, as the rule returns it
+        for i, module in linear.items():
+            self.conv[i] = torch.zeros(batch_size, module.conv_dim, module.conv_kernel_size, dtype=dtype, device=device)
+            self.recurrent[i] = torch.zeros(
+                batch_size, module.num_v_heads, module.head_k_dim, module.head_v_dim, dtype=torch.float32, device=device
+            )
+        self.rule_modules = {sys.modules[type(module).__module__] for module in linear.values()}
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        """The per-forward state, and 5.17's per-layer views over this cache's (or view's) buffers."""
+        self.layers = [
+            _LayerStates([self.conv[i]], [self.recurrent[i]]) if i in self.conv else None for i in range(len(self.keys))
+        ]
+        self.fresh = False  # True during the prompt's forward: the layers start from empty states, as in generate
+        self.pending: dict[int, _Pending] | None = None  # per linear layer, while a verify is deferred
+        self.current_layer: int | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return next(key for key in self.keys if key.dim() == 4).shape[2]  # a full-attention layer's (b, g, L, d)
+
+    @property
+    def kernel_size(self) -> int:
+        return next(iter(self.conv.values())).shape[-1]
+
+    def head(self, rows: int) -> "HybridStaticCache":
+        view = object.__new__(HybridStaticCache)
+        view.keys = [key[:rows] for key in self.keys]
+        view.values = [value[:rows] for value in self.values]
+        view.write_slots = None
+        view.conv = {i: state[:rows] for i, state in self.conv.items()}
+        view.recurrent = {i: state[:rows] for i, state in self.recurrent.items()}
+        view.rule_modules = self.rule_modules
+        view._init_runtime()
+        return view
+
+    def reorder(self, index: torch.LongTensor) -> None:
+        super().reorder(index)
+        for states in (self.conv, self.recurrent):
+            for state in states.values():
+                state.copy_(state[index])
+
+    # ---- the prompt ----------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """The prompt's forward: states start empty (the layers see no previous state, as on generate's first
+        forward) and are written directly."""
+        for states in (self.conv, self.recurrent):
+            for state in states.values():
+                state.zero_()
+        self.fresh = True
+        try:
+            yield
+        finally:
+            self.fresh = False
+
+    # ---- the verify ----------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """The verify's forward: the linear layers read the committed states and leave them as they are; what
+        `commit` needs is remembered instead. Wraps the modeling modules' chunked rule for the forward's duration."""
+        self.pending = {}
+        originals = {module: getattr(module, CHUNK_RULE) for module in self.rule_modules}
+
+        def recording(rule: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                self.pending[self.current_layer].rule = rule
+                self.pending[self.current_layer].args, self.pending[self.current_layer].kwargs = args, kwargs
+                return rule(*args, **kwargs)
+
+            return run
+
+        for module, rule in originals.items():
+            setattr(module, CHUNK_RULE, recording(rule))
+        try:
+            yield
+        finally:
+            for module, rule in originals.items():
+                setattr(module, CHUNK_RULE, rule)
+
+    def commit(self, taken: torch.LongTensor) -> None:
+        """Advance each linear layer's states over the first taken[i] rows of the block just verified (n,): 0 keeps a
+        sequence's states as they were, B takes the whole block."""
+        kernel = self.kernel_size
+        for i, pending in self.pending.items():
+            if pending.rule is None or "g" not in pending.kwargs or "beta" not in pending.kwargs:
+                raise RuntimeError(
+                    f"layer {i}'s verify did not call the chunked gated delta rule with g= and beta= as expected; "
+                    "this transformers version is not supported by the fast path (pass dflash_fast_path=False)"
+                )
+            window = pending.window  # (n, conv_dim, K + B)
+            columns = taken[:, None] + torch.arange(kernel, device=taken.device)  # (n, K)
+            self.conv[i].copy_(window.gather(2, columns[:, None, :].expand(-1, window.shape[1], -1)))
+            g, beta = pending.kwargs["g"], pending.kwargs["beta"]  # (n, B, value heads) each
+            keep = torch.arange(g.shape[1], device=taken.device) < taken[:, None]  # (n, B)
+            kwargs = dict(pending.kwargs, initial_state=self.recurrent[i], output_final_state=True)
+            kwargs["g"], kwargs["beta"] = g * keep[..., None], beta * keep[..., None]
+            _, final = pending.rule(*pending.args, **kwargs)
+            self.recurrent[i].copy_(final)
+        self.pending = None
+
+    # ---- transformers' linear-attention cache methods (5.24 names, then 5.17's) -------------------------------
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self.conv[layer_idx]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self.recurrent[layer_idx]
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return not self.fresh
+
+    def update_conv_state(
+        self, inputs: torch.Tensor, layer_idx: int, conv_kernel_size: int | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        """Return [conv state | inputs] (n, conv_dim, K + q) for the layer's causal conv; keep the last K columns now
+        (the prompt) or at `commit` (a verify). Before the prompt the state is zeros: the conv's own left padding."""
+        window = torch.cat([self.conv[layer_idx], inputs.to(self.conv[layer_idx].dtype)], dim=-1)
+        if self.pending is None:
+            self.conv[layer_idx].copy_(window[..., -self.kernel_size :])
+        else:
+            self.pending[layer_idx] = _Pending(window)
+            self.current_layer = layer_idx  # the chunked rule this layer calls next is recorded under it
+        return window
+
+    def update_recurrent_state(self, state: torch.Tensor, layer_idx: int, **kwargs: Any) -> torch.Tensor:
+        """The state after every row of the forward: kept for the prompt; during a verify `commit` decides."""
+        if self.pending is None:
+            self.recurrent[layer_idx].copy_(state)
+        return self.recurrent[layer_idx]
+
+
+__all__ = ["CHUNK_RULE", "HYBRID_FAMILIES", "HybridStaticCache", "hybrid_blocker", "linear_attention_modules"]
