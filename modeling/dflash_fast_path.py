@@ -426,6 +426,8 @@ class DFlashStaticStep:
     def verified_rows(self, sequence: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The last step's scores and raw logits (B, V) of `sequence`'s verify rows (None where not kept): views
         of the step's buffers, which the next step overwrites."""
+        if self.scores is None and self.logits is None:
+            return None, None
         row = self.sequence_of_row.index(sequence)
         return (
             None if self.scores is None else self.scores[row],

@@ -5,7 +5,7 @@ calls the stopping criteria on input_ids ending with it, and hands it to the str
 tokens per sequence at once; `HostHooks.commit` walks them one at a time in that same order, so a stop string or a
 custom criterion ends the sequence at the very token where plain generate ends it, and a streamer sees the same
 calls. eos and max_length, which generate always adds, need no call: they are decided from the token ids the step
-already read back, and a call whose criteria are only those pays nothing per token.
+already read back, and a call whose criteria are only those makes no call per token.
 
 Differences from plain generate, by construction: a criterion is called for one sequence at a time (input_ids
 (1, t), the sequence's left padding included), since the sequences of a batch commit different numbers of tokens per
@@ -63,22 +63,13 @@ class HostHooks:
         self.scores: list[torch.Tensor] = []  # per committed token (1, V) float32, as plain generate returns them
         self.raw_logits: list[torch.Tensor] = []
 
-    @property
-    def wants_rows(self) -> bool:
-        """Whether `commit` needs the scores / logits of a step's rows."""
-        return self.keep_scores or self.keep_logits
-
     def commit(
         self, sequence: int, new: list[int], scores: torch.Tensor | None = None, logits: torch.Tensor | None = None
     ) -> bool:
         """Append sequence's `new` tokens one at a time as plain generate would, up to the first that ends it.
-        scores / logits (n, V): the step's rows of `new` (needed only when `wants_rows`). Returns whether it ended."""
+        scores / logits (n, V): the step's rows of `new`, read only when the call keeps them. Returns whether it ended.
+        """
         start = len(self.tokens[sequence])
-        if not (self.calls_criteria or self.wants_rows or self.streamer is not None):
-            ends_at = next((j for j, token in enumerate(new) if token in self.eos_ids), None)
-            count = len(new) if ends_at is None else ends_at + 1
-            self.tokens[sequence].extend(new[:count])
-            return ends_at is not None or start + count >= self.max_length
         if self.calls_criteria:  # one copy per step; a criterion reads a growing view of it
             self.sequences[sequence, start : start + len(new)] = torch.tensor(new, device=self.device)
         for j, token in enumerate(new):
