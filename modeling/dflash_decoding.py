@@ -11,10 +11,10 @@ loops over the same step parts:
    the target agrees (greedy, point-mass or rejection sampling) and adds the target's own token after them; the
    target cache goes back to the committed length (dflash_target_cache.py: full, sliding-window and Gated DeltaNet
    layers) and the accepted rows become drafter context.
-The fast path (dflash_fast_path.py) runs a step on fixed device buffers, as a CUDA graph on a GPU. `EagerDecoding`
-runs it around transformers' own cache, with the host hooks the fast path cannot run: every committed token passes
-through the stopping criteria one at a time (so stop strings and custom criteria end generation exactly where plain
-generate would), streamers, per-token scores and logits.
+The fast path (dflash_fast_path.py) runs a step on fixed device buffers, as a CUDA graph on a GPU; `EagerDecoding`
+runs it around transformers' own cache. Either way the committed tokens then pass the same host hooks
+(dflash_host_hooks.py): stopping criteria called one token at a time (so stop strings and custom criteria end
+generation exactly where plain generate would), the streamer, per-token scores and logits.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_fast_path import DFlashStaticStep, fast_path_blocker, static_step_for, takes_fast_path
+from .dflash_host_hooks import HostHooks
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors, check_logits_processors
 from .dflash_target_cache import TargetCacheRollback, rollback_problem
@@ -155,39 +155,18 @@ def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) 
         )
 
 
-def _host_stopping_rules(stopping_criteria: Any) -> tuple[set[int], bool]:
-    """The eos ids of the list, and whether it holds nothing but eos and max-length criteria (which need no call)."""
-    eos_ids: set[int] = set()
-    host_only = True
-    for criterion in stopping_criteria:
-        if isinstance(criterion, EosTokenCriteria):
-            eos_ids.update(int(i) for i in criterion.eos_token_id.flatten().tolist())
-        elif not isinstance(criterion, MaxLengthCriteria):
-            host_only = False
-    return eos_ids, host_only
-
-
-def _host_stop(new: list[int], start: int, eos_ids: set[int], max_length: int) -> tuple[int, bool]:
-    """How many of a sequence's `new` tokens (appended at length `start`) it keeps under eos / max_length, and
-    whether it ends there."""
-    ends_at = next((j for j, token in enumerate(new) if token in eos_ids), None)
-    count = len(new) if ends_at is None else ends_at + 1
-    return count, ends_at is not None or start + count >= max_length
-
-
 def _decode_static(
-    step: DFlashStaticStep, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int,
-    eos_ids: set[int], pad_id: int, logits_processor: Any,
-) -> tuple[torch.LongTensor, list[list[int]]]:
+    step: DFlashStaticStep, input_ids: torch.LongTensor, attention_mask: torch.Tensor, logits_processor: Any,
+    host_hooks: HostHooks,
+) -> list[list[int]]:
     """The fast path's host loop (dflash_fast_path.py): per step one replay and one read-back of [tokens, accepted]
-    per running sequence. Returns the sequences (right-padded with pad_id) and each sequence's acceptance lengths."""
-    rows = input_ids.tolist()
-    acceptance_lengths: list[list[int]] = [[] for _ in rows]
+    per running sequence, whose committed tokens then pass the call's host hooks (`host_hooks`, which keeps the
+    sequences). Returns each sequence's acceptance lengths."""
+    acceptance_lengths: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    first, scores, logits = step.prefill(input_ids, attention_mask, host_hooks.max_length, logits_processor)
     running = []
-    for i, token in enumerate(step.prefill(input_ids, attention_mask, max_length, logits_processor)):
-        count, done = _host_stop([token], len(rows[i]), eos_ids, max_length)
-        rows[i].append(token)
-        if done:
+    for i, token in enumerate(first):
+        if host_hooks.commit(i, [token], scores[i], logits[i]):
             step.stop(i)
         else:
             running.append(i)
@@ -197,17 +176,13 @@ def _decode_static(
         still = []
         for i in running:
             accepted = out[i][-1]
-            count, done = _host_stop(out[i][: accepted + 1], len(rows[i]), eos_ids, max_length)
-            rows[i].extend(out[i][:count])
             acceptance_lengths[i].append(accepted + 1)
-            if done:
+            if host_hooks.commit(i, out[i][: accepted + 1], *step.verified_rows(i)):
                 step.stop(i)
             else:
                 still.append(i)
         running = still
-    longest = max(len(row) for row in rows)
-    sequences = torch.tensor([row + [pad_id] * (longest - len(row)) for row in rows], device=input_ids.device)
-    return sequences, acceptance_lengths
+    return acceptance_lengths
 
 
 @contextlib.contextmanager
@@ -221,42 +196,26 @@ def _pages_returned(generator: DFlashCandidateGenerator) -> Iterator[None]:
 
 class EagerDecoding:
     """The eager loop for one call: the same proposal, processors and acceptance as the fast path's step, around
-    transformers' own cache, with the host hooks the fast path cannot run (stopping criteria called token by token,
-    streamers, per-token scores and logits).
+    transformers' own cache; committed tokens pass the same host hooks (`host_hooks`, which keeps the sequences).
 
-    `sequences[i, :lengths[i]]` is sequence i as plain generate would hold it (left padding included); `live` maps
-    batch rows to sequences (finished ones leave the batch); `presence` (b, V) holds the tokens the repetition
-    penalty counts, when there is one.
+    `live` maps batch rows to sequences (finished ones leave the batch); `presence` (b, V) holds the tokens the
+    repetition penalty counts, when there is one.
     """
 
     def __init__(
         self, target: torch.nn.Module, drafter: torch.nn.Module, input_ids: torch.LongTensor,
         attention_mask: torch.Tensor, cache: Any, generation_config: Any, processors: StepProcessors,
-        rule: DecodingRule, stopping_criteria: Any, streamer: Any, verify_rows: int,
+        rule: DecodingRule, host_hooks: HostHooks, verify_rows: int,
     ):
         batch_size, prompt_len = input_ids.shape
-        return_dict = generation_config.return_dict_in_generate
         self.target, self.cache, self.cache_arg = target, cache, _cache_argument(target)
         self.target_cache = TargetCacheRollback(target, cache)  # prepares the cache's layers before the prompt
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.processors, self.rule, self.verify_rows = processors, rule, verify_rows
-        self.stopping_criteria, self.streamer = stopping_criteria, streamer
-        self.keep_scores = return_dict and generation_config.output_scores
-        self.keep_logits = return_dict and generation_config.output_logits
+        self.host_hooks = host_hooks
         self.max_length = generation_config.max_length
-        # eos and max_length, the criteria generate always adds, are decided on the host from the token ids the step
-        # already read back; only other criteria (stop strings, custom ones) are called token by token.
-        self.eos_ids, self.host_criteria_only = _host_stopping_rules(stopping_criteria)
-        pad = generation_config._pad_token_tensor
-        self.sequences = torch.full(
-            (batch_size, self.max_length), int(pad) if pad is not None else 0, dtype=torch.long, device=input_ids.device
-        )
-        self.sequences[:, :prompt_len] = input_ids
-        self.lengths = [prompt_len] * batch_size
         self.live = list(range(batch_size))
         self.acceptance_lengths: list[list[int]] = [[] for _ in range(batch_size)]
-        self.scores: list[torch.Tensor] = []
-        self.raw_logits: list[torch.Tensor] = []
         self.presence: torch.Tensor | None = None
         self.generator = DFlashCandidateGenerator(
             drafter, target, batch_size, self.max_length, max_rows=max(prompt_len, drafter.config.block_size)
@@ -270,8 +229,6 @@ class EagerDecoding:
             while running:
                 self.drop_finished(running)
                 running = self.step()
-        if self.streamer is not None:
-            self.streamer.end()
 
     def prefill(self) -> list[int]:
         """The prompt forward (dflash_prefill.py) into transformers' cache. Returns the batch rows still running."""
@@ -297,11 +254,12 @@ class EagerDecoding:
         """Draft, verify, accept, commit. Returns the batch rows still running."""
         device, live = self.input_ids.device, self.live
         rows = torch.tensor(live, device=device)
-        lengths = torch.tensor([self.lengths[seq] for seq in live], device=device)
+        sequences = [self.host_hooks.tokens[seq] for seq in live]
+        lengths = torch.tensor([len(tokens) for tokens in sequences], device=device)
         # never verify past max_length: a sequence with r tokens left commits at most r
-        room = [self.max_length - self.lengths[seq] for seq in live]
+        room = [self.max_length - len(tokens) for tokens in sequences]
         num_rows = min(self.verify_rows, max(room))
-        anchors = self.sequences[rows, lengths - 1][:, None]
+        anchors = torch.tensor([tokens[-1:] for tokens in sequences], device=device)  # (b, 1)
         candidates, draft_logits = self.generator.get_candidates(anchors)  # [anchor, argmax drafts], their logits
         drafts, draft_probs = candidates[:, 1:num_rows], None
         if self.rule.rejection:  # drafts sampled from the drafter's own distribution instead of its argmax
@@ -320,7 +278,10 @@ class EagerDecoding:
                 logits_to_keep=num_rows,
                 **{self.cache_arg: self.cache},
             ).logits
-        prefixes = [self.sequences[seq : seq + 1, : self.lengths[seq]] for seq in live]
+        # the committed prefixes, which only processors that run on the host read
+        prefixes = None
+        if self.processors.host_only:
+            prefixes = [torch.tensor([tokens], device=device) for tokens in sequences]
         presence = None if self.presence is None else self.presence[rows]
         scores = self.processors(logits, lengths, presence, drafts, prefixes)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
@@ -334,49 +295,34 @@ class EagerDecoding:
         )
 
     def commit(self, row_tokens: list[list[int]], step_scores: torch.Tensor, step_logits: torch.Tensor) -> list[int]:
-        """Append each live sequence's new tokens, stopping it at the first token that ends it, exactly where plain
-        generate would. Returns the batch rows still running."""
+        """Each live sequence's new tokens pass the host hooks, which stop it at the first token that ends it, exactly
+        where plain generate would. step_scores / step_logits (b, n, V). Returns the batch rows still running."""
         running = []
         for row, (seq, new) in enumerate(zip(self.live, row_tokens)):
-            count, done = self.stop_point(seq, new, step_scores[row : row + 1])
-            start = self.lengths[seq]
-            self.sequences[seq, start : start + count] = torch.tensor(new[:count], device=self.sequences.device)
-            self.lengths[seq] = start + count
+            start = len(self.host_hooks.tokens[seq])
+            done = self.host_hooks.commit(seq, new, step_scores[row], step_logits[row])
             if self.presence is not None:
-                self.presence[seq, new[:count]] = True
-            if self.keep_scores:
-                self.scores.extend(step_scores[row : row + 1, j] for j in range(count))
-            if self.keep_logits:
-                self.raw_logits.extend(step_logits[row : row + 1, j].to(torch.float32) for j in range(count))
-            if self.streamer is not None:
-                for token in new[:count]:
-                    self.streamer.put(torch.tensor([token]))
+                self.presence[seq, self.host_hooks.tokens[seq][start:]] = True
             if not done:
                 running.append(row)
         return running
 
-    def stop_point(self, seq: int, new: list[int], scores: torch.Tensor) -> tuple[int, bool]:
-        """How many of `new` sequence `seq` keeps, and whether it ends there. scores (1, n, V) of its rows."""
-        start = self.lengths[seq]
-        if self.host_criteria_only:
-            return _host_stop(new, start, self.eos_ids, self.max_length)
-        for j in range(len(new)):
-            self.sequences[seq, start + j] = new[j]
-            if bool(self.stopping_criteria(self.sequences[seq : seq + 1, : start + j + 1], scores[:, j]).all()):
-                return j + 1, True
-        return len(new), False
 
-    def output(self, return_dict: bool) -> torch.LongTensor | DFlashGenerateOutput:
-        sequences = self.sequences[:, : max(self.lengths)]
-        if not return_dict:
-            return sequences
-        return DFlashGenerateOutput(
-            sequences=sequences,
-            scores=tuple(self.scores) if self.keep_scores else None,
-            logits=tuple(self.raw_logits) if self.keep_logits else None,
-            acceptance_lengths=self.acceptance_lengths,
-            **{self.cache_arg: self.cache},
-        )
+def _generate_output(
+    host_hooks: HostHooks, acceptance_lengths: list[list[int]], return_dict: bool, **cache: Any
+) -> torch.LongTensor | DFlashGenerateOutput:
+    """What generate returns: the sequences, or with return_dict_in_generate the output object (`cache`: the
+    target's cache under its argument name, when the loop used transformers' own)."""
+    sequences = host_hooks.output_sequences()
+    if not return_dict:
+        return sequences
+    return DFlashGenerateOutput(
+        sequences=sequences,
+        scores=tuple(host_hooks.scores) if host_hooks.keep_scores else None,
+        logits=tuple(host_hooks.raw_logits) if host_hooks.keep_logits else None,
+        acceptance_lengths=acceptance_lengths,
+        **cache,
+    )
 
 
 def _check_call(
@@ -448,28 +394,22 @@ def dflash_generate(
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     max_length = generation_config.max_length
-    eos_ids, host_criteria_only = _host_stopping_rules(stopping_criteria)
-    blocker = fast_path_blocker(
-        target, drafter, generation_config, processors, host_criteria_only, streamer, verify_rows, attention_mask
-    )
+    host_hooks = HostHooks(input_ids, generation_config, stopping_criteria, streamer)
+    return_dict = generation_config.return_dict_in_generate
+    blocker = fast_path_blocker(target, drafter, processors, verify_rows, attention_mask)
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
         step = static_step_for(target, drafter, input_ids.shape[0], max_length, _cache_argument(target))
-        step.bind(processors, rule)
-        pad = generation_config._pad_token_tensor
+        step.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits)
         with step.generator.capture:
-            sequences, acceptance_lengths = _decode_static(
-                step, input_ids, attention_mask, max_length, eos_ids, int(pad) if pad is not None else 0,
-                logits_processor,
-            )
-        if not generation_config.return_dict_in_generate:
-            return sequences
-        return DFlashGenerateOutput(sequences=sequences, acceptance_lengths=acceptance_lengths)
+            acceptance_lengths = _decode_static(step, input_ids, attention_mask, logits_processor, host_hooks)
+        host_hooks.end()
+        return _generate_output(host_hooks, acceptance_lengths, return_dict)
     loop = EagerDecoding(
-        target, drafter, input_ids, attention_mask, cache, generation_config, processors, rule, stopping_criteria,
-        streamer, verify_rows,
+        target, drafter, input_ids, attention_mask, cache, generation_config, processors, rule, host_hooks, verify_rows
     )
     loop.run()
-    return loop.output(generation_config.return_dict_in_generate)
+    host_hooks.end()
+    return _generate_output(host_hooks, loop.acceptance_lengths, return_dict, **{loop.cache_arg: cache})
 
 
 __all__ = [

@@ -4,7 +4,9 @@ On a GPU, eager PyTorch spends most of a step launching kernels (about 50 ms for
 memory floor is 4 ms). Here a whole step (store the new context keys/values, draft a block, verify it, accept, move
 each sequence's anchor) works on preallocated buffers with every index on the device, so it is recorded once as a
 CUDA graph and replayed. The host reads back one small tensor per step ([target tokens | accepted count] per
-sequence) to decide eos / max_length, exactly as plain generate would stop.
+sequence); the committed tokens then pass the call's host hooks (dflash_host_hooks.py: eos / max_length, other
+stopping criteria token by token, the streamer, and per-token scores / logits, which the step writes to buffers only
+for a call that returns them), exactly as plain generate would stop and report.
 
 Sequences keep their own slots (dflash_static_cache.py): a sequence that accepts fewer drafts than its neighbours
 just moves its anchor less; a finished one is frozen, and once the running ones fit in half the batch they move to
@@ -13,7 +15,8 @@ the first rows and the step runs at that smaller batch (`compact`, one graph per
 What the fast path serves: greedy and sampled decoding (point-mass or rejection sampling, inside the step, with
 random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
 temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length, suppressed tokens, ...),
-eos / max-length stopping, left-padded batches, a dense (or GGUF-dequantized) target of the families in
+eos / max-length stopping, any stopping criteria, streamers and output_scores / output_logits (host hooks around
+the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized) target of the families in
 `FAST_PATH_FAMILIES` (sliding-window layers and gpt-oss's attention sinks included; hybrid Qwen3-Next / Qwen3.5 /
 Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU
 only where their dispatch can be captured) and the drafter (its own sliding layers included) on one device with sdpa
@@ -148,10 +151,7 @@ def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | Non
 def fast_path_blocker(
     target: torch.nn.Module,
     drafter: torch.nn.Module,
-    generation_config: Any,
     processors: StepProcessors,
-    host_criteria_only: bool,
-    streamer: Any,
     verify_rows: int,
     attention_mask: torch.Tensor,
 ) -> str | None:
@@ -173,14 +173,6 @@ def fast_path_blocker(
             f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
             "drop them for the fast path"
         )
-    if not host_criteria_only:
-        return "stopping criteria other than eos and max_length are active (they are called token by token)"
-    if streamer is not None:
-        return "a streamer is attached (it is called token by token)"
-    if generation_config.return_dict_in_generate and (
-        generation_config.output_scores or generation_config.output_logits
-    ):
-        return "output_scores / output_logits were requested (drop them for the fast path)"
     if verify_rows != config.block_size:
         return "dflash_verify_rows is set (drop it for the fast path)"
     windows = _window_blocker(text)
@@ -265,6 +257,8 @@ class StepRows:
     target_cache: StaticTargetCache
     drafter_view: ContiguousPagedView
     presence: torch.Tensor | None  # (n, V) the tokens the repetition penalty counts
+    scores: torch.Tensor | None  # (n, B, V) float32 the verified rows' processed scores, when the call returns them
+    logits: torch.Tensor | None  # (n, B, V) float32 their raw logits, when the call returns them
 
 
 class DFlashStaticStep:
@@ -340,6 +334,11 @@ class DFlashStaticStep:
         self.rule = DecodingRule(do_sample=False, rejection=False)
         self.processors = StepProcessors([])
         self.presence: torch.Tensor | None = None  # (b, V) bool, the tokens the repetition penalty counts
+        # The verify rows' scores / logits (b, B, V) float32, allocated only for a call that returns them
+        # (return_dict_in_generate with output_scores / output_logits): 9.7 MB per sequence each at B = 16 and a
+        # vocabulary of 151,936; the host keeps the rows of committed tokens, one (1, V) copy per token.
+        self.scores: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
         self.sequence_of_row = list(range(batch_size))
         self.live_rows = batch_size
         self.use_graphs = device.type == "cuda"
@@ -365,6 +364,8 @@ class DFlashStaticStep:
                     self.generator.cache, self.draft_block_slots[:n], num_rows=n, slots_per_row=self.draft_slots_per_row
                 ),
                 presence=None if self.presence is None else self.presence[:n],
+                scores=None if self.scores is None else self.scores[:n],
+                logits=None if self.logits is None else self.logits[:n],
             )
         return self._rows[n]
 
@@ -454,31 +455,45 @@ class DFlashStaticStep:
             rows.presence.logical_or_(hits > 0)
         rows.out[:, :block].copy_(tokens)
         rows.out[:, block].copy_(accepted)
+        if rows.scores is not None:
+            rows.scores.copy_(scores)
+        if rows.logits is not None:
+            rows.logits.copy_(logits)
 
     # -- host side ------------------------------------------------------------------------------------------
 
-    def bind(self, processors: StepProcessors, rule: DecodingRule) -> None:
-        """Take this call's decoding rule and processors. A recorded graph baked in the ones it was recorded with
-        (temperatures, thresholds, the tensors they hold): the graphs are kept, with them, only for a call that
-        computes the same, and dropped otherwise."""
-        if self.graphs and (rule, processors.signature) == (self.rule, self.processors.signature):
+    def bind(self, processors: StepProcessors, rule: DecodingRule, keep_scores: bool, keep_logits: bool) -> None:
+        """Take this call's decoding rule and processors, and whether the step writes out the verify rows' scores /
+        logits. A recorded graph baked in what it was recorded with (temperatures, thresholds, the tensors they hold,
+        the copies to the output buffers): the graphs are kept only for a call that computes the same, and dropped
+        otherwise (the next step records its own)."""
+        kept = (self.scores is not None, self.logits is not None)
+        if self.graphs and (rule, processors.signature, kept) == (
+            self.rule, self.processors.signature, (keep_scores, keep_logits)
+        ):
             return
         self.graphs = {}
         self._rows = {}
         self.rule, self.processors = rule, processors
-        needs_presence = processors.penalty is not None
-        if needs_presence and self.presence is None:
-            self.presence = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool, device=self.anchor_ids.device)
-        elif not needs_presence:
-            self.presence = None
+        self.presence = self._buffer(processors.penalty is not None, self.presence, torch.bool)
+        self.scores = self._buffer(keep_scores, self.scores, torch.float32, self.block_size)
+        self.logits = self._buffer(keep_logits, self.logits, torch.float32, self.block_size)
+
+    def _buffer(self, needed: bool, held: torch.Tensor | None, dtype: torch.dtype, *rows: int) -> torch.Tensor | None:
+        """A (b, *rows, V) buffer while a call needs it (the one held, if any), None otherwise."""
+        if not needed:
+            return None
+        if held is not None:
+            return held
+        return torch.zeros(self.batch_size, *rows, self.vocab_size, dtype=dtype, device=self.anchor_ids.device)
 
     @torch.no_grad()
     def prefill(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, logits_processor: Any
-    ) -> list[int]:
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Eager prompt forward into the static cache; the prompt rows become drafter context. Returns each
         sequence's first token (the call's one synchronization before the loop), chosen under the call's own
-        processors exactly as plain generate chooses it."""
+        processors exactly as plain generate chooses it, with its scores (b, 1, V) and raw logits (b, 1, V)."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         self.generator.restart()
@@ -496,7 +511,7 @@ class DFlashStaticStep:
         # a hybrid target's linear layers zero the padding's inputs, as in generate, and start from empty states
         forward_mask = self.target_masks(visible, columns.expand(batch, -1), linear_attention=real)
         with self.target_cache.prefilling() if self.hybrid else contextlib.nullcontext():
-            first, _, _ = prefill(
+            first, scores, logits = prefill(
                 self.target, self.generator, input_ids, real, forward_mask, {self.cache_argument: self.target_cache},
                 call, self.rule.do_sample,
             )
@@ -510,7 +525,7 @@ class DFlashStaticStep:
         self.active.fill_(1)
         self.sequence_of_row = list(range(batch))
         self.live_rows = batch
-        return first.tolist()
+        return first.tolist(), scores, logits
 
     def capture_graph(self, n: int) -> None:
         """Record `step` over the first n rows as a CUDA graph, leaving the device state as it was."""
@@ -539,6 +554,17 @@ class DFlashStaticStep:
             self.step(self.rows(n))
         out = self.out[:n].tolist()  # the step's one host synchronization
         return {sequence: out[row] for row, sequence in enumerate(self.sequence_of_row[:n])}
+
+    def verified_rows(self, sequence: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The last step's scores and raw logits (B, V) of `sequence`'s verify rows (None where not kept): views
+        of the step's buffers, which the next step overwrites."""
+        if self.scores is None and self.logits is None:
+            return None, None
+        row = self.sequence_of_row.index(sequence)
+        return (
+            None if self.scores is None else self.scores[row],
+            None if self.logits is None else self.logits[row],
+        )
 
     def stop(self, sequence: int) -> None:
         """Freeze a finished sequence: its anchor no longer moves, and `compact` may move it out of the live rows."""

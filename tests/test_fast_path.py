@@ -8,8 +8,6 @@ import contextlib
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-
 from transformers.testing_utils import CaptureLogger
 
 from hf_dflash.modeling import dflash_decoding, dflash_fast_path
@@ -59,11 +57,6 @@ def oracle_static_drafts(reference: torch.LongTensor, wrong_every: int, vocab: i
         yield
     finally:
         DFlashStaticStep.step = original
-
-
-class NeverStop(StoppingCriteria):
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.LongTensor, torch.Tensor]:
@@ -179,7 +172,6 @@ def test_static_step_is_reused_across_calls_and_rebuilt_for_a_new_shape():
     "kwargs, blocker",
     [
         (dict(no_repeat_ngram_size=2), "NoRepeatNGramLogitsProcessor"),
-        (dict(stopping_criteria=StoppingCriteriaList([NeverStop()])), "stopping criteria"),
         (dict(dflash_verify_rows=2), "dflash_verify_rows"),
     ],
 )
@@ -262,8 +254,7 @@ def test_a_gpu_call_off_the_fast_path_says_why_once():
 
 def blocker_of(target, drafter):
     return dflash_fast_path.fast_path_blocker(
-        target, drafter, target.generation_config, dflash_decoding.StepProcessors([]), True, None,
-        drafter.config.block_size, torch.ones(1, 4, dtype=torch.long),
+        target, drafter, dflash_decoding.StepProcessors([]), drafter.config.block_size, torch.ones(1, 4, dtype=torch.long),
     )
 
 
