@@ -531,14 +531,15 @@ class DFlashStaticStep:
         """Record `step` over the first n rows as a CUDA graph, leaving the device state as it was."""
         rows = self.rows(n)
         state = [t for t in (rows.anchor_ids, rows.anchor_pos, rows.prev_pos, rows.verify_rows, rows.presence) if t is not None]
+        state += rows.target_cache.carried_state()  # e.g. a hybrid target's linear-attention states
         saved = [t.clone() for t in state]
         # The warm-up steps draw random numbers too: the generator is put back, so that a seeded call samples the
         # same tokens whether it records the graph or replays one recorded by an earlier call.
         rng = torch.cuda.get_rng_state(self.anchor_ids.device)
         self.graphs[n] = record_cuda_graph(lambda: self.step(rows))
         torch.cuda.set_rng_state(rng, self.anchor_ids.device)
-        # Warm-up steps wrote only slots at or after each anchor, which the next real step overwrites before any
-        # read; the rows they captured and the anchors they moved are put back.
+        # Warm-up steps wrote keys/values only at or after each anchor, which the next real step overwrites before any
+        # read; the rows they captured, the anchors they moved and the states they advanced are put back.
         for tensor, value in zip(state, saved):
             tensor.copy_(value)
 

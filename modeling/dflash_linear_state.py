@@ -159,6 +159,10 @@ class HybridStaticCache(StaticTargetCache):
         view._init_runtime()
         return view
 
+    def carried_state(self) -> list[torch.Tensor]:
+        """The linear layers' conv and recurrent states: each step advances them over the accepted rows."""
+        return [*self.conv.values(), *self.recurrent.values()]
+
     def reorder(self, index: torch.LongTensor) -> None:
         super().reorder(index)
         for states in (self.conv, self.recurrent):

@@ -58,6 +58,11 @@ class StaticTargetCache:
         view.write_slots = None
         return view
 
+    def carried_state(self) -> list[torch.Tensor]:
+        """Buffers a step advances in place, which a graph recording's warm-up steps must leave as they were. None
+        here: a step writes keys/values only at or after each anchor, which the next real step overwrites."""
+        return []
+
     def reorder(self, index: torch.LongTensor) -> None:
         """Row i takes what row index[i] held (index (b,), a permutation of the sequences)."""
         for buffers in (self.keys, self.values):
