@@ -7,7 +7,8 @@ conv kernel 4, attention 16 heads / 4 KV heads of 256) are transformers' Qwen3_5
 published Qwen3.5 layout. The drafter: that config's 6 layers, block 16, all full attention (the fast path of this
 version refuses a drafter's sliding layers).
 
-Per context length:
+First, per variant, the fast path's output on tiny float32 hybrid targets (qwen3_5 text and multimodal, qwen3_next
+with batched experts) against plain greedy, batch 1 and 3, with the step recorded as a graph. Then per context length:
 - ours: the step's parts as CUDA graphs (`step_parts_ms`: propose, verify = target forward over 16 rows + acceptance
   + the linear layers' rollback, whole step), every sequence frozen so replays repeat the same work.
 - the target's own 1-token step with transformers' StaticCache, as a CUDA graph; if the capture fails, timed eagerly
@@ -105,6 +106,33 @@ def buffers_step_ms(step, context: int, device: str) -> float:
     return timed_ms(one_token, device, graph=device == "cuda")
 
 
+def graph_output_check(device: str) -> dict:
+    """Before timing: on tiny float32 hybrid targets (the CI tests' builders), the fast path's output equals plain
+    greedy generate, batch 1 and a left-padded batch of 3, and on CUDA the step ran as a recorded graph."""
+    sys.path.insert(0, ".")
+    from tests.conftest import random_prompt, tiny_drafter
+    from tests.test_batched import PAD, left_pad
+    from tests.test_families import family_target
+
+    results = {}
+    for family in ("qwen3_5_text", "qwen3_5", "qwen3_next"):
+        target = family_target(family, seed=3, initializer_range=0.2).to(device)
+        if getattr(target.config.get_text_config(), "num_experts", 0):
+            target.set_experts_implementation("batched_mm")  # graph-safe experts
+        drafter = tiny_drafter(target, block_size=5).to(device)
+        for name, batch in (("batch 1", {"input_ids": random_prompt(6, seed=1)}),
+                            ("batch 3", left_pad([random_prompt(n, seed=n) for n in (4, 9, 2)]))):
+            batch = {key: value.to(device) for key, value in batch.items()}
+            common = dict(max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+            plain = target.generate(**batch, **common)
+            fast = target.generate(**batch, assistant_model=drafter, dflash_fast_path=True, **common)
+            graphed = bool(drafter._dflash_static_step[1].graphs) or device != "cuda"
+            results[f"{family} {name}"] = bool(torch.equal(plain, fast)) and graphed
+            print(f"  check {family} {name}: fast == plain {torch.equal(plain, fast)}, graph {graphed}", flush=True)
+        drafter._dflash_static_step = None
+    return results
+
+
 @torch.no_grad()
 def measure(args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -131,6 +159,7 @@ def measure(args) -> dict:
     kernels = chunk_rule_kernels(sys.modules[linear.__module__])
     print(f"[{args.variant}] built in {time.perf_counter() - started:.0f} s; chunked gated delta rule from {kernels}",
           flush=True)
+    checks = graph_output_check(device)
     rows = []
     for context in (64, 128) if args.tiny else CONTEXTS:
         step = static_step_for(target, drafter, 1, context + 64, _cache_argument(target))
@@ -153,7 +182,10 @@ def measure(args) -> dict:
         drafter._dflash_static_step = None
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {"variant": args.variant, "chunk_rule_kernels": kernels, "shape": shape, "dtype": str(dtype), "rows": rows}
+    return {
+        "variant": args.variant, "output_checks": checks, "chunk_rule_kernels": kernels, "shape": shape,
+        "dtype": str(dtype), "rows": rows,
+    }
 
 
 def chunk_rule_kernels(module) -> list[str]:
@@ -207,7 +239,9 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")
-    return 0 if all("error" not in r for r in results) else 1
+    checked = all(all(r.get("output_checks", {}).values()) for r in results)
+    print("output checks: " + ("all equal to plain greedy" if checked else "SOME FAILED (see above)"))
+    return 0 if checked and all("error" not in r for r in results) else 1
 
 
 if __name__ == "__main__":
