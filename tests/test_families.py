@@ -175,13 +175,13 @@ def test_the_fast_path_families_are_the_tested_ones():
     assert set(FAST_PATH_FAMILIES) == set(FAST)
 
 
-def fast_path_generate(target, drafter, batch: dict, reference: torch.LongTensor, wrong_every: int, **kwargs):
+def fast_path_generate(target, drafter, batch: dict, reference: torch.LongTensor, wrong_every: int):
     """The fast path's greedy run on `batch` with the drafts right up to every `wrong_every`-th column of `reference`
     (acceptance then varies from 1 to B, differently per sequence)."""
     with oracle_static_drafts(reference, wrong_every, target.config.get_text_config().vocab_size):
         out = target.generate(
             **batch, max_new_tokens=reference.shape[1] - batch["input_ids"].shape[1], do_sample=False,
-            pad_token_id=PAD, assistant_model=drafter, dflash_fast_path=True, return_dict_in_generate=True, **kwargs,
+            pad_token_id=PAD, assistant_model=drafter, dflash_fast_path=True, return_dict_in_generate=True,
         )
     release_fast_path(drafter)
     return out
