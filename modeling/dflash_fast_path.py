@@ -96,10 +96,11 @@ def _quantization_blocker(target: torch.nn.Module) -> str | None:
 def _window_blocker(text: Any) -> str | None:
     """Why the fast path's masks cannot window this target's layers as its own forward does, or None."""
     family = text.model_type
-    unknown = sorted(set(target_layer_types(text)) - {FULL, SLIDING})
+    unknown = sorted(set(target_layer_types(text)) - {FULL, SLIDING, LINEAR})
     if unknown:
         return (
-            f"the {family} target has {', '.join(unknown)} layers (the fast path masks full and sliding attention only)"
+            f"the {family} target has {', '.join(unknown)} layers (the fast path serves full, sliding and linear "
+            "attention only)"
         )
     window = getattr(text, "sliding_window", None)
     if getattr(text, "layer_types", None) is None and window is not None and family not in MISTRAL_STYLE_FAMILIES:

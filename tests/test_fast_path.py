@@ -193,8 +193,12 @@ def test_an_untested_target_family_is_not_served_by_the_fast_path():
     )).eval()
     drafter = tiny_drafter(target)
     ids = random_prompt(6)
+    forwards = []
+    handle = target.register_forward_pre_hook(lambda *args: forwards.append(1))
     with pytest.raises(ValueError, match="the fast path is tested with llama, .* targets, not 'qwen2'"):
         target.generate(ids, max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True)
+    handle.remove()
+    assert not forwards, "the refusal came after a forward"
     plain = target.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter), plain)
 
@@ -241,12 +245,12 @@ def test_a_gpu_call_off_the_fast_path_says_why_once():
     logger = dflash_fast_path.logger
     cuda = torch.device("cuda")
     with CaptureLogger(logger) as captured:
-        assert not takes_fast_path(None, "a streamer is attached (test of the warning)", cuda)
-        assert not takes_fast_path(None, "a streamer is attached (test of the warning)", cuda)
-        assert not takes_fast_path(False, "a streamer is attached (test of the warning)", cuda)  # chosen: silent
-        assert not takes_fast_path(None, "a streamer is attached (test of the warning, on a CPU)", torch.device("cpu"))
+        assert not takes_fast_path(None, "a made-up reason (test of the warning)", cuda)
+        assert not takes_fast_path(None, "a made-up reason (test of the warning)", cuda)
+        assert not takes_fast_path(False, "a made-up reason (test of the warning)", cuda)  # chosen: silent
+        assert not takes_fast_path(None, "a made-up reason (test of the warning, on a CPU)", torch.device("cpu"))
     assert captured.out.count("takes the eager loop") == 1
-    assert "because a streamer is attached (test of the warning)" in captured.out
+    assert "because a made-up reason (test of the warning)" in captured.out
     assert takes_fast_path(None, None, cuda) and takes_fast_path(True, None, torch.device("cpu"))
     with pytest.raises(ValueError, match="dflash_fast_path=True, but the fast path cannot serve this call: why"):
         takes_fast_path(True, "why", cuda)
