@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
     dflash_settings = dict(dflash_verify_rows=args.verify_rows) if args.verify_rows else {}
     say("warming up (one short run of each) ...")
     path = warm_up(target, drafter, tokenizer, device, dflash_settings)
-    # The fast path takes no streamer (a streamer sends DFlash to the eager loop), so it runs silently; the eager
-    # loop streams its text as it is committed, and plain generate shows a progress bar. The seconds spent printing
-    # are measured and left out of both timings.
+    # On the CUDA-graph fast path the text is printed after each call, so that no printing sits between graph
+    # replays (a streamer would be served there too, around the step); the eager loop streams its text as it is
+    # committed, and plain generate shows a progress bar. The seconds spent printing are left out of both timings.
     live = not path.startswith("CUDA-graph")
     say(f"DFlash decodes on the {path}" + ("; its text streams as it is committed" if live else ""))
 

@@ -163,7 +163,7 @@ def measure(args) -> dict:
     rows = []
     for context in (64, 128) if args.tiny else CONTEXTS:
         step = static_step_for(target, drafter, 1, context + 64, _cache_argument(target))
-        step.bind(StepProcessors([]), DecodingRule(do_sample=False, rejection=False))
+        step.bind(StepProcessors([]), DecodingRule(do_sample=False, rejection=False), keep_scores=False, keep_logits=False)
         prompt = torch.randint(0, shape["vocab_size"] - 1, (1, context), device=device)
         step.prefill(prompt, torch.ones_like(prompt), context + 64, [])
         step.active.zero_()  # frozen: every replay repeats the same work
