@@ -7,7 +7,8 @@ newlines: `... 2>&1 | tr '\\r' '\\n' > run.log`) or a run of an earlier report o
 (`REPORT.json#RUN_LABEL`, steps, loss and tau per step), which have steps only: give them the anchor blocks per
 step and the seconds per step to place them on the same axes (`LABEL=LOG@BLOCKS_PER_STEP@SECONDS_PER_STEP`). A run that
 continues another starts where that one ended: `--offset LABEL=BLOCKS@SECONDS`. Real tau: `--tau
-"LABEL=TAU@BLOCKS@SECONDS"` (a point per measurement).
+"LABEL=TAU@BLOCKS@SECONDS"` (a point per measurement). `--previous REPORT.json` keeps every run and point of an
+earlier report of this script, already placed, so each session adds its runs to one plot.
 
     python benchmarks/training_curves.py --run "hard=run/hard/train_log.jsonl" --out benchmarks/results/curves.json
 """
@@ -60,7 +61,8 @@ def parse_run(spec: str) -> tuple[str, list[dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", action="append", required=True, metavar="LABEL=LOG")
+    parser.add_argument("--run", action="append", default=[], metavar="LABEL=LOG")
+    parser.add_argument("--previous", help="an earlier report of this script whose runs and points are kept")
     parser.add_argument("--offset", action="append", default=[], metavar="LABEL=BLOCKS@SECONDS")
     parser.add_argument("--tau", action="append", default=[], metavar="LABEL=TAU@BLOCKS@SECONDS")
     parser.add_argument("--out", required=True, help="JSON report; the plot is written beside it (.png)")
@@ -77,6 +79,17 @@ def main() -> None:
         offsets[label] = tuple(float(x) for x in rest.split("@"))
     report = {"runs": {}, "real_tau": []}
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    if args.previous:
+        previous = json.loads(Path(args.previous).read_text())
+        for label, run in previous["runs"].items():
+            report["runs"][label] = run
+            for column, x in enumerate((run["anchor_blocks_m"], run["gpu_minutes"])):
+                axes[0, column].plot(x, run["loss"], label=label)
+                axes[1, column].plot(x, run["tau"], label=label)
+        for point in previous["real_tau"]:
+            report["real_tau"].append(point)
+            for column, x in enumerate((point["anchor_blocks_m"], point["gpu_minutes"])):
+                axes[1, column].scatter([x], [point["tau"]], marker="*", s=120, zorder=3, label=f"{point['label']} (real)")
     for spec in args.run:
         label, rows = parse_run(spec)
         blocks0, seconds0 = offsets.get(label, (0.0, 0.0))
