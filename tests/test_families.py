@@ -140,12 +140,12 @@ def test_the_window_binds(family):
 @pytest.mark.parametrize(
     "family, fast",
     [(family, False) for family in ("llama", "gpt_oss", "qwen3_next", "qwen3_5", "mistral")]
-    + [(family, True) for family in ("gpt_oss", "mistral", "qwen3_moe")],
+    + [(family, True) for family in ("gpt_oss", "mistral", "qwen3_moe", "qwen3_next", "qwen3_5")],
 )
 def test_sampling_follows_the_target_distribution(family, fast):
     """Three sampled tokens after the prompt, with rejection sampling: the third often comes after a verify whose
-    drafts were partly rejected, i.e. from the rolled-back cache (the eager loop) or from slots the fast path's masks
-    hide."""
+    drafts were partly rejected, i.e. from the rolled-back cache (the eager loop), or from slots the fast path's masks
+    hide and the linear-attention states its step rolled back."""
     vocab, samples = 12, 2000
     # Weights ten times the default scale: a tiny random model then depends strongly on its context, so a cache
     # rolled back wrong changes the distribution of the third token (default-scale models barely look back).

@@ -20,7 +20,6 @@ from tests.conftest import random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
 from tests.test_families import family_target
 from tests.test_fast_path import oracle_static_drafts
-from tests.test_sampling import TEMPERATURE, TOP_K, chi_square_p_value, processed_probs
 
 HYBRID = ["qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe"]
 SCALE = dict(initializer_range=0.2)
@@ -140,38 +139,6 @@ def test_commit_leaves_the_states_of_plain_decoding(family):
             states = reference.layers[layer]
             torch.testing.assert_close(cache.conv[layer][row], states.conv_states[0][0], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(cache.recurrent[layer][row], states.recurrent_states[0][0], atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_sampling_follows_the_target_distribution(family):
-    """Three sampled tokens after the prompt on the fast path, with rejection sampling: the third often comes after
-    a verify whose drafts were partly rejected, i.e. from the rolled-back linear states."""
-    vocab, samples = 12, 2000
-    target = family_target(family, seed=21, vocab_size=vocab, **SCALE)
-    target.generation_config.eos_token_id = None  # every token of the small vocabulary is a sample, none ends it
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=vocab - 1)
-    prompt = torch.tensor([[3, 7, 1, 4, 9, 2, 5]])
-    with torch.no_grad():  # exact probabilities of every (t1, t2, t3)
-        first = processed_probs(target(prompt).logits[0, -1])  # (V,)
-        pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # (V * V, 2)
-        second = processed_probs(target(torch.cat([prompt.expand(vocab, -1), pairs[::vocab, :1]], 1)).logits[:, -1])
-        third = processed_probs(target(torch.cat([prompt.expand(len(pairs), -1), pairs], 1)).logits[:, -1])
-    joint = (first[:, None, None] * second[:, :, None] * third.view(vocab, vocab, vocab)).flatten()
-    torch.manual_seed(0)
-    out = target.generate(
-        prompt.repeat(samples, 1), max_new_tokens=3, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
-        assistant_model=drafter, return_dict_in_generate=True, pad_token_id=0, dflash_sampling="rejection",
-        dflash_fast_path=True,
-    )
-    assert any(lengths[0] < 3 for lengths in out.acceptance_lengths), "no verify step was partly rejected"
-    assert any(lengths[0] > 1 for lengths in out.acceptance_lengths), "no draft was ever accepted"
-    new = out.sequences[:, prompt.shape[1] :]
-    counts = torch.bincount(new[:, 0] * vocab * vocab + new[:, 1] * vocab + new[:, 2], minlength=vocab**3).float()
-    assert chi_square_p_value(counts, joint) > 1e-3
-    # The test has teeth: the joint of a target whose states kept one rejected row would differ this much.
-    shifted = joint.view(vocab, vocab, vocab).roll(1, dims=2).flatten()
-    assert chi_square_p_value(counts, 0.9 * joint + 0.1 * shifted) < 1e-3
-    release_fast_path(drafter)
 
 
 def test_a_moe_target_on_cuda_needs_graph_safe_experts():
