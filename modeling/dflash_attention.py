@@ -8,7 +8,8 @@ of every layer dominates its growth with context (benchmarks/NOTES.md, issue 15)
 Here the G query heads of a group become G blocks of rows of one head instead: query (b, h, q, d) is viewed as
 (b, g, G * q, d) against key/value (b, g, L, d), and the mask is repeated over the group's rows. Each key/value head is
 then read once, in place, by an ordinary multi-head sdpa call with a mask, which every sdpa backend that takes a mask
-serves (the memory-efficient kernel on CUDA). transformers does the same for one query row (`pack_gqa`, 5.24).
+serves (on an H200 with torch 2.11 torch chose cuDNN's attention; benchmarks/NOTES.md, "flat cost"). transformers
+does the same for one query row (`pack_gqa`, 5.24).
 
 `grouped_attention(*models)` switches the models whose attention is "sdpa" to this function for the forwards inside
 it (it is registered in transformers' AttentionInterface under `GROUPED_SDPA`) and puts every config back on exit,
