@@ -11,9 +11,11 @@ First, per variant, the fast path's output on tiny float32 hybrid targets (qwen3
 with batched experts) against plain greedy, batch 1 and 3, with the step recorded as a graph. Then per context length:
 - ours: the step's parts as CUDA graphs (`step_parts_ms`: propose, verify = target forward over 16 rows + acceptance
   + the linear layers' rollback, whole step), every sequence frozen so replays repeat the same work.
-- the target's own 1-token step with transformers' StaticCache, as a CUDA graph; if the capture fails, timed eagerly
-  and the error recorded.
-- the target's 1-token step on our fixed buffers (`HybridStaticCache`, no rollback), as a CUDA graph: the floor.
+- the target's 1-token step on our fixed buffers (`HybridStaticCache`, no rollback), as a CUDA graph: the floor,
+  as `hf-dflash bench` measures it for other targets on `StaticTargetCache`.
+- with `--transformers-cache`, also the target's own 1-token step with transformers' StaticCache (a graph, else
+  eager). Off by default: on the H200 with transformers 5.17 (2026-12-03) recording it hit a CUDA device-side assert,
+  which leaves the process unable to go on, so it took every other figure of the run with it.
 
 transformers picks the gated-delta-rule and conv kernels when its modeling module is imported: flash-linear-attention
 (`fla`) and `causal_conv1d` if installed, else its PyTorch code. Each variant runs in its own process; "without fla"
@@ -174,10 +176,10 @@ def measure(args) -> dict:
             with step.generator.capture:
                 ours = {"step_ms_eager": timed_ms(lambda: step.step(rows_), device, graph=False)}
         floor = buffers_step_ms(step, context, device)
-        own = own_cache_step_ms(target, context, device)
-        row = {"context": context, **ours, "target_1token_on_our_buffers_ms": floor,
-               "target_1token_transformers_static_cache": own}
-        print(f"[{args.variant}] context {context}: {json.dumps(row)}", flush=True)
+        row = {"context": context, **ours, "target_1token_on_our_buffers_ms": floor}
+        print(f"[{args.variant}] context {context}: {json.dumps(row)}", flush=True)  # before anything that may fail
+        if args.transformers_cache:
+            row["target_1token_transformers_static_cache"] = own_cache_step_ms(target, context, device)
         rows.append(row)
         drafter._dflash_static_step = None
         if device == "cuda":
@@ -201,6 +203,8 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke run of the script)")
+    parser.add_argument("--transformers-cache", action="store_true",
+                        help="also time the target's 1-token step on transformers' StaticCache (see above)")
     parser.add_argument("--variant", choices=("with-fla", "without-fla"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:  # a child process: measure one variant, print its JSON last
@@ -217,6 +221,7 @@ def main() -> int:
     for variant in variants:
         command = [sys.executable, __file__, "--out", args.out, "--device", args.device, "--variant", variant]
         command += ["--tiny"] if args.tiny else []
+        command += ["--transformers-cache"] if args.transformers_cache else []
         child = subprocess.run(command, capture_output=True, text=True)
         for line in child.stdout.splitlines():
             if line.startswith("RESULT "):
