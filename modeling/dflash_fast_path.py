@@ -47,7 +47,7 @@ from .dflash_processors import StepProcessors
 from .dflash_static_cache import (
     ContiguousPagedView, StaticTargetCache, contiguous_block_tables, page_slots, reorder_contiguous_rows,
 )
-from .dflash_target_cache import FULL, SLIDING, _additive
+from .dflash_target_cache import FULL, LINEAR, SLIDING, additive_mask
 
 logger = logging.get_logger(__name__)
 
@@ -60,8 +60,6 @@ FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBR
 # Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
 # Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
 MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe")
-# The layer type of a hybrid target's Gated DeltaNet layers, whose mask is a padding mask or none (not a 4D one).
-LINEAR = "linear_attention"
 
 
 def target_layer_types(text: Any) -> list[str]:
@@ -382,9 +380,11 @@ class DFlashStaticStep:
         if self.target_window is not None:  # slot distances are position distances (a sequence's slots are contiguous)
             windowed = visible & (self.key_slots > query_slots[:, :, None] - self.target_window)
         if self.mask_types is None:
-            return _additive(visible if windowed is None else windowed, self.mask_dtype)
+            return additive_mask(visible if windowed is None else windowed, self.mask_dtype)
         return {
-            kind: linear_attention if kind == LINEAR else _additive(windowed if kind == SLIDING else visible, self.mask_dtype)
+            # a hybrid target's Gated DeltaNet layers take a padding mask or none, not a 4D one
+            kind: linear_attention if kind == LINEAR
+            else additive_mask(windowed if kind == SLIDING else visible, self.mask_dtype)
             for kind in self.mask_types
         }
 

@@ -111,7 +111,7 @@ class BlockInput:
     recurrent_before: torch.Tensor
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean (b, q, L) visibility as the additive (b, 1, q, L) mask every attention backend takes."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
         ~visible, torch.finfo(dtype).min
@@ -161,10 +161,10 @@ class TargetCacheRollback:
         visible = real[:, None, :] & (positions[:, None, :] <= queries)  # (b, q, L)
         windowed = (visible & (queries - positions[:, None, :] < self.window))[..., self.sliding_start :]
         if not self.mask_by_type:  # Mistral-style: every layer slides
-            return _additive(windowed, self.dtype)
-        masks = {SLIDING: _additive(windowed, self.dtype)}
+            return additive_mask(windowed, self.dtype)
+        masks = {SLIDING: additive_mask(windowed, self.dtype)}
         if FULL in self.kinds:
-            masks[FULL] = _additive(visible, self.dtype)
+            masks[FULL] = additive_mask(visible, self.dtype)
         return masks
 
     @contextlib.contextmanager
@@ -265,4 +265,4 @@ class TargetCacheRollback:
                 layer.batch_select_indices(index)
 
 
-__all__ = ["TargetCacheRollback", "layer_kinds", "rollback_problem", "sliding_windows"]
+__all__ = ["FULL", "LINEAR", "SLIDING", "TargetCacheRollback", "additive_mask", "layer_kinds", "rollback_problem", "sliding_windows"]
