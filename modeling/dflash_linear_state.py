@@ -113,14 +113,10 @@ class HybridStaticCache(StaticTargetCache):
         device: torch.device | str,
     ):
         linear = linear_attention_modules(target)
-        num_layers = len(decoder_layers(target))
-        super().__init__(0, batch_size, num_key_value_heads, head_dim, num_slots, dtype, device)
-        shape = (batch_size, num_key_value_heads, num_slots, head_dim)
-        empty = torch.zeros(batch_size, 0, dtype=dtype, device=device)  # a linear layer holds no keys/values
-        self.keys = [
-            empty if i in linear else torch.zeros(shape, dtype=dtype, device=device) for i in range(num_layers)
-        ]
-        self.values = [empty if i in linear else torch.zeros_like(key) for i, key in enumerate(self.keys)]
+        super().__init__(
+            len(decoder_layers(target)), batch_size, num_key_value_heads, head_dim, num_slots, dtype, device,
+            keyless_layers=frozenset(linear),
+        )
         self.conv: dict[int, torch.Tensor] = {}  # (b, conv_dim, K) the last K conv inputs
         self.recurrent: dict[int, torch.Tensor] = {}  # (b, value heads, dk, dv) float32, as the rule returns it
         for i, module in linear.items():
@@ -139,10 +135,6 @@ class HybridStaticCache(StaticTargetCache):
         self.fresh = False  # True during the prompt's forward: the layers start from empty states, as in generate
         self.pending: dict[int, _Pending] | None = None  # per linear layer, while a verify is deferred
         self.current_layer: int | None = None
-
-    @property
-    def num_slots(self) -> int:
-        return next(key for key in self.keys if key.dim() == 4).shape[2]  # a full-attention layer's (b, g, L, d)
 
     @property
     def kernel_size(self) -> int:

@@ -28,8 +28,9 @@ from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache
 
 
 class StaticTargetCache:
-    """The target's keys/values in preallocated (b, g, L, d) buffers; `write_slots` (b, q) says where the rows of
-    the forward in flight go (set it before the forward; the fast path points it at a buffer its step refills)."""
+    """The target's keys/values in preallocated (b, g, L, d) buffers (empty for `keyless_layers`); `write_slots`
+    (b, q) says where the rows of the forward in flight go (set it before the forward; the fast path points it at a
+    buffer its step refills)."""
 
     def __init__(
         self,
@@ -40,15 +41,19 @@ class StaticTargetCache:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        keyless_layers: frozenset[int] = frozenset(),
     ):
         shape = (batch_size, num_key_value_heads, num_slots, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        empty = (batch_size, 0)  # a layer that attends to no keys (a hybrid target's linear layers) holds none
+        self.keys = [
+            torch.zeros(empty if i in keyless_layers else shape, dtype=dtype, device=device) for i in range(num_layers)
+        ]
+        self.values = [torch.zeros_like(key) for key in self.keys]
         self.write_slots: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
-        return self.keys[0].shape[2]
+        return next(key for key in self.keys if key.dim() == 4).shape[2]  # an attention layer's (b, g, L, d)
 
     def head(self, rows: int) -> "StaticTargetCache":
         """A cache over the first `rows` sequences only, sharing this one's memory (the fast path's smaller batches)."""
