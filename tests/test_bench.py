@@ -12,16 +12,22 @@ from hf_dflash.bundled_models import load_stories260k
 from hf_dflash.cli import main
 
 
-def test_bench_reports_every_method_side_by_side(tmp_path):
+def random_drafter_and_prompts(tmp_path, texts: list[str]) -> tuple[str, str]:
+    """A random 1-layer drafter for stories260K saved under tmp_path, and a prompt file of `texts`."""
     target, _ = load_stories260k()
     torch.manual_seed(0)
     config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
     DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Once upon a time", "The dog ran", "Tom saw"]))
+    prompts.write_text("\n".join(json.dumps({"prompt": text}) for text in texts))
+    return str(tmp_path / "drafter"), str(prompts)
+
+
+def test_bench_reports_every_method_side_by_side(tmp_path):
+    drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
     out = tmp_path / "report.json"
     main([
-        "bench", "--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+        "bench", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
         "--max-new-tokens", "12", "--batch-sizes", "1", "2", "--methods", "plain", "plain-static", "dflash",
         "--dtype", "fp32", "--out", str(out),
     ])
@@ -40,13 +46,8 @@ def test_bench_reports_every_method_side_by_side(tmp_path):
 
 
 def test_bench_samples_with_a_family_preset_and_runs_prompts_at_their_own_lengths(tmp_path):
-    target, _ = load_stories260k()
-    torch.manual_seed(0)
-    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
-    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Once upon a time there was", "Tom saw"]))
-    common = ["bench", "--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+    drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time there was", "Tom saw"])
+    common = ["bench", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
               "--max-new-tokens", "10", "--batch-sizes", "1", "--methods", "plain", "dflash", "--dtype", "fp32"]
     reports = []
     for run in range(2):  # seeded: the same sampled tokens twice
