@@ -46,3 +46,4 @@ if state.is_main_process:
     for prompt, story in zip(prompts, stories):
         print(f"{prompt} {story}\n")
     print(f"{len(prompts)} prompts over {state.num_processes} process(es); identical to plain generate: {stories == plain}")
+state.destroy_process_group()  # leave the process group cleanly before exit

@@ -27,6 +27,9 @@ def main(out_path: str) -> None:
     if state.is_main_process:
         with open(out_path, "w") as f:
             json.dump({"num_processes": state.num_processes, "answers": answers}, f)
+    # Leave the gloo group before exiting: torn down at interpreter exit instead, its threads once aborted a process
+    # ("terminate called without an active exception") after every answer was written.
+    state.destroy_process_group()
 
 
 if __name__ == "__main__":
