@@ -28,7 +28,7 @@ def main(out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump({"num_processes": state.num_processes, "answers": answers}, f)
     # Leave the gloo group before exiting: torn down at interpreter exit instead, its threads once aborted a process
-    # ("terminate called without an active exception") after every answer was written.
+    # ("terminate called without an active exception") after it had decoded all of its prompts.
     state.destroy_process_group()
 
 
