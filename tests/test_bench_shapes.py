@@ -163,3 +163,25 @@ def test_a_published_layout_drafter_loaded_from_its_files_drafts_through_generat
     out = target.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, assistant_model=drafter,
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain) and len(out.acceptance_lengths[0]) >= 1
+
+
+def test_the_baseline_leaves_a_hybrid_step_as_it_was(monkeypatch):
+    """Each replay of the 1-token step advances a hybrid target's linear states; the measurement puts them back, so the
+    held step stays the state of its last call. (CUDA graphs are GPU-only: the replays run the forward here.)"""
+    calls = []
+
+    def replays(fn, replays=30):
+        calls.extend(fn() for _ in range(3))
+        return 0.0
+
+    monkeypatch.setattr(bench, "_graph_ms", replays)
+    target, drafter = random_pair(tiny_shape("qwen3.5-4b"), torch.float32, "cpu")
+    prompt = torch.randint(0, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(1))
+    target.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, assistant_model=drafter,
+                    dflash_fast_path=True)
+    step = drafter._dflash_static_step[1]
+    before = [state.clone() for state in step.target_cache.carried_state()]
+    assert before and bench.target_1_token_graph_ms(step) == 0.0
+    assert not torch.equal(calls[0], calls[1])  # the replays did advance the states (the same token, a new state)
+    for state, value in zip(step.target_cache.carried_state(), before):
+        assert torch.equal(state, value)
