@@ -8,10 +8,20 @@ Methods:
 - `dflash`: ours (`assistant_model=drafter`: the CUDA-graph fast path on a GPU, the eager loop elsewhere).
 
 Reported per method: tau, tokens/s, ms per verify step (per token for plain methods), time to first token, peak GPU
-memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights qwen3-8b` the target and drafter are
-built at a published shape without weights (for speed at real scale), prompts are random ids of each
-`--context-lengths`, and two GPU figures are added: the target's own 1-token step as a CUDA graph (the floor a
-verify step is compared against) and our step split into its propose and verify graphs.
+memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights SHAPE` the target and drafter are
+built with random weights at a published shape (for speed at real scale), prompts are random ids of each
+`--context-lengths`, and two GPU figures are added: the target's own 1-token step as a CUDA graph on the cache the
+fast path keeps for that family (the floor a verify step is compared against) and our step split into its propose
+and verify graphs. The shapes: each target's published config (its config.json; the text model of a multimodal
+checkpoint) and the published DFlash drafter for it (its config in hub_configs/):
+  qwen3-8b             Qwen/Qwen3-8B + z-lab/Qwen3-8B-DFlash-b16 (dense)
+  gpt-oss-20b          openai/gpt-oss-20b + z-lab/gpt-oss-20b-DFlash (sliding windows, attention sinks, MoE; eager
+                       attention, which applies the sinks)
+  qwen3.5-4b           Qwen/Qwen3.5-4B's text model + z-lab/Qwen3.5-4B-DFlash (Gated DeltaNet + full attention)
+  qwen3-coder-30b-a3b  Qwen/Qwen3-Coder-30B-A3B-Instruct + z-lab/Qwen3-Coder-30B-A3B-DFlash (MoE)
+MoE experts run what the fast path tells a user to load them with on that device: `grouped_mm` in bfloat16 on a
+compute capability 9.x/10.x GPU, else `batched_mm` (on a CPU, transformers' default); `--experts-implementation`
+picks one.
 
 `--sampling qwen3` (or `llama3`) decodes every method with that model family's published sampling defaults, as a
 chat model's `generation_config.json` makes `generate` do; tau and speed are then compared, not tokens (each call
@@ -34,22 +44,80 @@ import torch
 from tqdm.auto import tqdm
 
 from .modeling import DFlashConfig, DFlashDraftModel
-from .modeling.dflash_decoding import _cache_argument
 from .generate_cli import timed
 from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
 from .modeling.dflash_static_cache import StaticTargetCache
 
 METHODS = ("plain", "plain-static", "native", "dflash")
-# Published shapes for --random-weights: the target's config and its drafter's (z-lab/Qwen3-8B-DFlash-b16).
+
+
+@dataclass(frozen=True)
+class PublishedShape:
+    """A `--random-weights` shape: a published target's config and the published DFlash drafter trained for it."""
+
+    target: str  # the target's Hub id
+    drafter: str  # the drafter's Hub id; its config comes from hub_configs/
+    model_type: str  # the (text) model type AutoModelForCausalLM builds
+    config: dict[str, Any]  # the target config.json's fields (of its text config for a multimodal checkpoint)
+    attn_implementation: str = "sdpa"  # the attention the fast path serves this family with
+    # fields changed from the published drafter's config, where the target is built smaller than published (none
+    # for the shapes below; every report records them)
+    drafter_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+# The targets' fields as their config.json on the Hub states them (weights aside; transformers' defaults fill only
+# what a file leaves out); each agrees with its drafter's config in hub_configs/ on hidden size, depth and vocabulary
+# (tests/test_bench_shapes.py checks both).
 RANDOM_SHAPES = {
-    "qwen3-8b": {
-        "target": dict(
+    "qwen3-8b": PublishedShape(
+        target="Qwen/Qwen3-8B", drafter="z-lab/Qwen3-8B-DFlash-b16", model_type="qwen3",
+        config=dict(
             vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
             num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
             max_position_embeddings=40960, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         ),
-        "drafter": dict(num_hidden_layers=5, block_size=16, mask_token_id=151669),
-    },
+    ),
+    "gpt-oss-20b": PublishedShape(
+        target="openai/gpt-oss-20b", drafter="z-lab/gpt-oss-20b-DFlash", model_type="gpt_oss",
+        config=dict(
+            vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, attention_bias=True,
+            layer_types=["sliding_attention", "full_attention"] * 12, sliding_window=128,
+            num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0, router_aux_loss_coef=0.9,
+            rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 4096, "truncate": False,
+            },
+        ),
+        attn_implementation="eager",  # sdpa drops the attention sinks; the fast path refuses it for this target
+    ),
+    "qwen3.5-4b": PublishedShape(  # the Hub checkpoint is Qwen3_5ForConditionalGeneration: its text model here
+        target="Qwen/Qwen3.5-4B", drafter="z-lab/Qwen3.5-4B-DFlash", model_type="qwen3_5_text",
+        config=dict(
+            vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+            num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10], "mrope_interleaved": True,
+            },
+        ),
+    ),
+    "qwen3-coder-30b-a3b": PublishedShape(
+        target="Qwen/Qwen3-Coder-30B-A3B-Instruct", drafter="z-lab/Qwen3-Coder-30B-A3B-DFlash",
+        model_type="qwen3_moe",
+        config=dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            use_sliding_window=False, sliding_window=None, rms_norm_eps=1e-6, max_position_embeddings=262144,
+            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0},
+        ),
+    ),
 }
 # Sampling settings of `--sampling`: what the published generation_config.json of each family sets (transformers'
 # defaults fill the rest, e.g. top_k 50 for Llama-3.1-Instruct, as they do for a user's call).
@@ -162,7 +230,8 @@ def run_method(
 
 @torch.no_grad()
 def target_graph_step_ms(target: torch.nn.Module, batch_size: int, num_slots: int, cache_argument: str) -> float:
-    """The target's own 1-token decode step as a CUDA graph replay, on a static cache of `num_slots` slots."""
+    """The target's own 1-token decode step as a CUDA graph replay, on a fresh `StaticTargetCache` of `num_slots` slots
+    (dense full-attention targets only; `target_1_token_graph_ms` measures every family on the fast path's own cache)."""
     text = target.config.get_text_config()
     device = target.get_input_embeddings().weight.device
     cache = StaticTargetCache(
@@ -179,6 +248,52 @@ def target_graph_step_ms(target: torch.nn.Module, batch_size: int, num_slots: in
                **{cache_argument: cache})
 
     return _graph_ms(step)
+
+
+# What `target_1_token_graph_ms` times, as the report names it.
+TARGET_1_TOKEN_BASELINE = (
+    "the target's own forward of one token per sequence (its last committed token, at its position), with the "
+    "target's own attention implementation, on the target cache the fast path keeps for its family (StaticTargetCache;"
+    " HybridStaticCache with the Gated DeltaNet states for hybrid targets) under the fast path's masks (sliding "
+    "windows applied as the fast path applies them; attention sinks inside eager attention), recorded once as a CUDA "
+    "graph after our last call of the setting; median of 30 replays. GPU only: absent from rows measured elsewhere."
+)
+
+
+def target_one_token_step(step: DFlashStaticStep) -> Any:
+    """The target's own 1-token decode forward on `step`'s target cache, as plain decoding's next step would run it:
+    each sequence's last committed token at its own position, seeing every real slot before it (the fast path's
+    masks: a sliding layer only its window), through the target's own attention. Returns a function that runs it
+    and returns the logits (b, 1, V). A hybrid target's linear states advance at each call (restore them with
+    `carried_state`)."""
+    rows = step.rows(step.batch_size)
+    slots = (rows.offsets + rows.anchor_pos)[:, None]  # (b, 1) the token's own slot
+    visible = (step.key_slots >= rows.offsets[:, None, None]) & (step.key_slots <= slots[:, :, None])  # (b, 1, L)
+    mask = step.target_masks(visible, slots)
+    positions = rows.anchor_pos[:, None]  # (b, 1)
+    cache = rows.target_cache
+
+    @torch.no_grad()
+    def forward() -> torch.Tensor:
+        cache.write_slots = slots
+        return step.target(
+            input_ids=rows.anchor_ids, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1,
+            **{step.cache_argument: cache},
+        ).logits
+
+    return forward
+
+
+@torch.no_grad()
+def target_1_token_graph_ms(step: DFlashStaticStep) -> float:
+    """`target_one_token_step` of a held fast-path step, as a CUDA graph replay (ms, median); see
+    TARGET_1_TOKEN_BASELINE. The step's carried states (a hybrid target's linear layers) are put back afterwards."""
+    saved = [state.clone() for state in step.target_cache.carried_state()]
+    try:
+        return _graph_ms(target_one_token_step(step))
+    finally:
+        for state, value in zip(step.target_cache.carried_state(), saved):
+            state.copy_(value)
 
 
 def _graph_ms(fn: Any, replays: int = 30) -> float:
@@ -206,17 +321,67 @@ def step_parts_ms(step: DFlashStaticStep) -> dict[str, float]:
                 "step_graph_ms": _graph_ms(lambda: step.step(rows))}
 
 
-def random_pair(shape: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A target and drafter of a published shape, randomly initialised (speed only: tau means nothing here)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def has_experts(target: torch.nn.Module) -> bool:
+    """Whether the target has MoE expert modules that transformers dispatches by `experts_implementation` (the
+    modules the fast path checks)."""
+    return any(hasattr(m, "gate_up_proj") and hasattr(m, "num_experts") for m in target.modules())
 
-    spec = RANDOM_SHAPES[shape]
-    config = Qwen3Config(**spec["target"])
+
+def experts_implementation(target: torch.nn.Module, dtype: torch.dtype, device: str) -> str | None:
+    """The MoE experts implementation the fast path tells a user to load this target with on `device` (None: no MoE
+    experts, or a CPU, where the fast path runs any): `grouped_mm` in bfloat16 on a compute capability 9.x/10.x GPU,
+    whose kernel keeps its group offsets on the device, else `batched_mm`."""
+    if not str(device).startswith("cuda") or not has_experts(target):
+        return None
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10):
+        return "grouped_mm"
+    return "batched_mm"
+
+
+def random_pair(
+    shape: str | PublishedShape, dtype: torch.dtype, device: str, experts: str | None = None
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A target and drafter of a published shape (a name of RANDOM_SHAPES, or a PublishedShape), randomly initialised
+    on `device` itself (no initialisation on the CPU first), set up as the fast path serves the family (attention;
+    MoE experts on `experts`, by default `experts_implementation`'s choice). Speed only: tau means nothing here."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .hub import published_drafters
+
+    spec = RANDOM_SHAPES[shape] if isinstance(shape, str) else shape
+    if experts is not None and not {"num_experts", "num_local_experts"} & spec.config.keys():
+        raise ValueError(f"the {spec.target} shape has no MoE experts; drop --experts-implementation")
+    config = AutoConfig.for_model(spec.model_type, **spec.config)
+    drafter_fields = {**published_drafters()[spec.drafter].config, **spec.drafter_overrides}
     with torch.device(device):
-        target = Qwen3ForCausalLM._from_config(config, dtype=dtype).eval()
-        drafter_config = DFlashConfig.for_target(config, **spec["drafter"])
-        drafter = DFlashDraftModel._from_config(drafter_config, dtype=dtype).eval()
+        target = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=spec.attn_implementation
+        ).eval()
+        drafter = DFlashDraftModel._from_config(DFlashConfig(**drafter_fields), dtype=dtype).eval()
+    experts = experts or experts_implementation(target, dtype, device)
+    if experts is not None:
+        target.set_experts_implementation(experts)
     return target, drafter
+
+
+def shape_record(shape: str | PublishedShape, target: torch.nn.Module, drafter: torch.nn.Module) -> dict[str, Any]:
+    """What a report says about a `--random-weights` shape: the published ids, the target's fields as built, what was
+    changed from the published configs (nothing for RANDOM_SHAPES), and how the target runs."""
+    spec = RANDOM_SHAPES[shape] if isinstance(shape, str) else shape
+    built = target.config.get_text_config()
+    return {
+        "target": spec.target,
+        "drafter": spec.drafter,
+        "target_class": type(target).__name__,
+        "target_config": {key: getattr(built, key) for key in spec.config},
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "drafter_config": {key: getattr(drafter.config, key) for key in (
+            "num_hidden_layers", "block_size", "target_layer_ids", "layer_types", "sliding_window", "mask_token_id",
+        )},
+        "drafter_changed_from_published": dict(spec.drafter_overrides),
+        "attn_implementation": built._attn_implementation,
+        "experts_implementation": built._experts_implementation if has_experts(target) else None,
+    }
 
 
 def _padded_batches(
@@ -242,11 +407,13 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     settings: list[tuple[str, list[list[int]]]] = []
+    shape = None
     if args.random_weights:
-        target, drafter = random_pair(args.random_weights, dtype, device)
+        target, drafter = random_pair(args.random_weights, dtype, device, args.experts_implementation)
+        shape = shape_record(args.random_weights, target, drafter)
         pad_token_id = 0
         generator = torch.Generator().manual_seed(0)
-        vocab = target.config.vocab_size - 1000  # keep clear of the mask row at the end of the vocabulary
+        vocab = drafter.config.mask_token_id  # random ids below the mask token (near the end of the vocabulary)
         for length in args.context_lengths:
             prompts = torch.randint(0, vocab, (args.batch_size, length), generator=generator).tolist()
             settings.append((f"{args.random_weights} ctx {length}{_label(args)} b{args.batch_size}", prompts))
@@ -262,7 +429,6 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for batch_size in args.batch_sizes:
             settings.append((f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}", prompts))
     target.eval()
-    cache_argument = _cache_argument(target)
     results: list[Measurement] = []
     for setting, prompts in settings:
         batch_size = args.batch_size if args.random_weights else int(setting.rsplit("b", 1)[1])
@@ -280,9 +446,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if method == "dflash" and device.startswith("cuda") and held is not None:
                 step = held[1]
                 measurement.extra.update(step_parts_ms(step))
-                measurement.extra["target_1_token_graph_ms"] = target_graph_step_ms(
-                    target, batch_size, step.num_slots, cache_argument
-                )
+                measurement.extra["target_1_token_graph_ms"] = target_1_token_graph_ms(step)
             results.append(measurement)
             print(_row(measurement), flush=True)
         _add_ratios([m for m in results if m.setting == setting])
@@ -292,6 +456,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "arguments": {k: v for k, v in vars(args).items() if k != "func"},
+        **({"random_weights_shape": shape} if shape is not None else {}),
+        "target_1_token_graph_baseline": TARGET_1_TOKEN_BASELINE,
         "results": [
             {**asdict(m), "tokens_per_s": m.tokens_per_s, "ms_per_step": m.ms_per_step}
             for m in results
@@ -393,8 +559,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--target", default="smollm2", help="smollm2, stories260k, or a from_pretrained path/id")
     parser.add_argument("--drafter", default=None, help="drafter directory (default: our SmolLM2 drafter)")
-    parser.add_argument("--random-weights", choices=sorted(RANDOM_SHAPES), default=None,
-                        help="build target and drafter of this published shape without weights (speed only)")
+    parser.add_argument("--random-weights", choices=list(RANDOM_SHAPES), default=None,
+                        help="build target and drafter of this published shape with random weights (speed only; the "
+                        "shapes are listed above)")
+    parser.add_argument("--experts-implementation", choices=["batched_mm", "grouped_mm"], default=None,
+                        help="MoE experts of a --random-weights target (default: grouped_mm in bf16 on a compute "
+                        "capability 9.x/10.x GPU, else batched_mm, as the fast path advises)")
     parser.add_argument("--context-lengths", type=int, nargs="+", default=[512],
                         help="prompt lengths of --random-weights runs")
     parser.add_argument("--prompts", default="humaneval", help="humaneval, sharegpt:N or a .jsonl file")

@@ -18,8 +18,10 @@ from transformers.generation.utils import GenerationMixin
 
 
 def is_dflash_drafter(model: Any) -> bool:
-    """True for any copy of our drafter class (the installed library's or a remote-code bundle's)."""
-    return model is not None and getattr(getattr(model, "config", None), "model_type", None) == "dflash"
+    """True for any copy of our drafter class (the installed library's or a remote-code bundle's). The config's class
+    says so, not the instance: a published z-lab file's `model_type` ("qwen3", "gpt_oss") names its layout and stays
+    on the loaded config."""
+    return model is not None and getattr(type(getattr(model, "config", None)), "model_type", None) == "dflash"
 
 
 def _asks_for_native_dflash(arguments: dict[str, Any]) -> bool:
