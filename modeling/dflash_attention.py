@@ -9,10 +9,10 @@ Two ways to read each key/value head once, chosen per call:
 - On CUDA, torch's sdpa takes grouped heads itself (`enable_gqa=True`) when its dispatch serves the call with a fused
   kernel (cuDNN's attention, or the memory-efficient one where it takes grouped heads): that kernel reads key/value
   head i // G for query head i in place, and the (b, 1, q, L) mask broadcasts over the heads as it is. Whether a
-  fused kernel takes the call depends on the torch build (cuDNN version, GPU, torch version: the memory-efficient
-  kernel refused grouped heads in older releases), so the call asks torch's own dispatcher (`_fused_sdp_choice`, the
-  function `scaled_dot_product_attention` itself consults) instead of guessing from version numbers. When only the
-  math backend would take it, enable_gqa would copy every key/value head (`repeat_interleave`), so that call folds.
+  fused kernel takes the call depends on the torch build (cuDNN version, GPU, and each torch release's own checks),
+  so the call asks torch's own dispatcher (`_fused_sdp_choice`, the function `scaled_dot_product_attention` itself
+  consults) instead of guessing from version numbers. When only the math backend would take it, enable_gqa would
+  copy every key/value head (`repeat_interleave`), so that call folds.
 - Elsewhere (CPU, or a CUDA call no fused kernel takes) the G query heads of a group become G blocks of rows of one
   head: query (b, h, q, d) is viewed as (b, g, G * q, d) against key/value (b, g, L, d), and the mask is repeated
   over the group's rows. This is an ordinary multi-head sdpa call with a mask, which every sdpa backend that takes a
