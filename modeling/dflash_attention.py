@@ -5,11 +5,20 @@ head) before calling `scaled_dot_product_attention`, because torch's fused CUDA 
 grouped heads together. A verify step attends 16 rows to every slot of the static cache, so that copy of all L slots
 of every layer dominates its growth with context (benchmarks/NOTES.md, issue 15).
 
-Here the G query heads of a group become G blocks of rows of one head instead: query (b, h, q, d) is viewed as
-(b, g, G * q, d) against key/value (b, g, L, d), and the mask is repeated over the group's rows. Each key/value head is
-then read once, in place, by an ordinary multi-head sdpa call with a mask, which every sdpa backend that takes a mask
-serves (on an H200 with torch 2.11 torch chose cuDNN's attention; benchmarks/NOTES.md, "flat cost"). transformers
-does the same for one query row (`pack_gqa`, 5.24).
+Two ways to read each key/value head once, chosen per call:
+- On CUDA, torch's sdpa takes grouped heads itself (`enable_gqa=True`) when its dispatch serves the call with a fused
+  kernel (cuDNN's attention, or the memory-efficient one where it takes grouped heads): that kernel reads key/value
+  head i // G for query head i in place, and the (b, 1, q, L) mask broadcasts over the heads as it is. Whether a
+  fused kernel takes the call depends on the torch build (cuDNN version, GPU, and each torch release's own checks),
+  so the call asks torch's own dispatcher (`_fused_sdp_choice`, the function `scaled_dot_product_attention` itself
+  consults) instead of guessing from version numbers. When only the math backend would take it, enable_gqa would
+  copy every key/value head (`repeat_interleave`), so that call folds.
+- Elsewhere (CPU, or a CUDA call no fused kernel takes) the G query heads of a group become G blocks of rows of one
+  head: query (b, h, q, d) is viewed as (b, g, G * q, d) against key/value (b, g, L, d), and the mask is repeated
+  over the group's rows. This is an ordinary multi-head sdpa call with a mask, which every sdpa backend that takes a
+  mask serves. transformers does the same for one query row (`pack_gqa`, 5.24).
+On an H200 with torch 2.11 both ran cuDNN's attention, and enable_gqa was 2.5-4.5% faster per step: it copies
+neither the query nor the mask per layer (benchmarks/NOTES.md, "flat cost").
 
 `grouped_attention(*models)` switches the models whose attention is "sdpa" to this function for the forwards inside
 it (it is registered in transformers' AttentionInterface under `GROUPED_SDPA`) and puts every config back on exit,
@@ -25,10 +34,28 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 GROUPED_SDPA = "dflash_grouped_sdpa"
+# torch's SDPBackend numbers of its fused kernels (flash, memory-efficient, cuDNN); 0 is the math backend.
+FUSED_SDPA_BACKENDS = frozenset(
+    int(getattr(SDPBackend, name)) for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+)
+
+
+def fused_kernel_takes_grouped_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, dropout: float, scale: float | None
+) -> bool:
+    """Whether torch's sdpa would serve this masked call with `enable_gqa=True` by a fused CUDA kernel, which reads
+    the grouped key/value heads in place. Asked of torch's own dispatcher for the exact tensors (shapes, strides,
+    dtypes, mask), its priority order and the backends the user left enabled; host work only, so a CUDA graph records
+    the call it picks. Off CUDA: False (the CPU kernels are left to the fold, which every backend serves)."""
+    if query.device.type != "cuda":
+        return False
+    choice = torch._fused_sdp_choice(query, key, value, mask, dropout, False, scale=scale, enable_gqa=True)
+    return choice in FUSED_SDPA_BACKENDS
 
 
 def grouped_sdpa_attention(
@@ -53,6 +80,11 @@ def grouped_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if fused_kernel_takes_grouped_heads(query, key, value, attention_mask, dropout, scaling):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )  # (b, h, q, d_v)
+        return out.transpose(1, 2).contiguous(), None
     # Query head i reads key/value head i // G (transformers' repeat_kv order), so heads [j * G, (j + 1) * G) become
     # the rows of head j. Only the query (q rows) may be copied here; the keys/values (L slots) are read in place.
     folded = query.reshape(b, g, groups * q, d)  # (b, g, G * q, d)
@@ -100,4 +132,4 @@ def grouped_attention(*models: torch.nn.Module) -> Iterator[None]:
             config._attn_implementation_internal = "sdpa"
 
 
-__all__ = ["GROUPED_SDPA", "grouped_attention", "grouped_sdpa_attention"]
+__all__ = ["GROUPED_SDPA", "fused_kernel_takes_grouped_heads", "grouped_attention", "grouped_sdpa_attention"]

@@ -406,15 +406,24 @@ class DFlashStaticStep:
         positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
         visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
-        masks = {FULL: visible[:, None, None, :]}
+        masks = {FULL: visible[:, None, :]}  # (n, 1, S)
         if generator.window is not None:  # causal within the block too, as the eager loop's PagedCacheView
             behind = positions[:, :, None] - self.draft_key_positions  # (n, B, S)
-            masks[SLIDING] = ((behind >= 0) & (behind < generator.window))[:, None]
+            masks[SLIDING] = (behind >= 0) & (behind < generator.window)
+        # (n, 1, q, S) masks; additive for sdpa, built once here rather than converted from booleans in every layer
+        masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
         with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
             draft_logits = generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)
         drafts, draft_probs = self.rule.propose(draft_logits)
         rows.drafts.copy_(drafts)
         return draft_probs
+
+    def drafter_mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """The drafter's mask (n, 1, q, S) from its visibility (n, q, S): sdpa takes an additive one as it is, and
+        would turn a boolean one into an additive one in each of its layers; eager attention takes booleans."""
+        if self.drafter.config._attn_implementation == "eager":
+            return visible[:, None]
+        return additive_mask(visible, self.drafter.dtype)
 
     def verify(self, rows: StepRows, draft_probs: torch.Tensor | None) -> None:
         """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""
@@ -437,8 +446,11 @@ class DFlashStaticStep:
                     logits_to_keep=block,
                     **{self.cache_argument: rows.target_cache},
                 ).logits
-        # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
-        scores = self.processors(logits, rows.offsets + rows.anchor_pos + 1, rows.presence, drafts)  # (n, B, V)
+        if self.processors.processors or self.rule.do_sample:
+            # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
+            scores = self.processors(logits, rows.offsets + rows.anchor_pos + 1, rows.presence, drafts)  # (n, B, V)
+        else:  # greedy, nothing to process: the argmax of the logits as they are is that of their exact float32 copy,
+            scores = logits  # which would cost a (n, B, V) float32 write and read (9.7 MB per sequence at Qwen3's V)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
         # never commit past max_length: max_length minus the padded length is what a sequence may still commit
         room = self.max_length_now - rows.offsets - rows.anchor_pos - 1

@@ -80,23 +80,22 @@ class DFlashRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # (b, t) positions -> (b, t, d) tables, computed in float32 then cast like the activations.
-        freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(position_ids.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(like.dtype), sin.to(like.dtype)
+        """(b, t) positions -> the (b, t, d) tables `apply_rotary` takes: cos, and sin with its first half negated.
+        Computed in float32 then cast like the activations."""
+        freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(position_ids.device)  # (b, t, d / 2)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:  # a multiply by 1 would be one more kernel per table for the same values
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return torch.cat((cos, cos), dim=-1).to(like.dtype), torch.cat((-sin, sin), dim=-1).to(like.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (b, heads, t, d); cos/sin (b, t, d)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] for x = [x1, x2]. With the
+    sign on the table (signed_sin = [-sin, sin], from `DFlashRotaryEmbedding`) the rotation is a roll, [x2, x1]:
+    one kernel where negating and concatenating halves takes two, and the same values bit for bit (a sign is exact).
+    x (b, heads, t, d); cos / signed_sin (b, t, d)."""
+    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def eager_attention_forward(
@@ -446,9 +445,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         context_hidden_states: (b, c, k*H_target) new context rows, or None when `cache` already holds every
             context row's keys/values (our paged cache).
         position_ids: (b, c + q) absolute positions of [new context rows ; block rows].
-        attention_mask: 2D (b, kv_len) padding mask over everything the block attends to (1 = keep); or boolean
-            masks broadcastable to (b, heads, q, kv_len) (True = keep), one per layer type
-            ({"full_attention": ..., "sliding_attention": ...}). None attends to all.
+        attention_mask: 2D (b, kv_len) padding mask over everything the block attends to (1 = keep); or masks
+            broadcastable to (b, heads, q, kv_len), one per layer type ({"full_attention": ...,
+            "sliding_attention": ...}): boolean (True = keep), or additive floats under sdpa attention. None attends
+            to all.
         cache / past_key_values: a transformers `Cache` (its `update` appends and returns all keys/values), or None.
         """
         cache = cache if cache is not None else past_key_values

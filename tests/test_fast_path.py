@@ -369,3 +369,25 @@ def test_finished_sequences_leave_the_static_steps_batch(monkeypatch):
 @pytest.mark.parametrize("running, batch, expected", [(8, 8, 8), (5, 8, 8), (4, 8, 4), (3, 8, 4), (1, 8, 1), (6, 6, 6), (4, 6, 4)])
 def test_bucket_sizes(running, batch, expected):
     assert dflash_fast_path.bucket_size(running, batch) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [1.0, 0.7])
+def test_the_drafters_rotary_embedding_is_the_rotate_half_formula_bit_for_bit(dtype, scaling):
+    """The drafter rotates by a roll against a sign-carrying sin table (fewer kernels per step); its values are those
+    of the textbook formula x * cos + [-x2, x1] * sin over cat(freqs, freqs) tables, exactly."""
+    from hf_dflash.modeling.modeling_dflash import apply_rotary
+
+    target = tiny_target("qwen3", seed=3)
+    rotary = tiny_drafter(target, seed=4).rotary_emb
+    rotary.attention_scaling = scaling
+    positions = torch.randint(0, 5000, (2, 7), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 3, 7, rotary.inv_freq.numel() * 2, generator=torch.Generator().manual_seed(2)).to(dtype)
+    cos, signed_sin = rotary(x, positions)
+    freqs = positions[..., None].float() * rotary.inv_freq
+    table = torch.cat((freqs, freqs), dim=-1)
+    ref_cos, ref_sin = (table.cos() * scaling).to(dtype)[:, None], (table.sin() * scaling).to(dtype)[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = x * ref_cos + torch.cat((-x2, x1), dim=-1) * ref_sin
+    assert torch.equal(apply_rotary(x, cos, signed_sin), expected)
+    assert not torch.equal(apply_rotary(x, cos, signed_sin.abs()), expected)  # the sign matters, so this can fail

@@ -5,13 +5,17 @@ model left as it was."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
 from transformers import AttentionInterface
 from transformers.integrations import sdpa_attention
 
-from hf_dflash.modeling.dflash_attention import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention
+from hf_dflash.modeling import dflash_attention
+from hf_dflash.modeling.dflash_attention import (
+    GROUPED_SDPA, fused_kernel_takes_grouped_heads, grouped_attention, grouped_sdpa_attention,
+)
 from hf_dflash.modeling.dflash_decoding import _cache_argument
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_static_cache import StaticTargetCache, page_slots
@@ -62,9 +66,33 @@ def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tupl
     return ids, mask
 
 
+@pytest.fixture(params=["fold", "enable_gqa"])
+def grouped_path(request, monkeypatch):
+    """Each way the grouped attention can read grouped heads. On CPU torch's dispatcher is not asked (the fold is
+    taken); `enable_gqa` makes the call as it is made where a fused CUDA kernel takes grouped heads, and records the
+    sdpa calls so a test can check which one ran."""
+    sdpa_calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, *args, **kwargs):
+        if sys._getframe(1).f_code is grouped_sdpa_attention.__code__:  # the grouped attention's own calls only
+            sdpa_calls.append((kwargs.get("enable_gqa", False), query.shape[1], key.shape[1]))
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    if request.param == "enable_gqa":
+        monkeypatch.setattr(dflash_attention, "fused_kernel_takes_grouped_heads", lambda *args: True)
+    return request.param, sdpa_calls
+
+
+def test_torchs_dispatcher_is_asked_on_cuda_only():
+    query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 6, 8)
+    assert not fused_kernel_takes_grouped_heads(query, key, key, torch.zeros(1, 1, 3, 6), 0.0, None)
+
+
 @pytest.mark.parametrize("groups", [2, 4])
 @pytest.mark.parametrize("mask_kind", ["rows", "one_row", "per_head", "additive"])
-def test_grouped_attention_equals_transformers_sdpa(groups, mask_kind, repeat_kv_calls):
+def test_grouped_attention_equals_transformers_sdpa(groups, mask_kind, repeat_kv_calls, grouped_path):
     torch.manual_seed(0)
     b, g, q, slots, d = 3, 2, 5, 37, 8
     h = g * groups
@@ -84,6 +112,9 @@ def test_grouped_attention_equals_transformers_sdpa(groups, mask_kind, repeat_kv
     assert weights is None and out.shape == (b, q, h, d) and out.is_contiguous()
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
     assert len(repeat_kv_calls) == 2  # and the grouped one did not
+    path, sdpa_calls = grouped_path
+    # the grouped call went the way it was meant to: grouped heads, or the query folded onto the key/value heads
+    assert sdpa_calls[-1] == ((True, h, g) if path == "enable_gqa" else (False, g, g))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -134,7 +165,7 @@ def test_a_verify_forward_gives_the_same_logits_with_grouped_attention(family, h
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("heads", [4, 8])
-def test_the_fast_path_attends_with_grouped_heads_and_equals_plain_greedy(family, heads, grouped_calls):
+def test_the_fast_path_attends_with_grouped_heads_and_equals_plain_greedy(family, heads, grouped_calls, grouped_path):
     target = tiny_target(family, seed=7, num_attention_heads=heads, num_key_value_heads=2)
     drafter = tiny_drafter(target, seed=8, block_size=4)
     ids, mask = left_padded(3, 10, [0, 4, 7], seed=3)
@@ -149,6 +180,9 @@ def test_the_fast_path_attends_with_grouped_heads_and_equals_plain_greedy(family
     callers = {name for name, *_ in grouped_calls}
     assert callers == {"DFlashAttention", type(target.model.layers[0].self_attn).__name__}
     assert all(masked for *_, masked in grouped_calls)
+    path, sdpa_calls = grouped_path  # every grouped call took the path meant
+    assert len(sdpa_calls) == len(grouped_calls)
+    assert set(sdpa_calls) == ({(True, heads, 2)} if path == "enable_gqa" else {(False, 2, 2)})
     assert target.config._attn_implementation == drafter.config._attn_implementation == "sdpa"
 
 

@@ -1,5 +1,5 @@
 """One fast-path step at Qwen3-8B shape against the target's own 1-token step, with each attention the fast path could
-use, side by side in one process (GPU; random weights, batch 1, bf16; about 2 minutes on an H200).
+use, side by side in one process (GPU; random weights, batch 1, bf16; about a minute on an H200).
 
 Per context (512, 2048, 8192 tokens) one greedy fast-path call of 32 new tokens leaves its step held with the
 sequence finished, so a replay repeats the same work. Then, as CUDA graphs (median of 30 replays):
@@ -10,13 +10,18 @@ sequence finished, so a replay repeats the same work. Then, as CUDA graphs (medi
   whole step, under each variant of the fast path's forwards:
   * `before`: transformers' sdpa, which copies every key/value head G times per layer when a mask is given, and the
     drafter's context gathered slot by slot through the block tables (the fast path until issue 15 item 4);
-  * `expanded_view`: transformers' sdpa with the drafter's contiguous view (the view alone);
-  * `enable_gqa`: torch's sdpa with the mask and `enable_gqa=True` (the grouping left to whichever kernel torch picks);
-  * `grouped`: query groups folded into rows (modeling/dflash_attention.py) and the contiguous view (the fast path now).
+  * `fold`: the grouped attention with the query heads of a group always folded into rows (the fast path until
+    2026-12-03's third session);
+  * `fast_path`: the fast path now: sdpa with `enable_gqa=True` where torch's dispatcher serves the call with a fused
+    kernel, the fold elsewhere (modeling/dflash_attention.py).
 One profiled verify per variant records the sdpa ops it ran, so the backend torch picked is on record.
+`--profile` adds, at one context, the CUDA kernels of an eager verify, an eager propose and the target's eager 1-token
+forward, grouped by name with their launches and total time (the top ones of each in the JSON), so one run shows
+where a step's time goes. `--device cpu` runs a tiny random pair through the same call and profile (CPU ops instead
+of kernels, no timings): a smoke test of the script.
 Writes <out>.json and <out>.png and prints a table with step / 1-token ratios.
 
-    python benchmarks/gpu/step_cost.py --out "$OUT/step_cost"
+    python benchmarks/gpu/step_cost.py --out "$OUT/step_cost" --profile
 """
 
 from __future__ import annotations
@@ -29,33 +34,33 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 sys.path.insert(0, ".")
+from hf_dflash import bench  # noqa: E402
 from hf_dflash.bench import _graph_ms, random_pair, run_environment, target_graph_step_ms  # noqa: E402
+from hf_dflash.modeling import dflash_attention  # noqa: E402
 from hf_dflash.modeling.dflash_attention import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention  # noqa: E402
 from hf_dflash.modeling.dflash_decoding import _cache_argument  # noqa: E402
 from hf_dflash.modeling.dflash_paged_cache import PagedView  # noqa: E402
 from hf_dflash.modeling.dflash_static_cache import page_slots  # noqa: E402
 
 
-def sdpa_enable_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """torch's sdpa with the mask and grouped heads in one call: query (b, h, q, d), key/value (b, g, L, d)."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous(), None
+def folded_sdpa_attention(*args: Any, **kwargs: Any) -> Any:
+    """The grouped attention with the query always folded, never `enable_gqa` (the fast path before this choice)."""
+    with mock.patch.object(dflash_attention, "fused_kernel_takes_grouped_heads", lambda *_: False):
+        return grouped_sdpa_attention(*args, **kwargs)
 
 
 # variant -> (the function the fast path's forwards call, whether the drafter reads through its contiguous view)
 VARIANTS = {
     "before": (sdpa_attention_forward, False),
-    "expanded_view": (sdpa_attention_forward, True),
-    "enable_gqa": (sdpa_enable_gqa, True),
-    "grouped": (grouped_sdpa_attention, True),
+    "fold": (folded_sdpa_attention, True),
+    "fast_path": (grouped_sdpa_attention, True),
 }
 
 
@@ -85,8 +90,51 @@ def sdpa_ops(step: Any, rows: Any) -> dict[str, int]:
     return {e.key: e.count for e in profile.key_averages() if any(k in e.key for k in keep)}
 
 
+def kernel_profile(fn: Any, top: int) -> dict[str, Any]:
+    """What one eager call of `fn` runs, grouped by name: on CUDA its kernels (launches and device time), on CPU its
+    aten ops (self time). The `top` names by total time, and the totals over all of them."""
+    cuda = torch.cuda.is_available()
+    fn()  # warm: the first call may pick algorithms or allocate
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in profile.key_averages() if e.device_type == kind and (cuda or e.key.startswith("aten::"))]
+    timed = sorted(
+        ((e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000) for e in events),
+        key=lambda entry: -entry[2],
+    )
+    return {
+        "what": "CUDA kernels, device time" if cuda else "CPU aten ops, self time",
+        "launches": sum(count for _, count, _ in timed),
+        "total_ms": sum(ms for *_, ms in timed),
+        "top": [{"name": name[:160], "calls": count, "total_ms": round(ms, 4)} for name, count, ms in timed[:top]],
+    }
+
+
+def target_1_token_forward(target: Any, num_slots: int, cache_argument: str) -> Any:
+    """The target's 1-token step that `target_graph_step_ms` records, as an eager function (the one it hands to
+    `_graph_ms`)."""
+    handed = []
+    with mock.patch.object(bench, "_graph_ms", lambda fn, *_, **__: handed.append(fn) or 0.0):
+        target_graph_step_ms(target, 1, num_slots, cache_argument)
+    return handed[0]
+
+
+def profile_step(target: Any, step: Any, rows: Any, cache_argument: str, top: int) -> dict[str, Any]:
+    """Kernels of an eager verify, propose and 1-token forward, under the fast path's attention as it is now."""
+    with step.generator.capture:
+        return {
+            "verify": kernel_profile(lambda: step.verify(rows, None), top),
+            "propose": kernel_profile(lambda: step.propose(rows), top),
+            "target_1_token": kernel_profile(target_1_token_forward(target, step.num_slots, cache_argument), top),
+        }
+
+
 @torch.no_grad()
-def measure(target: Any, drafter: Any, context: int, new_tokens: int) -> dict[str, Any]:
+def measure(target: Any, drafter: Any, context: int, new_tokens: int, profile_top: int | None) -> dict[str, Any]:
     # random ids below the mask token's (random weights: the text does not matter, only its length)
     prompt = torch.randint(0, drafter.config.mask_token_id, (1, context), generator=torch.Generator().manual_seed(0))
     target.generate(prompt.to(target.device), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
@@ -95,6 +143,13 @@ def measure(target: Any, drafter: Any, context: int, new_tokens: int) -> dict[st
     rows = step.rows(step.batch_size)  # the sequence is finished: replays repeat the same work
     cache_argument = _cache_argument(target)
     result: dict[str, Any] = {"context": context, "num_slots": step.num_slots}
+    if profile_top is not None:
+        result["profile"] = profile_step(target, step, rows, cache_argument, profile_top)
+        for part, found in result["profile"].items():
+            print(f"  ctx {context} {part:>14}: {found['launches']} {found['what']}, {found['total_ms']:.2f} ms", flush=True)
+    if not torch.cuda.is_available():  # the CPU smoke run: no graphs to time
+        drafter._dflash_static_step = None
+        return result
     result["target_1_token_ms"] = target_graph_step_ms(target, 1, step.num_slots, cache_argument)
     with grouped_attention(target):
         result["target_1_token_grouped_ms"] = target_graph_step_ms(target, 1, step.num_slots, cache_argument)
@@ -116,6 +171,21 @@ def measure(target: Any, drafter: Any, context: int, new_tokens: int) -> dict[st
     drafter._dflash_static_step = None
     torch.cuda.empty_cache()
     return result
+
+
+def tiny_pair() -> tuple[Any, Any]:
+    """A small random Qwen3 target and drafter of the same layout (grouped heads, block 16), for the CPU smoke run."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hf_dflash import DFlashConfig, DFlashDraftModel
+
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(config).eval()
+    drafter = DFlashDraftModel(DFlashConfig.for_target(config, num_hidden_layers=2, block_size=16,
+                                                       mask_token_id=511)).eval()
+    return target, drafter
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -148,20 +218,32 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/step_cost", help="writes <out>.json and <out>.png")
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--profile", action="store_true", help="kernels of a verify, a propose and a 1-token step")
+    parser.add_argument("--profile-context", type=int, default=512, help="the one context --profile profiles")
+    parser.add_argument("--profile-top", type=int, default=25, help="kernel names kept per part, by total time")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a smoke run of the call and the profile on a tiny random pair (no timings)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("step_cost.py times CUDA graphs: run it on a machine with a GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("step_cost.py times CUDA graphs: run it on a machine with a GPU (or --device cpu for a smoke run)")
+        return 2
+    if args.profile and args.profile_context not in args.contexts:
+        print(f"--profile-context {args.profile_context} is not one of --contexts {args.contexts}: add it there")
         return 2
     started = time.time()
-    target, drafter = random_pair("qwen3-8b", torch.bfloat16, "cuda")
-    print(f"built the Qwen3-8B-shape target and drafter in {time.time() - started:.0f} s", flush=True)
+    target, drafter = random_pair("qwen3-8b", torch.bfloat16, "cuda") if args.device == "cuda" else tiny_pair()
+    print(f"built the target and drafter in {time.time() - started:.0f} s", flush=True)
     results = []
     for context in args.contexts:
-        results.append(measure(target, drafter, context, args.new_tokens))
-    report = {**run_environment("cuda"), "command": " ".join(["python", *sys.argv]), "results": results}
+        top = args.profile_top if args.profile and context == args.profile_context else None
+        results.append(measure(target, drafter, context, args.new_tokens, top))
+    report = {**run_environment(args.device), "command": " ".join(["python", *sys.argv]), "results": results}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    if args.device == "cpu":
+        print(f"smoke run: wrote {out.with_suffix('.json')} in {time.time() - started:.0f} s")
+        return 0
     try:
         plot(report, out.with_suffix(".png"))
     except ImportError:
@@ -172,8 +254,8 @@ def main() -> int:
         cells = " | ".join(f"{r[n]['step_ms']:.2f} ({r[n]['step_over_1_token']:.2f})" for n in VARIANTS)
         print(f"| {r['context']} | {r['target_1_token_ms']:.2f} | {cells} |")
     first, last = results[0], results[-1]
-    flat = last["grouped"]["step_over_1_token"] / first["grouped"]["step_over_1_token"]
-    print(f"grouped: ratio at {last['context']} / ratio at {first['context']} = {flat:.3f} (goal <= 1.10); "
+    flat = last["fast_path"]["step_over_1_token"] / first["fast_path"]["step_over_1_token"]
+    print(f"fast_path: ratio at {last['context']} / ratio at {first['context']} = {flat:.3f} (goal <= 1.10); "
           f"wrote {out.with_suffix('.json')} in {time.time() - started:.0f} s")
     return 0
 
