@@ -20,7 +20,8 @@
 #   python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz   # 3,837 prompts
 # then the usual calls (session_start.sh throughput / stage / train, carrying .stage/regen with .stage/prompts in
 # the train call): the old mix's answers come from .stage/regen, only the 3,837 code prompts are answered on the
-# GPU (3,643 within MAX_PROMPT_TOKENS; about a minute), and training runs on the 29,668 + 3,643 sequences.
+# GPU (3,643 within MAX_PROMPT_TOKENS, at most 0.93M answer tokens: under a minute at 23K tokens/s), and
+# training runs on the 29,668 + 3,643 sequences.
 # NEW_PROMPTS= (empty) trains on the old mix alone.
 set -u
 : "${DEADLINE:?seconds since the epoch by which training must have stopped}"
