@@ -51,6 +51,9 @@ def test_humaneval_like_prompts_are_dropped_and_unrelated_ones_kept(humaneval):
     assert humaneval.reason(" ".join(DOCSTRING.split()[:12]) + " please") is None
     assert humaneval.reason("Given f(x) = x^2 + 1, what is f(3)?") is None
     assert humaneval.reason("Write a function that returns the neighbouring pairs of a list that go down.") is None
+    only_one_word_names = HumanEvalFilter([{"entry_point": "f", "prompt": "def f(n):\n", "canonical_solution": ""}])
+    assert only_one_word_names.reason("Call g(x) (twice).") is None
+    assert only_one_word_names.reason("def f(x): pass") == "function name"
 
 
 def test_build_mix_counts_what_it_drops_per_source_and_reason(humaneval):

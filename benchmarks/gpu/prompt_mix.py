@@ -159,8 +159,10 @@ class HumanEvalFilter:
             names.update(re.findall(r"\bdef\s+(\w+)", task["prompt"] + task["canonical_solution"]))
             self.ngrams |= _ngrams(task["prompt"]) | _ngrams(task["canonical_solution"])
         compound = sorted(name for name in names if "_" in name.strip("_"))
-        one_word = sorted(set(names) - set(compound))
-        self.names = re.compile(r"\b(" + "|".join(compound) + r")\s*\(|\bdef\s+(" + "|".join(one_word) + r")\s*\(")
+        one_word = sorted(names - set(compound))
+        patterns = [rf"\b({'|'.join(compound)})\s*\(" if compound else None,
+                    rf"\bdef\s+({'|'.join(one_word)})\s*\(" if one_word else None]
+        self.names = re.compile("|".join(p for p in patterns if p) or r"(?!)")  # (?!) matches nothing
 
     def reason(self, prompt: str) -> str | None:
         if self.names.search(prompt):
