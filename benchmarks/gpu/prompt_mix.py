@@ -93,9 +93,11 @@ def codeio_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
         # codeio.jsonl.gz holds one task a line; codeio-hq.jsonl.gz, despite its name, one JSON array.
         tasks = json.loads(text) if text.lstrip().startswith("[") else [json.loads(l) for l in text.splitlines() if l]
         for task in tasks:
-            signature = re.search(r"def (main_solution\([^)]*\))", task["code_sample"])
-            if signature is None or task["task_description"] in seen:
+            if task["task_description"] in seen:
                 continue
+            signature = re.search(r"def (main_solution\([^)]*\))", task["code_sample"])
+            if signature is None:  # every task of 0.1.25 has one; another version may not
+                raise ValueError(f"{source_tag(spec)}: a task without `def main_solution(`: {task['task_description']}")
             seen.add(task["task_description"])
             prompt = (f"Write a Python function `{signature[1]}` for this task.\n\n{task['task_description']}\n\n"
                       f"{task['input_output_spec']}")
@@ -112,7 +114,7 @@ def scicode_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
                 continue
             problem = json.loads(line)
             for step in problem["sub_steps"]:
-                # A few steps define a class and have no single return line.
+                # Two steps define a class (no return line).
                 header = "\n".join(part.rstrip() for part in (step["function_header"], step["return_line"]) if part)
                 prompt = (f"{step['step_description_prompt'].strip()}\n\nComplete this Python function; you can use "
                           f"these imports:\n```python\n{problem['required_dependencies'].strip()}\n```\n\n"
