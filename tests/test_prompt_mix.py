@@ -93,7 +93,7 @@ def test_wheel_sets_become_chat_prompts_tagged_with_their_source(tmp_path):
                                                             SCICODE_FILES[1][2]: ""})
     prompts = scicode_prompts(wheels)
     assert [source for _, source in prompts] == ["nvidia-scicode 26.3 problems_all.jsonl"] * 2
-    assert prompts[0][0] == ("Wrap coordinates.\n\nComplete this Python function; you can use these imports:\n"
+    assert prompts[0][0] == ("Wrap coordinates.\n\nComplete this Python code; you can use these imports:\n"
                              "```python\nimport numpy as np\n```\n\n```python\ndef wrap(r, L):\n    '''Wrap.'''\n"
                              "    return r\n```")
     assert prompts[1][0].endswith("'''Wrap.'''\n```")  # a step without a return line

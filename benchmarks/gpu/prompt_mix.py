@@ -116,7 +116,7 @@ def scicode_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
             for step in problem["sub_steps"]:
                 # Two steps define a class (no return line).
                 header = "\n".join(part.rstrip() for part in (step["function_header"], step["return_line"]) if part)
-                prompt = (f"{step['step_description_prompt'].strip()}\n\nComplete this Python function; you can use "
+                prompt = (f"{step['step_description_prompt'].strip()}\n\nComplete this Python code; you can use "
                           f"these imports:\n```python\n{problem['required_dependencies'].strip()}\n```\n\n"
                           f"```python\n{header}\n```")
                 pairs.append((prompt, source_tag(spec)))
