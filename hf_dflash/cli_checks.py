@@ -260,7 +260,8 @@ def check_bench(args: argparse.Namespace) -> None:
 
 
 def check_train(args: argparse.Namespace) -> None:
-    check_prompts("--prompts", args.prompts)
+    for spec in args.prompts:
+        check_prompts("--prompts", spec)
     if args.export_prompts:
         return
     for option in ("num_layers", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "max_anchors", "steps",
@@ -282,8 +283,12 @@ def check_train(args: argparse.Namespace) -> None:
         raise BadArgument(f"--target-layer-ids must be distinct layer numbers from 0, got {','.join(map(str, ids))}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise BadArgument(f"--out {args.out} is a file; pass a folder for the drafter and its checkpoints")
-    if args.regenerated and Path(args.regenerated).is_dir():
-        raise BadArgument(f"--regenerated {args.regenerated} is a folder; pass a .safetensors file")
+    for path in args.regenerated or []:
+        if Path(path).is_dir():
+            raise BadArgument(f"--regenerated {path} is a folder; pass a .safetensors file")
+    if len(args.prompts) != len(args.regenerated or [None]):
+        raise BadArgument(f"--prompts gives {len(args.prompts)} sets and --regenerated {len(args.regenerated or [])} "
+                          "files; pass one regenerated file per prompt set, in the same order")
     if args.resume == "latest":
         if not any((Path(args.out) / "checkpoints").glob("step_*/trainer_state.json")):
             raise BadArgument(f"--resume: no checkpoint under {args.out}/checkpoints yet; leave --resume out for a first run")

