@@ -3,7 +3,7 @@
 # copy the current drafter (config, training_args.json, weight shards) and every run's curve into $OUT, so that
 # nothing is lost if the machine goes back early. From the repository root:  bash benchmarks/gpu/poll.sh 500
 # COPY=regen bash benchmarks/gpu/poll.sh 0 instead copies the regenerated data (gzip, in parts of 15 MB) into $OUT,
-# for the next session to carry as .stage/regen/ (train_session.sh then skips regeneration).
+# for the next session to carry as .stage/regen/ (train_session.sh then skips regeneration of what it finds there).
 RUN=${RUN:-$HOME/run}
 LOG=${LOG:-$HOME/session.log}
 end=$(( $(date +%s) + ${1:-0} ))
@@ -11,7 +11,9 @@ running() { kill -0 "$(cat "$RUN/pid" 2>/dev/null)" 2>/dev/null; }
 while [ "$(date +%s)" -lt "$end" ] && running; do sleep 5; done
 tr '\r' '\n' < "$LOG" | grep -v '^\s*$' | tail -n 8
 if [ "${COPY:-}" = regen ]; then
-    gzip -c "$RUN/regenerated.safetensors" | split -b 15M -d - "$OUT/regenerated.part"
+    for name in regenerated regenerated_new; do  # the old mix's answers, and the new prompts' when there were any
+        if [ -f "$RUN/$name.safetensors" ]; then gzip -c "$RUN/$name.safetensors" | split -b 15M -d - "$OUT/$name.part"; fi
+    done
     ls -l "$OUT"
     exit 0
 fi

@@ -57,10 +57,12 @@ fi
 train=(python3 -m hf_dflash.cli train --target "$TARGET" --target-description "$TARGET_DESCRIPTION"
        --prompts "${prompts[@]}" --regenerated "${regenerated[@]}" --max-new-tokens "$MAX_NEW_TOKENS"
        --max-prompt-tokens "$MAX_PROMPT_TOKENS" --gen-batch-size "$GEN_BATCH")
-if ls .stage/regen/regenerated.part* >/dev/null 2>&1 && [ ! -f "$RUN/regenerated.safetensors" ]; then
-    cat .stage/regen/regenerated.part* | gunzip > "$RUN/regenerated.safetensors" || exit 1
-    echo "== regenerated data from an earlier session: $(du -h "$RUN/regenerated.safetensors" | cut -f1)"
-fi
+for name in regenerated regenerated_new; do  # answers an earlier session copied back (poll.sh COPY=regen)
+    if ls .stage/regen/$name.part* >/dev/null 2>&1 && [ ! -f "$RUN/$name.safetensors" ]; then
+        cat .stage/regen/$name.part* | gunzip > "$RUN/$name.safetensors" || exit 1
+        echo "== $name data from an earlier session: $(du -h "$RUN/$name.safetensors" | cut -f1)"
+    fi
+done
 echo "== regenerate $(date -u +%T) (reused when the file exists)"
 "${train[@]}" --out "$RUN/hard" --regenerate-only || exit 1
 
