@@ -17,7 +17,9 @@ from benchmarks.gpu.prompt_mix import (
     build_mix,
     champ_prompts,
     codeio_prompts,
+    heldout_prompts,
     scicode_prompts,
+    sharegpt_prompts,
 )
 from hf_dflash.cli import main as cli_main
 from hf_dflash.training import RegeneratedData
@@ -136,3 +138,12 @@ def test_one_regenerated_file_per_prompt_set(capsys):
     err = capsys.readouterr().err.strip()
     assert "--prompts gives 2 sets and --regenerated 1 files; pass one regenerated file per prompt set" in err
     assert len(err.splitlines()) == 1
+
+
+def test_heldout_turns_are_outside_the_mix_and_the_same_each_time():
+    """Benchmark prompts must be turns the drafter never trained on: none of the mix's ShareGPT turns, reproducibly."""
+    trained = {p for p, _ in sharegpt_prompts(30000, 1500)}
+    heldout = heldout_prompts(8, 30000, 1500)
+    assert len(set(heldout)) == 8 and not trained & set(heldout)
+    assert all(40 <= len(p) <= 1500 and p.isascii() for p in heldout)
+    assert heldout == heldout_prompts(8, 30000, 1500)

@@ -19,6 +19,11 @@ PyPI; carry the output (gzip'd, a few MB) to the GPU machine.
 
     python benchmarks/gpu/prompt_mix.py --sharegpt 30000 --sets --out .stage/prompts/mix.jsonl.gz  # drafter 4's mix
     python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz  # the wheel sets alone
+
+`--heldout N` writes instead N ShareGPT user turns that the mix of `--sharegpt` leaves out, for speed benchmarks on
+prompts the drafter never trained on (a seeded sample of the last 20,000 such turns, 40-1,500 ASCII characters):
+
+    python benchmarks/gpu/prompt_mix.py --heldout 32 --out .stage/prompts/heldout32.jsonl.gz
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import random
 import re
 from collections import Counter
 from pathlib import Path
@@ -83,6 +89,14 @@ def sharegpt_prompts(count: int, max_chars: int, wheel: str | Path | None = None
     picked = (by_kind["code"] + by_kind["math"])[:count]
     picked += by_kind["chat"][: count - len(picked)]
     return [(p, f"{source_tag(SHAREGPT_WHEEL)}, user turns, {kind(p)}") for p in picked]
+
+
+def heldout_prompts(count: int, trained: int, max_chars: int) -> list[str]:
+    """`count` user turns outside `sharegpt_prompts(trained, max_chars)`, sampled with seed 0."""
+    picked = {p for p, _ in sharegpt_prompts(trained, max_chars)}
+    turns = load_sharegpt_prompts(all_turns=True)
+    left = [t for t in turns if t not in picked and 40 <= len(t) <= max_chars and t.isascii()]
+    return random.Random(0).sample(left[-20000:], count)
 
 
 def codeio_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
@@ -195,8 +209,14 @@ def main() -> None:
                         help="leave out longer ShareGPT turns (most would pass --max-prompt-tokens 384 anyway)")
     parser.add_argument("--sets", nargs="*", choices=sorted(SETS), default=sorted(SETS),
                         help="prompt sets from PyPI wheels (default: all; none when given without names)")
+    parser.add_argument("--heldout", type=int, default=0,
+                        help="write N ShareGPT turns the --sharegpt mix leaves out instead (benchmark prompts)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.heldout > 0:
+        write_jsonl_prompts(heldout_prompts(args.heldout, args.sharegpt, args.max_chars), args.out)
+        print(f"{args.heldout} held-out ShareGPT turns (outside the first {args.sharegpt} of the mix) -> {args.out}")
+        return
     if args.sharegpt < 0:
         parser.error(f"--sharegpt must be 0 or more, got {args.sharegpt}")
     if args.sharegpt == 0 and not args.sets:
