@@ -3,9 +3,9 @@ use, side by side in one process (GPU; random weights, batch 1, bf16; about a mi
 
 Per context (512, 2048, 8192 tokens) one greedy fast-path call of 32 new tokens leaves its step held with the
 sequence finished, so a replay repeats the same work. Then, as CUDA graphs (median of 30 replays):
-- `target_1_token_ms`: the target's own 1-token decode step on a static cache of the same size, through transformers'
-  sdpa (`hf-dflash bench`'s target_1_token_graph_ms); `target_1_token_grouped_ms`: the same under the grouped
-  attention, for reference.
+- `target_1_token_ms`: the target's own 1-token decode step on the held step's own cache and masks (its last token
+  at its position), through transformers' sdpa: `hf-dflash bench`'s target_1_token_graph_ms, the same function;
+  `target_1_token_grouped_ms`: the same under the grouped attention, for reference.
 - verify (the target's forward over B rows and acceptance), propose (context keys/values, drafter, lm_head) and the
   whole step, under each variant of the fast path's forwards:
   * `before`: transformers' sdpa, which copies every key/value head G times per layer when a mask is given, and the
@@ -16,7 +16,7 @@ sequence finished, so a replay repeats the same work. Then, as CUDA graphs (medi
     kernel, the fold elsewhere (modeling/dflash_attention.py).
 One profiled verify per variant records the sdpa ops it ran, so the backend torch picked is on record.
 `--profile` adds, at one context, the CUDA kernels of an eager verify, an eager propose and the target's eager 1-token
-forward, grouped by name with their launches and total time (the top ones of each in the JSON), so one run shows
+forward (the one target_1_token_ms records), grouped by name with their launches and total time (the top ones of each in the JSON), so one run shows
 where a step's time goes. `--device cpu` runs a tiny random pair through the same call and profile (CPU ops instead
 of kernels, no timings): a smoke test of the script.
 Writes <out>.json and <out>.png and prints a table with step / 1-token ratios.
@@ -41,11 +41,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 sys.path.insert(0, ".")
-from hf_dflash import bench  # noqa: E402
-from hf_dflash.bench import _graph_ms, random_pair, run_environment, target_graph_step_ms  # noqa: E402
+from hf_dflash.bench import (  # noqa: E402
+    _graph_ms, random_pair, run_environment, target_1_token_graph_ms, target_one_token_step,
+)
 from hf_dflash.modeling import dflash_attention  # noqa: E402
 from hf_dflash.modeling.dflash_attention import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention  # noqa: E402
-from hf_dflash.modeling.dflash_decoding import _cache_argument  # noqa: E402
 from hf_dflash.modeling.dflash_paged_cache import PagedView  # noqa: E402
 from hf_dflash.modeling.dflash_static_cache import page_slots  # noqa: E402
 
@@ -114,23 +114,16 @@ def kernel_profile(fn: Any, top: int) -> dict[str, Any]:
     }
 
 
-def target_1_token_forward(target: Any, num_slots: int, cache_argument: str) -> Any:
-    """The target's 1-token step that `target_graph_step_ms` records, as an eager function (the one it hands to
-    `_graph_ms`)."""
-    handed = []
-    with mock.patch.object(bench, "_graph_ms", lambda fn, *_, **__: handed.append(fn) or 0.0):
-        target_graph_step_ms(target, 1, num_slots, cache_argument)
-    return handed[0]
-
-
-def profile_step(target: Any, step: Any, rows: Any, cache_argument: str, top: int) -> dict[str, Any]:
-    """Kernels of an eager verify, propose and 1-token forward, under the fast path's attention as it is now."""
+def profile_step(step: Any, rows: Any, top: int) -> dict[str, Any]:
+    """Kernels of an eager verify and propose under the fast path's attention as it is now, and of the target's eager
+    1-token forward that target_1_token_ms records (outside the capture hooks, as it is timed)."""
     with step.generator.capture:
-        return {
+        found = {
             "verify": kernel_profile(lambda: step.verify(rows, None), top),
             "propose": kernel_profile(lambda: step.propose(rows), top),
-            "target_1_token": kernel_profile(target_1_token_forward(target, step.num_slots, cache_argument), top),
         }
+    found["target_1_token"] = kernel_profile(target_one_token_step(step), top)
+    return found
 
 
 @torch.no_grad()
@@ -141,18 +134,17 @@ def measure(target: Any, drafter: Any, context: int, new_tokens: int, profile_to
                     assistant_model=drafter, dflash_fast_path=True)
     step = drafter._dflash_static_step[1]
     rows = step.rows(step.batch_size)  # the sequence is finished: replays repeat the same work
-    cache_argument = _cache_argument(target)
     result: dict[str, Any] = {"context": context, "num_slots": step.num_slots}
     if profile_top is not None:
-        result["profile"] = profile_step(target, step, rows, cache_argument, profile_top)
+        result["profile"] = profile_step(step, rows, profile_top)
         for part, found in result["profile"].items():
             print(f"  ctx {context} {part:>14}: {found['launches']} {found['what']}, {found['total_ms']:.2f} ms", flush=True)
     if not torch.cuda.is_available():  # the CPU smoke run: no graphs to time
         drafter._dflash_static_step = None
         return result
-    result["target_1_token_ms"] = target_graph_step_ms(target, 1, step.num_slots, cache_argument)
+    result["target_1_token_ms"] = target_1_token_graph_ms(step)
     with grouped_attention(target):
-        result["target_1_token_grouped_ms"] = target_graph_step_ms(target, 1, step.num_slots, cache_argument)
+        result["target_1_token_grouped_ms"] = target_1_token_graph_ms(step)
     with step.generator.capture:
         for name, (function, view) in VARIANTS.items():
             variant_rows = rows if view else with_gathered_context(step, rows)
