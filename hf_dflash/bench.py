@@ -46,7 +46,6 @@ from tqdm.auto import tqdm
 from .modeling import DFlashConfig, DFlashDraftModel
 from .generate_cli import timed
 from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
-from .modeling.dflash_static_cache import StaticTargetCache
 
 METHODS = ("plain", "plain-static", "native", "dflash")
 
@@ -226,28 +225,6 @@ def run_method(
     tau = committed / verified if verified else 1.0  # as `hf-dflash eval` reports it
     measurement = Measurement(setting, method, len(outputs), new_tokens, seconds, ttft, steps, peak, tau)
     return measurement, outputs
-
-
-@torch.no_grad()
-def target_graph_step_ms(target: torch.nn.Module, batch_size: int, num_slots: int, cache_argument: str) -> float:
-    """The target's own 1-token decode step as a CUDA graph replay, on a fresh `StaticTargetCache` of `num_slots` slots
-    (dense full-attention targets only; `target_1_token_graph_ms` measures every family on the fast path's own cache)."""
-    text = target.config.get_text_config()
-    device = target.get_input_embeddings().weight.device
-    cache = StaticTargetCache(
-        text.num_hidden_layers, batch_size, text.num_key_value_heads,
-        getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads, num_slots, target.dtype, device,
-    )
-    position = num_slots // 2
-    cache.write_slots = torch.full((batch_size, 1), position, device=device)
-    ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-    mask = (torch.arange(num_slots, device=device) <= position).expand(batch_size, 1, 1, -1)
-
-    def step() -> None:
-        target(input_ids=ids, position_ids=cache.write_slots, attention_mask=mask, use_cache=True, logits_to_keep=1,
-               **{cache_argument: cache})
-
-    return _graph_ms(step)
 
 
 # What `target_1_token_graph_ms` times, as the report names it.
