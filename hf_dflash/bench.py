@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from .modeling import DFlashConfig, DFlashDraftModel
 from .generate_cli import timed
-from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
+from .modeling.dflash_fast_path import DFlashStaticStep, grouped_mm_stays_on_device, moe_experts, record_cuda_graph
 
 METHODS = ("plain", "plain-static", "native", "dflash")
 
@@ -298,19 +298,13 @@ def step_parts_ms(step: DFlashStaticStep) -> dict[str, float]:
                 "step_graph_ms": _graph_ms(lambda: step.step(rows))}
 
 
-def has_experts(target: torch.nn.Module) -> bool:
-    """Whether the target has MoE expert modules that transformers dispatches by `experts_implementation` (the
-    modules the fast path checks)."""
-    return any(hasattr(m, "gate_up_proj") and hasattr(m, "num_experts") for m in target.modules())
-
-
 def experts_implementation(target: torch.nn.Module, dtype: torch.dtype, device: str) -> str | None:
     """The MoE experts implementation the fast path tells a user to load this target with on `device` (None: no MoE
     experts, or a CPU, where the fast path runs any): `grouped_mm` in bfloat16 on a compute capability 9.x/10.x GPU,
     whose kernel keeps its group offsets on the device, else `batched_mm`."""
-    if not str(device).startswith("cuda") or not has_experts(target):
+    if not str(device).startswith("cuda") or not moe_experts(target):
         return None
-    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10):
+    if grouped_mm_stays_on_device(dtype, device):
         return "grouped_mm"
     return "batched_mm"
 
@@ -357,7 +351,7 @@ def shape_record(shape: str | PublishedShape, target: torch.nn.Module, drafter: 
         )},
         "drafter_changed_from_published": dict(spec.drafter_overrides),
         "attn_implementation": built._attn_implementation,
-        "experts_implementation": built._experts_implementation if has_experts(target) else None,
+        "experts_implementation": built._experts_implementation if moe_experts(target) else None,
     }
 
 

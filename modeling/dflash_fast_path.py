@@ -109,6 +109,17 @@ def _window_blocker(text: Any) -> str | None:
     return None
 
 
+def moe_experts(target: torch.nn.Module) -> list[torch.nn.Module]:
+    """The target's MoE expert modules, those transformers dispatches by `experts_implementation`."""
+    return [m for m in target.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
+
+
+def grouped_mm_stays_on_device(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether torch's grouped matmul reads its group offsets on the device (so a CUDA graph can hold it): bfloat16 on
+    compute capability 9.x/10.x (its CUTLASS kernel); elsewhere torch and transformers copy them to the host."""
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | None:
     """Why the target's MoE experts cannot run inside a CUDA graph, or None (always None off CUDA: the fast path runs
     there without a graph).
@@ -120,7 +131,7 @@ def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | Non
     device for bfloat16 on compute capability 9.x/10.x; for other dtypes and GPUs torch (and transformers' own
     fallback) copy the offsets to the host.
     """
-    experts = [m for m in target.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
+    experts = moe_experts(target)
     if device.type != "cuda" or not experts:
         return None
     implementation = getattr(target.config.get_text_config(), "_experts_implementation", None) or "eager"
@@ -128,7 +139,7 @@ def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | Non
         return None
     if implementation == "grouped_mm":
         dtype, capability = experts[0].gate_up_proj.dtype, torch.cuda.get_device_capability(device)
-        if dtype == torch.bfloat16 and capability[0] in (9, 10):
+        if grouped_mm_stays_on_device(dtype, device):
             return None
         return (
             f"the target's MoE experts run grouped_mm, which for {dtype} weights on compute capability "
@@ -629,5 +640,6 @@ def release_fast_path(drafter: torch.nn.Module) -> None:
 
 
 __all__ = [
-    "DFlashStaticStep", "StepRows", "bucket_size", "fast_path_blocker", "record_cuda_graph", "release_fast_path", "static_step_for", "takes_fast_path",
+    "DFlashStaticStep", "StepRows", "bucket_size", "fast_path_blocker", "grouped_mm_stays_on_device", "moe_experts",
+    "record_cuda_graph", "release_fast_path", "static_step_for", "takes_fast_path",
 ]
