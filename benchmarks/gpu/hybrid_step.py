@@ -1,18 +1,16 @@
 """The fast path's step on a hybrid target at Qwen3.5-4B's text shape (random weights, bf16, batch 1), against the
 target's own 1-token decode step, at 512 and 2048 tokens of context; with and without flash-linear-attention.
 
-Shape: the Qwen3.5-4B drafter's config in hub_configs/ gives the target's hidden size (2560), depth (32) and vocabulary
-(248,320); the rest (a full-attention layer every 4th, 16 key and 32 value heads of 128 in the Gated DeltaNet layers,
-conv kernel 4, attention 16 heads / 4 KV heads of 256) are transformers' Qwen3_5TextConfig defaults, the
-published Qwen3.5 layout. The drafter: that config's 6 layers, block 16, all full attention (the fast path of this
-version refuses a drafter's sliding layers).
+Shape: `hf-dflash bench`'s `qwen3.5-4b` (the published target's text config and z-lab's drafter for it, built by
+`random_pair`); `hf-dflash bench --random-weights qwen3.5-4b` times the same step with whatever kernels are installed,
+this script times it with and without flash-linear-attention, after checking output on tiny targets.
 
 First, per variant, the fast path's output on tiny float32 hybrid targets (qwen3_5 text and multimodal, qwen3_next
 with batched experts) against plain greedy, batch 1 and 3, with the step recorded as a graph. Then per context length:
 - ours: the step's parts as CUDA graphs (`step_parts_ms`: propose, verify = target forward over 16 rows + acceptance
   + the linear layers' rollback, whole step), every sequence frozen so replays repeat the same work.
-- the target's 1-token step on our fixed buffers (`HybridStaticCache`, no rollback), as a CUDA graph: the floor,
-  as `hf-dflash bench` measures it for other targets on `StaticTargetCache`.
+- the target's own 1-token step on the fast path's cache (`HybridStaticCache`), as a CUDA graph: bench's
+  `target_1_token_graph_ms`, the floor every bench row is compared against. GPU only (absent on a CPU smoke run).
 - with `--transformers-cache`, also the target's own 1-token step with transformers' StaticCache (a graph, else
   eager). Off by default: on the H200 with transformers 5.17 (2026-12-03) recording it hit a CUDA device-side assert,
   which leaves the process unable to go on, so it took every other figure of the run with it.
@@ -37,7 +35,6 @@ import time
 import torch
 
 CONTEXTS = (512, 2048)
-QWEN3_5_4B = dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, vocab_size=248320)
 TINY = dict(
     hidden_size=64, num_hidden_layers=4, intermediate_size=96, vocab_size=256, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -93,25 +90,11 @@ def own_cache_step_ms(target, context: int, device: str) -> dict:
     return {"ms": timed_ms(step, device, graph=False), "graph": False}
 
 
-@torch.no_grad()
-def buffers_step_ms(step, context: int, device: str) -> float:
-    """The target's 1-token decode step on the fast path's own buffers (written directly, no rollback)."""
-    cache = step.target_cache.head(1)
-    cache.write_slots = torch.tensor([[context]], device=device)
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    mask = (step.key_slots <= context)[None, None, None, :]
-
-    def one_token() -> None:
-        step.target(input_ids=token, position_ids=cache.write_slots, use_cache=True, logits_to_keep=1,
-                    attention_mask={"full_attention": mask, "linear_attention": None}, **{step.cache_argument: cache})
-
-    return timed_ms(one_token, device, graph=device == "cuda")
-
-
 def graph_output_check(device: str) -> dict:
     """Before timing: on tiny float32 hybrid targets (the CI tests' builders), the fast path's output equals plain
     greedy generate, batch 1 and a left-padded batch of 3, and on CUDA the step ran as a recorded graph."""
     sys.path.insert(0, ".")
+    from hf_dflash.modeling.dflash_fast_path import release_fast_path
     from tests.conftest import random_prompt, tiny_drafter
     from tests.test_batched import PAD, left_pad
     from tests.test_families import family_target
@@ -131,7 +114,7 @@ def graph_output_check(device: str) -> dict:
             graphed = bool(drafter._dflash_static_step[1].graphs) or device != "cuda"
             results[f"{family} {name}"] = bool(torch.equal(plain, fast)) and graphed
             print(f"  check {family} {name}: fast == plain {torch.equal(plain, fast)}, graph {graphed}", flush=True)
-        drafter._dflash_static_step = None
+        release_fast_path(drafter)
     return results
 
 
@@ -140,23 +123,24 @@ def measure(args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_dflash import DFlashConfig, DFlashDraftModel
-    from hf_dflash.bench import step_parts_ms
+    from hf_dflash.bench import random_pair, step_parts_ms, target_1_token_graph_ms
     from hf_dflash.modeling.dflash_acceptance import DecodingRule
     from hf_dflash.modeling.dflash_decoding import _cache_argument
-    from hf_dflash.modeling.dflash_fast_path import static_step_for
+    from hf_dflash.modeling.dflash_fast_path import release_fast_path, static_step_for
     from hf_dflash.modeling.dflash_processors import StepProcessors
 
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
-    shape = TINY if args.tiny else QWEN3_5_4B
-    config = AutoConfig.for_model("qwen3_5_text", **shape)
     started = time.perf_counter()
-    with torch.device(device):
-        target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        layers = 2 if args.tiny else 6
-        drafter_config = DFlashConfig.for_target(
-            config, num_hidden_layers=layers, block_size=16, mask_token_id=shape["vocab_size"] - 1
-        )
-        drafter = DFlashDraftModel._from_config(drafter_config, dtype=dtype).eval()
+    if args.tiny:
+        config = AutoConfig.for_model("qwen3_5_text", **TINY)
+        with torch.device(device):
+            target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+            drafter_config = DFlashConfig.for_target(config, num_hidden_layers=2, block_size=16,
+                                                     mask_token_id=TINY["vocab_size"] - 1)
+            drafter = DFlashDraftModel._from_config(drafter_config, dtype=dtype).eval()
+    else:
+        target, drafter = random_pair("qwen3.5-4b", dtype, device)
+    vocab = drafter.config.mask_token_id  # random prompt ids below the mask token
     linear = type(next(layer.linear_attn for layer in target.model.layers if hasattr(layer, "linear_attn")))
     kernels = chunk_rule_kernels(sys.modules[linear.__module__])
     print(f"[{args.variant}] built in {time.perf_counter() - started:.0f} s; chunked gated delta rule from {kernels}",
@@ -166,26 +150,25 @@ def measure(args) -> dict:
     for context in (64, 128) if args.tiny else CONTEXTS:
         step = static_step_for(target, drafter, 1, context + 64, _cache_argument(target))
         step.bind(StepProcessors([]), DecodingRule(do_sample=False, rejection=False), keep_scores=False, keep_logits=False)
-        prompt = torch.randint(0, shape["vocab_size"] - 1, (1, context), device=device)
+        prompt = torch.randint(0, vocab, (1, context), device=device)
         step.prefill(prompt, torch.ones_like(prompt), context + 64, [])
         step.active.zero_()  # frozen: every replay repeats the same work
         if device == "cuda":
-            ours = step_parts_ms(step)
+            row = {"context": context, **step_parts_ms(step), "target_1_token_graph_ms": target_1_token_graph_ms(step)}
         else:
             rows_ = step.rows(1)
             with step.generator.capture:
-                ours = {"step_ms_eager": timed_ms(lambda: step.step(rows_), device, graph=False)}
-        floor = buffers_step_ms(step, context, device)
-        row = {"context": context, **ours, "target_1token_on_our_buffers_ms": floor}
+                row = {"context": context, "step_ms_eager": timed_ms(lambda: step.step(rows_), device, graph=False)}
         print(f"[{args.variant}] context {context}: {json.dumps(row)}", flush=True)  # before anything that may fail
         if args.transformers_cache:
             row["target_1token_transformers_static_cache"] = own_cache_step_ms(target, context, device)
         rows.append(row)
-        drafter._dflash_static_step = None
+        release_fast_path(drafter)
         if device == "cuda":
             torch.cuda.empty_cache()
     return {
-        "variant": args.variant, "output_checks": checks, "chunk_rule_kernels": kernels, "shape": shape,
+        "variant": args.variant, "output_checks": checks, "chunk_rule_kernels": kernels,
+        "shape": {key: getattr(target.config, key) for key in ("hidden_size", "num_hidden_layers", "vocab_size")},
         "dtype": str(dtype), "rows": rows,
     }
 

@@ -50,6 +50,7 @@ from hf_dflash.bench import (  # noqa: E402
 )
 from hf_dflash.modeling import dflash_attention  # noqa: E402
 from hf_dflash.modeling.dflash_attention import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention  # noqa: E402
+from hf_dflash.modeling.dflash_fast_path import release_fast_path  # noqa: E402
 from hf_dflash.modeling.dflash_paged_cache import PagedView  # noqa: E402
 from hf_dflash.modeling.dflash_static_cache import page_slots  # noqa: E402
 
@@ -130,8 +131,8 @@ def held_step(target: Any, drafter: Any, context: int, new_tokens: int) -> Any:
 
 
 def release(drafter: Any) -> None:
-    """Drop the held step and its buffers before the next context."""
-    drafter._dflash_static_step = None
+    """Drop the held step and its buffers before the next context, and give their memory back to the device."""
+    release_fast_path(drafter)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
