@@ -8,8 +8,8 @@
     measure_tau(target, drafter, load_prompts("humaneval")[:20], max_new_tokens=256, tokenizer=tokenizer)
 
 Files: data.py (prompt sets, regeneration, batching), objective.py (anchors, blocks, masks, labels, loss),
-drafter.py (a fresh drafter for a target), trainer.py (the accelerate loop, checkpoints), evaluate.py (tau on real
-decoding), cli.py (the `train` and `eval` subcommands).
+drafter.py (a fresh drafter for a target, or a trained one grown deeper), trainer.py (the accelerate loop,
+checkpoints), evaluate.py (tau on real decoding), cli.py (the `train` and `eval` subcommands).
 """
 
 from .data import (
@@ -23,7 +23,7 @@ from .data import (
     regenerate,
     write_jsonl_prompts,
 )
-from .drafter import copy_target_layers, new_drafter
+from .drafter import copy_target_layers, grow_drafter, new_drafter
 from .evaluate import TauReport, measure_tau
 from .objective import DFlashObjective, default_gamma
 from .trainer import TrainingArguments, TrainingResult, train
@@ -38,6 +38,7 @@ __all__ = [
     "default_gamma",
     "download_wheel",
     "extract_sharegpt_jsonl",
+    "grow_drafter",
     "load_humaneval_prompts",
     "load_jsonl_prompts",
     "load_prompts",

@@ -20,9 +20,9 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..modeling import DFlashDraftModel
+from ..modeling import DFlashConfig, DFlashDraftModel
 from .data import RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
-from .drafter import new_drafter
+from .drafter import grow_drafter, new_drafter
 from .evaluate import measure_tau
 from .trainer import TrainingArguments, portable_command, portable_path, train
 
@@ -106,9 +106,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.init_from and not (Path(args.init_from) / "config.json").is_file():
         raise SystemExit(f"--init-from {args.init_from}: no drafter there (no config.json); give a drafter directory")
-    if args.init_from and (args.init_from_target or args.num_layers is not None):
-        raise SystemExit("--init-from takes the drafter's shape and weights: leave out --init-from-target and "
-                         "--num-layers")
+    if args.init_from and args.init_from_target:
+        raise SystemExit("--init-from takes the drafter's weights: leave out --init-from-target")
+    depth = DFlashConfig.from_pretrained(args.init_from).num_hidden_layers if args.init_from else 0
+    if args.init_from and args.num_layers is not None and args.num_layers < depth:
+        raise SystemExit(f"--num-layers {args.num_layers}: {args.init_from} has {depth} layers, and a drafter can "
+                         f"grow but not shrink; give --num-layers {depth} or more, or leave it out")
+    grow = bool(args.init_from) and args.num_layers is not None and args.num_layers > depth
     started = time.perf_counter()
     state = PartialState(cpu=not torch.cuda.is_available())
     target, tokenizer = load_target(args.target, state.device)
@@ -119,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     if args.init_from:
         # Weights in float32 whatever they were saved in: the optimizer keeps float32 master weights.
         drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+        if grow:
+            grow_drafter(drafter, args.num_layers)
     else:
         drafter = new_drafter(
             target,
@@ -129,6 +135,12 @@ def run(args: argparse.Namespace) -> int:
             target_layer_ids=args.target_layer_ids,
             init_from_target=args.init_from_target,
         )
+    if state.is_main_process:
+        # The size a shipped drafter's bf16 model.safetensors has (MB: 10^6 bytes); the budget is a shipping rule.
+        parameters = sum(p.numel() for p in drafter.parameters())
+        origin = f"{args.init_from}, grown from {depth} layers" if grow else args.init_from or "new"
+        print(f"drafter ({origin}): {drafter.config.num_hidden_layers} layers, {parameters:,} parameters, "
+              f"{2 * parameters / 1e6:.2f} MB of bf16 weights")
     training_args = TrainingArguments(
         out_dir=args.out,
         steps=args.steps,
@@ -158,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
                "data": {"prompt_sources": dict(sum((Counter(prompt_sources(spec)) for spec in args.prompts),
                                                    Counter()))},
                "regeneration_tokens_per_second": round(data.tokens_per_second, 1),
-               "history": _history(args.init_from) if args.init_from else []},
+               "history": _history(args.init_from) if args.init_from else [],
+               **({"grown": {"from_layers": depth, "to_layers": args.num_layers}} if grow else {})},
     )
     result = train(target, drafter, data, training_args)
     if args.eval_prompts and state.is_main_process:
@@ -232,7 +245,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", metavar="DRAFTER",
                    help="continue from this drafter's weights and shape (a fresh optimizer); its recorded runs "
                    "become this drafter's history")
-    p.add_argument("--num-layers", type=int, help="drafter decoder layers (default 1; published drafters: 5 or 8)")
+    p.add_argument("--num-layers", type=int,
+                   help="drafter decoder layers (default 1; published drafters: 5 or 8); with --init-from, grow that "
+                   "drafter to this many: each new layer a copy of its last with the output projections of "
+                   "attention and MLP zeroed, so it starts out computing exactly what the drafter did")
     p.add_argument("--block-size", type=int, default=16, help="block size B, anchor included")
     p.add_argument("--mask-token-id", type=int,
                    help="embedding row for mask rows; default: the first row past the tokenizer, if there is one")

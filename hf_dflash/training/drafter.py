@@ -1,4 +1,5 @@
-"""A fresh drafter for a target: config from the target's shape, weights from scratch or from the target's layers."""
+"""A drafter to train: a fresh one shaped for a target (weights from scratch or from the target's layers), or a
+trained one grown deeper without changing what it computes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from transformers import PreTrainedModel
 
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..modeling.dflash_capture import decoder_layers
+from ..modeling.modeling_dflash import DFlashDecoderLayer
 
 
 def new_drafter(
@@ -55,4 +57,36 @@ def copy_target_layers(target: PreTrainedModel, drafter: DFlashDraftModel) -> li
     return copied
 
 
-__all__ = ["copy_target_layers", "new_drafter"]
+@torch.no_grad()
+def grow_drafter(drafter: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
+    """Append decoder layers to `drafter` (in place) until it has `num_layers`; returns it.
+
+    Each new layer starts as a copy of the last layer with its attention output projection and MLP down projection
+    set to zero, so both its residual branches add exactly zero and the grown drafter computes what the old one did,
+    bit for bit (x + 0 is x; the final norm still reads the same residual stream). The branches still learn: the
+    zeroed matrices get a gradient at the first step (their inputs are not zero), the rest of the layer once they
+    are no longer zero. A new layer has the last layer's attention type.
+    """
+    config = drafter.config
+    depth = config.num_hidden_layers
+    if num_layers < depth:
+        raise ValueError(
+            f"the drafter has {depth} layers; it can grow to {depth} or more, not shrink to {num_layers}"
+        )
+    last = drafter.layers[-1]
+    config.layer_types = [*config.layer_types, *[config.layer_types[-1]] * (num_layers - depth)]
+    config.num_hidden_layers = num_layers
+    for index in range(depth, num_layers):
+        # Built from the shared config (not deep-copied from `last`), so the attention implementation stays the
+        # model's and `layer_idx` addresses this layer's own cache slot.
+        layer = DFlashDecoderLayer(config, index).to(last.mlp.down_proj.weight)
+        layer.load_state_dict(last.state_dict())
+        for branch_out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            branch_out.weight.zero_()
+            if branch_out.bias is not None:
+                branch_out.bias.zero_()
+        drafter.layers.append(layer)
+    return drafter
+
+
+__all__ = ["copy_target_layers", "grow_drafter", "new_drafter"]

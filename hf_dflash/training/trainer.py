@@ -198,6 +198,8 @@ def train(
                      **args.extra.get("data", {})},
             "final_loss": final_loss,
             "final_tau": final_tau,
+            # A run that deepened the drafter says so in its own entry: {"from_layers": L, "to_layers": N}.
+            **({"grown": args.extra["grown"]} if "grown" in args.extra else {}),
         }
         record = {
             "command": command,
