@@ -7,6 +7,10 @@
 #   2. A/B: two short runs from the same start (INIT_FROM, a fresh optimizer, one learning-rate schedule of STEPS
 #      steps): hard labels, and hard labels plus distillation to the target's top-DISTILL_TOPK; AB_SECONDS each;
 #      AB_SECONDS=0 skips it and ARM (hard or distill) trains alone;
+#      with GROW_LAYERS=N the two arms are instead "continue" (INIT_FROM as it is) and "grown" (INIT_FROM grown to N
+#      layers by `--num-layers N`: each new layer a copy of its last whose attention and MLP output projections
+#      start at zero, so the grown drafter starts out drafting exactly as INIT_FROM), both with ARM's objective;
+#      with AB_SECONDS=0 the grown drafter trains alone;
 #   3. the run with the higher simulated tau resumes and trains until DEADLINE (seconds since the epoch).
 # Every SAVE_EVERY steps the current run writes a checkpoint and the drafter itself (bf16, in shards small enough
 # to come back through a device call) to $RUN/<arm>; $RUN/current names the run in progress; $RUN/done appears at
@@ -23,6 +27,14 @@
 # GPU (3,643 within MAX_PROMPT_TOKENS, at most 0.93M answer tokens: under a minute at 23K tokens/s), and
 # training runs on the 29,668 + 3,643 sequences.
 # NEW_PROMPTS= (empty) trains on the old mix alone.
+#
+# Depth A/B for the next session (issue 16 item 6; the 3-layer SmolLM2 drafter grown to 5 layers, 38.72 MB of bf16
+# weights, the most under the 40 MB budget at width 576), in the train call:
+#   GROW_LAYERS=5 AB_SECONDS=150 bash benchmarks/gpu/session_start.sh train SECONDS
+# Both arms run AB_SECONDS of wall time, so the grown one (a slower step) is judged on simulated tau per second
+# from the same start. MS_PER_STEP sizes the schedule for the 3-layer step: if the grown arm wins, its long run
+# stops at DEADLINE before the learning rate reaches zero (each arm's steps and wall_time_s are in its
+# training_args.json, for sizing the next run).
 set -u
 : "${DEADLINE:?seconds since the epoch by which training must have stopped}"
 : "${TARGET:=smollm2}"
@@ -38,6 +50,7 @@ set -u
 : "${BATCH:=64}"
 : "${LR:=3e-3}"
 : "${DISTILL_TOPK:=32}"
+: "${GROW_LAYERS:=}"
 : "${SAVE_EVERY:=200}"
 : "${MAX_NEW_TOKENS:=256}"
 : "${MAX_PROMPT_TOKENS:=384}"
@@ -75,29 +88,36 @@ echo "== $left s left: planned $STEPS steps of $BATCH sequences"
 run=("${train[@]}" --init-from "$INIT_FROM" --steps "$STEPS" --batch-size "$BATCH" --lr "$LR" --bf16
      --max-length "$MAX_LENGTH" --group-by-length --save-every "$SAVE_EVERY" --max-shard-size "$MAX_SHARD_SIZE"
      --log-every 25 --seed 0 $EXTRA)
-winner=$ARM
+arm_flags() {  # the options of arm $1, into the array `flags`
+    case $1 in
+        hard|continue) flags=() ;;
+        distill) flags=(--distill-topk "$DISTILL_TOPK") ;;
+        grown) flags=(--num-layers "$GROW_LAYERS") ;;
+    esac
+    if [ -n "$GROW_LAYERS" ] && [ "$ARM" = distill ]; then flags+=(--distill-topk "$DISTILL_TOPK"); fi
+}
+if [ -n "$GROW_LAYERS" ]; then arms=(continue grown); winner=grown; else arms=(hard distill); winner=$ARM; fi
 resume=()
 if [ "$AB_SECONDS" -gt 0 ]; then
     resume=(--resume)
-    for arm in hard distill; do
-        flags=()
-        if [ "$arm" = distill ]; then flags=(--distill-topk "$DISTILL_TOPK"); fi
+    for arm in "${arms[@]}"; do
+        arm_flags "$arm"
         echo "$RUN/$arm" > "$RUN/current"
         echo "== A/B arm $arm $(date -u +%T)"
         "${run[@]}" "${flags[@]}" --out "$RUN/$arm" --time-limit "$AB_SECONDS" || exit 1
     done
-    winner=$(python3 - "$RUN" <<'PY'
+    winner=$(python3 - "$RUN" "${arms[@]}" <<'PY'
 import json, sys
 from pathlib import Path
-taus = {arm: json.loads((Path(sys.argv[1]) / arm / "training_args.json").read_text())["final_tau"]
-        for arm in ("hard", "distill")}
+runs = {arm: json.loads((Path(sys.argv[1]) / arm / "training_args.json").read_text()) for arm in sys.argv[2:]}
+taus = {arm: run["final_tau"] for arm, run in runs.items()}
 print(max(taus, key=taus.get))
-print(f"A/B simulated tau (last 50 steps): {taus}", file=sys.stderr)
+print(f"A/B simulated tau (last 50 steps): {taus}; steps: { {arm: run['steps'] for arm, run in runs.items()} }",
+      file=sys.stderr)
 PY
 )
 fi
-flags=()
-if [ "$winner" = distill ]; then flags=(--distill-topk "$DISTILL_TOPK"); fi
+arm_flags "$winner"
 echo "$RUN/$winner" > "$RUN/current"
 left=$(( DEADLINE - $(date +%s) ))
 echo "== long run: $winner ${resume[*]:-starts} for $left s $(date -u +%T)"
