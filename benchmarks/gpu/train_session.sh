@@ -13,8 +13,9 @@
 #      with AB_SECONDS=0 the grown drafter trains alone;
 #   3. the run with the higher simulated tau resumes and trains until DEADLINE (seconds since the epoch).
 # Every SAVE_EVERY steps the current run writes a checkpoint and the drafter itself (bf16, in shards small enough
-# to come back through a device call) to $RUN/<arm>; $RUN/current names the run in progress; $RUN/done appears at
-# the end. Start it from the repository root after `source benchmarks/gpu/device_env.sh`:
+# to come back through a device call) to $RUN/<arm>; $RUN/ab/<arm> keeps each A/B arm's drafter as the A/B left
+# it; $RUN/current names the run in progress; $RUN/done appears at the end. Start it from the repository root
+# after `source benchmarks/gpu/device_env.sh`:
 #   DEADLINE=$(( $(date +%s) + 1100 )) MS_PER_STEP=150 setsid nohup bash benchmarks/gpu/train_session.sh \
 #       > ~/session.log 2>&1 < /dev/null &
 # MS_PER_STEP (a step's time at BATCH, e.g. from training_throughput.py) sizes STEPS to end near DEADLINE;
@@ -105,6 +106,8 @@ if [ "$AB_SECONDS" -gt 0 ]; then
         echo "$RUN/$arm" > "$RUN/current"
         echo "== A/B arm $arm $(date -u +%T)"
         "${run[@]}" "${flags[@]}" --out "$RUN/$arm" --time-limit "$AB_SECONDS" || exit 1
+        # The arm's drafter as the A/B left it (the winner's folder moves on): both can be measured on HumanEval.
+        mkdir -p "$RUN/ab/$arm" && find "$RUN/$arm" -maxdepth 1 -type f -exec cp {} "$RUN/ab/$arm/" \;
     done
     winner=$(python3 - "$RUN" "${arms[@]}" <<'PY'
 import json, sys
