@@ -144,3 +144,35 @@ def test_a_compiled_trace_reads_the_dispatchers_answers_that_the_eager_pass_left
     with torch.no_grad(), grouped_attention(drafter), pytest.raises(Exception, match="non-Tensor"):
         unprimed(step.rows(2))
     release_fast_path(drafter)
+
+
+@pytest.mark.parametrize("case", ["sliding_drafter", "eager_attention", "rejection_sampling", "point_mass_top_k"])
+def test_the_compiled_pass_is_one_graph_for_each_kind_of_step(traced_only, case):
+    """The drafter's sliding masks, eager attention (boolean masks) and sampled calls trace as one graph too; with the
+    "eager" backend the compiled pass computes exactly what the eager one does, so even a sampled call's tokens (same
+    seed) are those of the uncompiled step."""
+    target = tiny_target("llama", seed=11, **({"attn_implementation": "eager"} if case == "eager_attention" else {}))
+    layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3) if case == "sliding_drafter" else {}
+    drafter = tiny_drafter(target, seed=12, block_size=4, **layout)
+    if case == "eager_attention":
+        drafter.config._attn_implementation = "eager"
+    sampling = {
+        "rejection_sampling": dict(do_sample=True, temperature=0.8),
+        "point_mass_top_k": dict(do_sample=True, top_k=20, dflash_sampling="point_mass"),
+    }.get(case, dict(do_sample=False))
+    ids, mask = left_padded(2, 10, [0, 4], seed=11)
+    outputs = []
+    for compile_drafter in (False, True):
+        torch.manual_seed(0)
+        outputs.append(target.generate(
+            ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, assistant_model=drafter,
+            dflash_fast_path=True, dflash_compile=compile_drafter, **sampling,
+        ))
+    step = drafter._dflash_static_step[1]
+    assert step.compile_error is None and len(traced_only) == 2
+    assert step.draft not in step.drafter_passes.values()
+    assert torch.equal(outputs[1], outputs[0])
+    if not sampling["do_sample"]:
+        plain = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        assert torch.equal(outputs[1], plain)
+    release_fast_path(drafter)
