@@ -71,8 +71,8 @@ FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBR
 # Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
 # Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
 MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe")
-# Compiled drafter passes dynamo may keep per code object: one per batch size and cache length a process runs (the
-# default, 8, would leave a long-lived process's ninth shape uncompiled).
+# Compiled drafter passes dynamo may keep: one per batch size and cache length a process runs (its default, 8, would
+# leave a long-lived process's ninth shape uncompiled, or with fullgraph raise).
 DRAFTER_RECOMPILE_LIMIT = 64
 
 
@@ -258,8 +258,15 @@ def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
 
 def compile_drafter_pass(fn: Callable[["StepRows"], torch.Tensor]) -> Callable[["StepRows"], torch.Tensor]:
     """`fn` compiled by inductor for fixed shapes, as one graph (a break is an error, not a silent eager piece), and
-    without CUDA graphs of its own: the fast path records the whole step as one."""
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    without CUDA graphs of its own: the fast path records the whole step as one. Its calls may keep up to
+    `DRAFTER_RECOMPILE_LIMIT` compiled versions."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def run(rows: StepRows) -> torch.Tensor:
+        with torch._dynamo.config.patch(cache_size_limit=DRAFTER_RECOMPILE_LIMIT):
+            return compiled(rows)
+
+    return run
 
 
 def bucket_size(running: int, batch_size: int) -> int:
@@ -489,8 +496,7 @@ class DFlashStaticStep:
                     # Eagerly first: the grouped attention asks torch's sdpa dispatcher once per kind of call and
                     # keeps the answer, which a compiled trace can read but not ask (dflash_attention.py).
                     self.draft(self.rows(size))
-                    with torch._dynamo.config.patch(cache_size_limit=DRAFTER_RECOMPILE_LIMIT):
-                        compiled(self.rows(size))
+                    compiled(self.rows(size))
             except Exception as error:  # any failure to compile leaves the eager pass, never a failed call
                 lines = str(error).strip().splitlines()
                 self.compile_error = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"

@@ -30,15 +30,16 @@ def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tupl
 
 @pytest.fixture
 def traced_only(monkeypatch):
-    """The fast path compiles with dynamo's "eager" backend: the same trace (fullgraph, fixed shapes), no code
-    generation. Records each function handed to it."""
+    """torch.compile uses dynamo's "eager" backend: the fast path's own trace (its options: fullgraph, fixed shapes),
+    without code generation. Records each function handed to it."""
     compiled = []
+    compile = torch.compile
 
-    def compile_traced(fn):
+    def compile_traced(fn, **options):
         compiled.append(fn)
-        return torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
+        return compile(fn, **{**options, "backend": "eager"})
 
-    monkeypatch.setattr(dflash_fast_path, "compile_drafter_pass", compile_traced)
+    monkeypatch.setattr(torch, "compile", compile_traced)
     return compiled
 
 
@@ -140,7 +141,7 @@ def test_a_compiled_trace_reads_the_dispatchers_answers_that_the_eager_pass_left
     assert dflash_attention.FUSED_CHOICES  # the eager pass asked, the trace read the answer
     # Without the eager pass first, the trace meets the dispatcher itself and stops: that is why it runs first.
     monkeypatch.setattr(dflash_attention, "FUSED_CHOICES", {})
-    unprimed = torch.compile(step.draft, backend="eager", fullgraph=True, dynamic=False)
+    unprimed = dflash_fast_path.compile_drafter_pass(step.draft)
     with torch.no_grad(), grouped_attention(drafter), pytest.raises(Exception, match="non-Tensor"):
         unprimed(step.rows(2))
     release_fast_path(drafter)
@@ -175,4 +176,21 @@ def test_the_compiled_pass_is_one_graph_for_each_kind_of_step(traced_only, case)
     if not sampling["do_sample"]:
         plain = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
         assert torch.equal(outputs[1], plain)
+    release_fast_path(drafter)
+
+
+def test_a_process_compiles_more_drafter_shapes_than_dynamos_default_limit(traced_only):
+    """dynamo keeps 8 compiled versions of a function by default and, with fullgraph, raises past them; a long-lived
+    process meets more batch sizes and cache lengths than that, and each one still compiles."""
+    target = tiny_target("qwen3", seed=13, hidden_size=48, num_attention_heads=4)  # shapes no other test compiles
+    drafter = tiny_drafter(target, seed=14, block_size=4)
+    shapes = set()
+    for batch, length in ((3, 6), (5, 6), (6, 6), (7, 6), (3, 300)):  # 300: a second cache length
+        ids = random_prompt(length, seed=batch, batch=batch)
+        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                        assistant_model=drafter, dflash_fast_path=True, dflash_compile=True)
+        step = drafter._dflash_static_step[1]
+        assert step.compile_error is None and step.draft not in step.drafter_passes.values()
+        shapes |= {(size, step.num_slots) for size in step.drafter_passes}
+    assert len(shapes) > 8
     release_fast_path(drafter)
