@@ -44,6 +44,10 @@ FUSED_SDPA_BACKENDS = frozenset(
     int(getattr(SDPBackend, name)) for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 )
 
+# The dispatcher's answers so far: (metadata of query, key, value and mask, device, dropout, scale, enabled backends)
+# -> whether a fused kernel takes grouped heads.
+FUSED_CHOICES: dict[tuple, bool] = {}
+
 
 def fused_kernel_takes_grouped_heads(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, dropout: float, scale: float | None
@@ -54,8 +58,27 @@ def fused_kernel_takes_grouped_heads(
     the call it picks. Off CUDA: False (the CPU kernels are left to the fold, which every backend serves)."""
     if query.device.type != "cuda":
         return False
-    choice = torch._fused_sdp_choice(query, key, value, mask, dropout, False, scale=scale, enable_gqa=True)
-    return choice in FUSED_SDPA_BACKENDS
+    return dispatcher_takes_grouped_heads(query, key, value, mask, dropout, scale)
+
+
+def dispatcher_takes_grouped_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, dropout: float, scale: float | None
+) -> bool:
+    """torch's sdpa dispatcher's answer for this call with `enable_gqa=True`: a fused kernel or not. The answer depends
+    only on the tensors' metadata and the enabled backends (the priority order is taken as set once per process), so
+    it is asked once per kind of call and kept (`FUSED_CHOICES`). Keeping it also lets a compiled forward read it:
+    torch.compile cannot trace the dispatcher's integer answer, so the fast path runs each drafter pass it compiles
+    eagerly once first (dflash_fast_path.py)."""
+    call = (
+        *((tuple(t.shape), t.stride(), t.dtype) for t in (query, key, value, mask)), query.device, dropout, scale,
+        # what torch.backends.cuda.*_sdp_enabled() return, read as torch.compile can trace them
+        torch._C._get_flash_sdp_enabled(), torch._C._get_mem_efficient_sdp_enabled(),
+        torch._C._get_cudnn_sdp_enabled(), torch._C._get_math_sdp_enabled(),
+    )
+    if call not in FUSED_CHOICES:
+        choice = torch._fused_sdp_choice(query, key, value, mask, dropout, False, scale=scale, enable_gqa=True)
+        FUSED_CHOICES[call] = choice in FUSED_SDPA_BACKENDS
+    return FUSED_CHOICES[call]
 
 
 def grouped_sdpa_attention(
@@ -132,4 +155,7 @@ def grouped_attention(*models: torch.nn.Module) -> Iterator[None]:
             config._attn_implementation_internal = "sdpa"
 
 
-__all__ = ["GROUPED_SDPA", "fused_kernel_takes_grouped_heads", "grouped_attention", "grouped_sdpa_attention"]
+__all__ = [
+    "FUSED_CHOICES", "GROUPED_SDPA", "dispatcher_takes_grouped_heads", "fused_kernel_takes_grouped_heads",
+    "grouped_attention", "grouped_sdpa_attention",
+]

@@ -366,6 +366,7 @@ def dflash_generate(
     dflash_sampling: str = "rejection",
     dflash_verify_rows: int | None = None,
     dflash_fast_path: bool | None = None,
+    dflash_compile: bool | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
     """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
@@ -381,6 +382,9 @@ def dflash_generate(
     whenever it can serve the call on a GPU; True insists (an error names what blocks it; on a CPU the same static
     step runs without a graph); False always takes the eager loop (`EagerDecoding`). The tokens are the same
     either way.
+    `dflash_compile` (a generate keyword): whether the fast path compiles its drafter pass with torch.compile before
+    recording it (dflash_fast_path.py). None (the default) compiles where the step is recorded as a CUDA graph; True
+    compiles also where it is not (a CPU); False keeps it eager. Only proposals can differ, never the output.
     """
     target = model
     rule = DecodingRule.for_call(generation_config, dflash_sampling)
@@ -399,7 +403,8 @@ def dflash_generate(
     blocker = fast_path_blocker(target, drafter, processors, verify_rows, attention_mask)
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
         step = static_step_for(target, drafter, input_ids.shape[0], max_length, _cache_argument(target))
-        step.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits)
+        compile_drafter = step.use_graphs if dflash_compile is None else dflash_compile
+        step.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
         with step.generator.capture:
             acceptance_lengths = _decode_static(step, input_ids, attention_mask, logits_processor, host_hooks)
         host_hooks.end()

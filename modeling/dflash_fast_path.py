@@ -24,12 +24,23 @@ or eager attention. Anything else takes the eager loop (dflash_decoding.py), whi
 distribution when sampling); on a GPU a warning says why, once. `generate(..., dflash_fast_path=True)` insists (and
 names what blocks it); on a CPU it runs the same step without a graph, which is how CI tests it.
 
+The drafter's pass of the step (its context keys/values, masks, layers and the lm_head over the draft rows: our own code)
+is compiled with torch.compile (inductor, fixed shapes) before a graph records it, so the graph replays inductor's
+fused kernels where it would replay hundreds of small eager ones (RMSNorm, rotary, masks, casts). A call's first step
+compiles it for every batch size the step may run at, once per held step (batch size and cache length);
+`generate(..., dflash_compile=False)` keeps it eager.
+The target's forward is never compiled: the verified tokens come from the target alone, so a compiled drafter can only
+change which drafts are proposed (tau), never the output. If compiling fails, a warning names why and the step runs the
+eager drafter.
+
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +71,9 @@ FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBR
 # Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
 # Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
 MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe")
+# Compiled drafter passes dynamo may keep: one per batch size and cache length a process runs (its default, 8, would
+# leave a long-lived process's ninth shape uncompiled, or with fullgraph raise).
+DRAFTER_RECOMPILE_LIMIT = 64
 
 
 def target_layer_types(text: Any) -> list[str]:
@@ -242,6 +256,19 @@ def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def compile_drafter_pass(fn: Callable[["StepRows"], torch.Tensor]) -> Callable[["StepRows"], torch.Tensor]:
+    """`fn` compiled by inductor for fixed shapes, as one graph (a break is an error, not a silent eager piece), and
+    without CUDA graphs of its own: the fast path records the whole step as one. Its calls may keep up to
+    `DRAFTER_RECOMPILE_LIMIT` compiled versions."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def run(rows: StepRows) -> torch.Tensor:
+        with torch._dynamo.config.patch(cache_size_limit=DRAFTER_RECOMPILE_LIMIT):
+            return compiled(rows)
+
+    return run
+
+
 def bucket_size(running: int, batch_size: int) -> int:
     """The batch a step runs at for `running` sequences: the next power of two, at most the full batch. Finished rows
     leave the step once the running ones fit in half of it, so a batch is not held by its longest sequence, and a
@@ -353,6 +380,11 @@ class DFlashStaticStep:
         self.live_rows = batch_size
         self.use_graphs = device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # rows -> the step recorded at that batch
+        # Whether calls compile the drafter's pass (`bind`); the pass the step runs per batch size, compiled or eager
+        # (`prepare_drafter`); why compiling failed, if it did (the step then stays eager rather than try again).
+        self.compile_drafter = False
+        self.drafter_passes: dict[int, Callable[[StepRows], torch.Tensor]] = {}
+        self.compile_error: str | None = None
         self._rows: dict[int, StepRows] = {}
 
     def rows(self, n: int) -> StepRows:
@@ -408,6 +440,16 @@ class DFlashStaticStep:
     def propose(self, rows: StepRows) -> torch.Tensor | None:
         """Store the last verify's rows as context, then draft the next block into `rows.drafts`. Returns the
         distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None."""
+        drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
+        with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
+            draft_logits = drafter_pass(rows)
+        drafts, draft_probs = self.rule.propose(draft_logits)
+        rows.drafts.copy_(drafts)
+        return draft_probs
+
+    def draft(self, rows: StepRows) -> torch.Tensor:
+        """The drafter's pass of `propose`, the part of the step that is compiled: context keys/values, masks, the
+        drafter forward and the lm_head. Returns the draft rows' logits (n, B - 1, V)."""
         block, generator = self.block_size, self.generator
         # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
         #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
@@ -423,11 +465,49 @@ class DFlashStaticStep:
             masks[SLIDING] = (behind >= 0) & (behind < generator.window)
         # (n, 1, q, S) masks; additive for sdpa, built once here rather than converted from booleans in every layer
         masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
-        with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
-            draft_logits = generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)
-        drafts, draft_probs = self.rule.propose(draft_logits)
-        rows.drafts.copy_(drafts)
-        return draft_probs
+        return generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)
+
+    def prepare_drafter(self, n: int) -> None:
+        """Choose the drafter's pass for the first n rows. When calls compile it, the first call compiles it for every
+        batch size the step may run at (`bucket_size`), so that no compile stalls a call once it decodes (when its
+        finished sequences leave the batch), and runs each once (its first run also tunes kernels), before any graph
+        records the step. Leaves the device state as a step would find it: a pass rewrites the last verify's context
+        rows as they were, and block slots the next step overwrites. If compiling fails, a warning says why and the
+        step keeps the eager pass."""
+        if n in self.drafter_passes:
+            return
+        if not self.compile_drafter or self.compile_error is not None:
+            self.drafter_passes[n] = self.draft
+            return
+        logger.info_once(
+            "DFlash: compiling the drafter's pass of the fast path with torch.compile, for each batch size the step "
+            "may run at, on the first call of a batch size and cache length (that call takes longer); pass "
+            "dflash_compile=False to generate to keep it eager."
+        )
+        sizes = sorted({bucket_size(running, self.batch_size) for running in range(1, self.batch_size + 1)})
+        for size in reversed(sizes):
+            if size in self.drafter_passes:
+                continue
+            self.drafter_passes[size] = self.draft
+            started = time.perf_counter()
+            compiled = compile_drafter_pass(self.draft)
+            try:
+                with torch.no_grad(), grouped_attention(self.drafter):
+                    # Eagerly first: the grouped attention asks torch's sdpa dispatcher once per kind of call and
+                    # keeps the answer, which a compiled trace can read but not ask (dflash_attention.py).
+                    self.draft(self.rows(size))
+                    compiled(self.rows(size))
+            except Exception as error:  # any failure to compile leaves the eager pass, never a failed call
+                lines = str(error).strip().splitlines()
+                self.compile_error = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+                logger.warning_once(
+                    f"DFlash: compiling the drafter's pass failed ({self.compile_error}); the fast path runs it "
+                    "eagerly (the same tokens, each step somewhat slower). Pass dflash_compile=False to generate to "
+                    "skip the attempt."
+                )
+                return
+            logger.info(f"DFlash: compiled the drafter's pass for {size} rows in {time.perf_counter() - started:.1f} s")
+            self.drafter_passes[size] = compiled
 
     def drafter_mask(self, visible: torch.Tensor) -> torch.Tensor:
         """The drafter's mask (n, 1, q, S) from its visibility (n, q, S): sdpa takes an additive one as it is, and
@@ -486,12 +566,20 @@ class DFlashStaticStep:
 
     # -- host side ------------------------------------------------------------------------------------------
 
-    def bind(self, processors: StepProcessors, rule: DecodingRule, keep_scores: bool, keep_logits: bool) -> None:
-        """Take this call's decoding rule and processors, and whether the step writes out the verify rows' scores /
-        logits. A recorded graph baked in what it was recorded with (temperatures, thresholds, the tensors they hold,
-        the copies to the output buffers): the graphs are kept only for a call that computes the same, and dropped
-        otherwise (the next step records its own)."""
+    def bind(
+        self, processors: StepProcessors, rule: DecodingRule, keep_scores: bool, keep_logits: bool,
+        compile_drafter: bool = False,
+    ) -> None:
+        """Take this call's decoding rule and processors, whether the step writes out the verify rows' scores /
+        logits, and whether the drafter's pass is compiled. A recorded graph baked in what it was recorded with
+        (temperatures, thresholds, the tensors they hold, the copies to the output buffers, the compiled or eager
+        drafter): the graphs are kept only for a call that computes the same, and dropped otherwise (the next step
+        records its own)."""
         kept = (self.scores is not None, self.logits is not None)
+        if compile_drafter != self.compile_drafter:
+            self.graphs = {}
+            self.drafter_passes = {}
+            self.compile_drafter = compile_drafter
         if self.graphs and (rule, processors.signature, kept) == (
             self.rule, self.processors.signature, (keep_scores, keep_logits)
         ):
@@ -571,6 +659,7 @@ class DFlashStaticStep:
     def run_step(self) -> dict[int, list[int]]:
         """One verify step over the live rows; returns per running sequence [tokens at the B rows..., accepted]."""
         n = self.live_rows
+        self.prepare_drafter(n)
         if self.use_graphs and n not in self.graphs:
             self.capture_graph(n)
         if n in self.graphs:

@@ -12,17 +12,20 @@ sequence finished, so a replay repeats the same work. Then, as CUDA graphs (medi
     drafter's context gathered slot by slot through the block tables (the fast path until issue 15 item 4);
   * `fold`: the grouped attention with the query heads of a group always folded into rows (the fast path until
     2026-12-03's third session);
-  * `fast_path`: the fast path now: sdpa with `enable_gqa=True` where torch's dispatcher serves the call with a fused
-    kernel, the fold elsewhere (modeling/dflash_attention.py).
+  * `fast_path`: sdpa with `enable_gqa=True` where torch's dispatcher serves the call with a fused kernel, the fold
+    elsewhere (modeling/dflash_attention.py), and the drafter's pass eager;
+  * `compiled`: the fast path now: the same, with the drafter's pass compiled by torch.compile before the graph records
+    it (`DFlashStaticStep.prepare_drafter`); `compile_s` is the time that compile took (the first call of that shape).
 One profiled verify per variant records the sdpa ops it ran, so the backend torch picked is on record.
-`--profile` adds, at one context, the CUDA kernels of an eager verify, an eager propose and the target's eager 1-token
-forward (the one target_1_token_ms records), grouped by name with their launches and total time (the top ones of each
-in the JSON), so one run shows where a step's time goes. That pass runs last, after every context's timings, on a
+`--profile` adds, at one context, the CUDA kernels of an eager verify, an eager propose, a propose with the compiled
+drafter pass, and the target's eager 1-token forward (the one target_1_token_ms records), grouped by name with their
+launches and total time (the top ones of each in the JSON), so one run shows where a step's time goes. That pass runs last, after every context's timings, on a
 fresh call at its context: the CUDA profiler (CUPTI) can leave overhead on the launches that follow it in the
 process, and when the profile ran first the 1-token step read 11.27 ms at 512 tokens on an H200, against 9.58 ms in
 `hf-dflash bench` and 8.71 ms of kernels in the profile itself (the per-variant sdpa-op record asks the profiler for
-CPU activity only). `--device cpu` runs a tiny random pair through the same call and profile (CPU ops instead of
-kernels, no timings): a smoke test of the script.
+CPU activity only). `--device cpu` runs a tiny random pair through the same call, compile and profile (CPU ops instead
+of kernels, no timings; inductor's CPU kernels are not aten ops, so a compiled propose there lists only its matmuls and
+attention): a smoke test of the script.
 Writes <out>.json and <out>.png and prints a table with step / 1-token ratios.
 
     python benchmarks/gpu/step_cost.py --out "$OUT/step_cost" --profile
@@ -50,7 +53,7 @@ from hf_dflash.bench import (  # noqa: E402
 )
 from hf_dflash.modeling import dflash_attention  # noqa: E402
 from hf_dflash.modeling.dflash_attention import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention  # noqa: E402
-from hf_dflash.modeling.dflash_fast_path import release_fast_path  # noqa: E402
+from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path  # noqa: E402
 from hf_dflash.modeling.dflash_paged_cache import PagedView  # noqa: E402
 from hf_dflash.modeling.dflash_static_cache import page_slots  # noqa: E402
 
@@ -61,11 +64,13 @@ def folded_sdpa_attention(*args: Any, **kwargs: Any) -> Any:
         return grouped_sdpa_attention(*args, **kwargs)
 
 
-# variant -> (the function the fast path's forwards call, whether the drafter reads through its contiguous view)
+# variant -> (the function the fast path's forwards call, whether the drafter reads through its contiguous view,
+# whether the drafter's pass is compiled); the compiled one last, as compiling it changes the held step
 VARIANTS = {
-    "before": (sdpa_attention_forward, False),
-    "fold": (folded_sdpa_attention, True),
-    "fast_path": (grouped_sdpa_attention, True),
+    "before": (sdpa_attention_forward, False, False),
+    "fold": (folded_sdpa_attention, True, False),
+    "fast_path": (grouped_sdpa_attention, True, False),
+    "compiled": (grouped_sdpa_attention, True, True),
 }
 
 
@@ -125,9 +130,23 @@ def held_step(target: Any, drafter: Any, context: int, new_tokens: int) -> Any:
     sequence finished (so a replay repeats the same work)."""
     # random ids below the mask token's (random weights: the text does not matter, only its length)
     prompt = torch.randint(0, drafter.config.mask_token_id, (1, context), generator=torch.Generator().manual_seed(0))
-    target.generate(prompt.to(target.device), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                    assistant_model=drafter, dflash_fast_path=True)
+    # every token real: without a mask generate would take a random id equal to pad_token_id for padding
+    prompt = prompt.to(target.device)
+    target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False,
+                    pad_token_id=0, assistant_model=drafter, dflash_fast_path=True, dflash_compile=False)
     return drafter._dflash_static_step[1]
+
+
+def compile_drafter(step: DFlashStaticStep) -> dict[str, Any]:
+    """Compile the held step's drafter pass at its batch size, as a compiling call does before recording its graph;
+    returns the seconds it took (dynamo, inductor and the kernels' first run), and why it failed if it did."""
+    started = time.perf_counter()
+    step.bind(step.processors, step.rule, False, False, compile_drafter=True)
+    step.prepare_drafter(step.batch_size)
+    seconds = time.perf_counter() - started
+    print(f"  compiled the drafter pass in {seconds:.1f} s" + (f": FAILED, {step.compile_error}" if step.compile_error
+                                                               else ""), flush=True)
+    return {"compile_s": round(seconds, 2), "compile_error": step.compile_error}
 
 
 def release(drafter: Any) -> None:
@@ -149,6 +168,9 @@ def profile(target: Any, drafter: Any, context: int, new_tokens: int, top: int) 
             "verify": kernel_profile(lambda: step.verify(rows, None), top),
             "propose": kernel_profile(lambda: step.propose(rows), top),
         }
+        if compile_drafter(step)["compile_error"] is None:
+            rows = step.rows(step.batch_size)
+            found["propose_compiled"] = kernel_profile(lambda: step.propose(rows), top)
     found["target_1_token"] = kernel_profile(target_one_token_step(step), top)
     for part, kernels in found.items():
         print(f"  ctx {context} {part:>14}: {kernels['launches']} {kernels['what']}, {kernels['total_ms']:.2f} ms",
@@ -162,14 +184,21 @@ def measure(target: Any, drafter: Any, context: int, new_tokens: int) -> dict[st
     step = held_step(target, drafter, context, new_tokens)
     rows = step.rows(step.batch_size)
     result: dict[str, Any] = {"context": context, "num_slots": step.num_slots}
-    if not torch.cuda.is_available():  # the CPU smoke run: no graphs to time
+    if not torch.cuda.is_available():  # the CPU smoke run: the compile, no graphs to time
+        with step.generator.capture:
+            result.update(compile_drafter(step))
         release(drafter)
         return result
     result["target_1_token_ms"] = target_1_token_graph_ms(step)
     with grouped_attention(target):
         result["target_1_token_grouped_ms"] = target_1_token_graph_ms(step)
     with step.generator.capture:
-        for name, (function, view) in VARIANTS.items():
+        for name, (function, view, compiled) in VARIANTS.items():
+            if compiled:
+                result.update(compile_drafter(step))
+                if result["compile_error"] is not None:
+                    continue
+                rows = step.rows(step.batch_size)  # the step's views, made again by `bind`
             variant_rows = rows if view else with_gathered_context(step, rows)
             with fast_path_attention(function):
                 parts = {
@@ -213,8 +242,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(contexts, [r["target_1_token_ms"] for r in rows], "k--", marker="o", label="target 1-token step")
     for name in VARIANTS:
-        left.plot(contexts, [r[name]["step_ms"] for r in rows], marker="o", label=f"step, {name}")
-        right.plot(contexts, [r[name]["step_over_1_token"] for r in rows], marker="o", label=name)
+        timed = [r for r in rows if name in r]  # a failed compile leaves its variant out
+        left.plot([r["context"] for r in timed], [r[name]["step_ms"] for r in timed], marker="o", label=f"step, {name}")
+        right.plot([r["context"] for r in timed], [r[name]["step_over_1_token"] for r in timed], marker="o", label=name)
     right.axhline(1.3, color="gray", linestyle=":", label="goal 1.3x")
     for ax, label in ((left, "ms (CUDA graph replay, median)"), (right, "our step / target 1-token step")):
         ax.set_xscale("log", base=2)
@@ -265,12 +295,21 @@ def main() -> int:
     print("\n| context | 1-token ms | " + " | ".join(f"{n} step ms (x)" for n in VARIANTS) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in VARIANTS) + " |")
     for r in results:
-        cells = " | ".join(f"{r[n]['step_ms']:.2f} ({r[n]['step_over_1_token']:.2f})" for n in VARIANTS)
+        cells = " | ".join(
+            f"{r[n]['step_ms']:.2f} ({r[n]['step_over_1_token']:.2f})" if n in r else "compile failed" for n in VARIANTS
+        )
         print(f"| {r['context']} | {r['target_1_token_ms']:.2f} | {cells} |")
+    for r in results:
+        if "compiled" in r:
+            print(f"ctx {r['context']}: compiled propose {r['compiled']['propose_ms']:.2f} ms against "
+                  f"{r['fast_path']['propose_ms']:.2f} eager; step {r['compiled']['step_ms']:.2f} against "
+                  f"{r['fast_path']['step_ms']:.2f}; compile {r['compile_s']:.1f} s")
     first, last = results[0], results[-1]
-    flat = last["fast_path"]["step_over_1_token"] / first["fast_path"]["step_over_1_token"]
-    print(f"fast_path: ratio at {last['context']} / ratio at {first['context']} = {flat:.3f} (goal <= 1.10); "
-          f"wrote {out.with_suffix('.json')} in {time.time() - started:.0f} s")
+    for name in ("fast_path", "compiled"):
+        if name in first and name in last:
+            flat = last[name]["step_over_1_token"] / first[name]["step_over_1_token"]
+            print(f"{name}: ratio at {last['context']} / ratio at {first['context']} = {flat:.3f} (goal <= 1.10)")
+    print(f"wrote {out.with_suffix('.json')} in {time.time() - started:.0f} s")
     return 0
 
 
