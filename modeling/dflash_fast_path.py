@@ -479,9 +479,12 @@ class DFlashStaticStep:
         if not self.compile_drafter or self.compile_error is not None:
             self.drafter_passes[n] = self.draft
             return
-        logger.info_once(
+        # A warning, not an info line: the call waits tens of seconds per batch size on a cold compile cache, and
+        # transformers shows only warnings by default.
+        logger.warning_once(
             "DFlash: compiling the drafter's pass of the fast path with torch.compile, for each batch size the step "
-            "may run at, on the first call of a batch size and cache length (that call takes longer); pass "
+            "may run at, on the first call of a batch size and cache length (about half a minute per batch size on "
+            "an H200 with a cold compile cache; that call takes longer, later ones are faster); pass "
             "dflash_compile=False to generate to keep it eager."
         )
         sizes = sorted({bucket_size(running, self.batch_size) for running in range(1, self.batch_size + 1)})
