@@ -3,8 +3,11 @@ training on several regenerated sets at once. Wheels are made here with zipfile;
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
+import platform
+import re
 import zipfile
 
 import pytest
@@ -13,10 +16,13 @@ from benchmarks.gpu.prompt_mix import (
     CHAMP_FILE,
     CODEIO_FILES,
     SCICODE_FILES,
+    STDLIB,
     HumanEvalFilter,
     build_mix,
     champ_prompts,
     codeio_prompts,
+    docstring_prompts,
+    function_prompts,
     heldout_prompts,
     scicode_prompts,
     sharegpt_prompts,
@@ -103,6 +109,105 @@ def test_wheel_sets_become_chat_prompts_tagged_with_their_source(tmp_path):
     problems = {"problems": {"P_1": {"_text": "How many strings?", "_raw_text": "How @@many@@"}}}
     wheels["champ-dataset"] = _wheel(tmp_path / "ch.whl", {CHAMP_FILE[2]: json.dumps(problems)})
     assert champ_prompts(wheels) == [("How many strings?", "champ-dataset 1.0.0 v0.json")]
+
+
+MODULE = '''"""A made-up module: what the docstring set keeps and leaves out."""
+from typing import List, Optional
+import collections.abc as cabc
+from .local import Thing
+
+
+def rolling_means(values: List[float], width: int = 3) -> Optional[List[float]]:
+    """Return the mean of every window of `width` neighbouring values.
+    >>> rolling_means([1.0, 2.0, 3.0, 4.0], 2)
+    [1.5, 2.5, 3.5]
+    """
+    if width > len(values):
+        return None
+    return [sum(values[i : i + width]) / width for i in range(len(values) - width + 1)]
+
+
+def _private_helper(values):
+    """Private functions are left out, however well documented they are."""
+    total = 0
+    for value in values:
+        total += value
+    return total
+
+
+def short_doc(values):
+    """Too short."""
+    total = 0
+    for value in values:
+        total += value
+    return total
+
+
+def short_body(values: Thing):
+    """A body of fewer than three lines after the docstring is left out."""
+    return sorted(values)
+
+
+def count_rising_pairs(values: list) -> int:
+    """Count the neighbouring pairs of a list whose second number is the larger one."""
+    count = 0
+    for a, b in zip(values, values[1:]):
+        count += b > a
+    return count
+
+
+class Inventory(cabc.Mapping, metaclass=type):
+    """A class: its public methods are kept, each under the class line."""
+
+    @staticmethod
+    def restock(items: cabc.Iterable, amount=1):
+        """Add `amount` to the count of every item, and return the new counts."""
+        counts = {}
+        for item in items:
+            counts[item] = counts.get(item, 0) + amount
+        return counts
+'''
+
+
+def test_docstring_prompts_are_signatures_and_docstrings_written_as_humaneval_writes_them(tmp_path):
+    """The source's own signature and docstring lines, the imports the signature needs above them, no body; test
+    directories, private names, short docstrings and short bodies left out; each prompt tagged with its source."""
+    stdlib = tmp_path / "Lib"
+    (stdlib / "tests").mkdir(parents=True)
+    (stdlib / "made_up.py").write_text(MODULE)
+    (stdlib / "tests" / "test_made_up.py").write_text(MODULE)  # test code: not read
+    wheels = {"made-up": _wheel(tmp_path / "mu.whl", {"made_up/core.py": MODULE.replace("\n", "\r\n"),
+                                                      "made_up/tests/test_core.py": MODULE})}
+    pairs = docstring_prompts(wheels, stdlib, packages=[("made-up", "0.1")])
+    python = f"cpython {platform.python_version()} Lib/*.py"
+    assert [source for _, source in pairs] == [python] * 3 + ["made-up 0.1 *.py"] * 3
+    assert [p for p, _ in pairs[:3]] == [p for p, _ in pairs[3:]]  # Windows line ends read the same
+    rolling, rising, restock = (p for p, _ in pairs[:3])
+    assert rolling == ("from typing import List, Optional\n\n\n"
+                       "def rolling_means(values: List[float], width: int = 3) -> Optional[List[float]]:\n"
+                       '    """Return the mean of every window of `width` neighbouring values.\n'
+                       "    >>> rolling_means([1.0, 2.0, 3.0, 4.0], 2)\n    [1.5, 2.5, 3.5]\n    \"\"\"\n")
+    assert rising.startswith("\ndef count_rising_pairs(values: list) -> int:\n")  # no import needed: as HumanEval
+    assert restock == ("import collections.abc as cabc\n\n\nclass Inventory(cabc.Mapping, metaclass=type):\n"
+                       "    @staticmethod\n    def restock(items: cabc.Iterable, amount=1):\n"
+                       '        """Add `amount` to the count of every item, and return the new counts."""\n')
+    # HumanEval's filter applies to this set as to every other: a prompt defining a HumanEval function is dropped.
+    kept, dropped = build_mix(pairs, HumanEvalFilter([TASK]))
+    assert [p for p, _ in kept] == [rolling, restock]
+    assert dropped == {(python, "function name"): 1, ("made-up 0.1 *.py", "repeated"): 3}  # the same 3 again
+
+
+@pytest.mark.parametrize("module", ["textwrap.py", "json/decoder.py", "statistics.py"])
+def test_docstring_prompts_of_stdlib_modules_parse_and_carry_a_docstring(module):
+    """Each prompt plus a body line is Python whose last function has its docstring and nothing else yet."""
+    prompts = function_prompts((STDLIB / module).read_text(encoding="utf-8"))
+    assert prompts
+    for prompt in prompts:
+        body = re.search(r"^( *)def ", prompt, re.MULTILINE)[1] + "    pass"  # a method's body is indented deeper
+        tree = ast.parse(prompt + body)
+        function = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)][-1]
+        assert ast.get_docstring(function) and len(function.body) == 2
+        assert 40 <= len(ast.get_docstring(function)) <= 1200
 
 
 def test_training_takes_several_regenerated_sets_and_records_every_source(tmp_path, monkeypatch):

