@@ -21,11 +21,14 @@
 #   DEADLINE=$(( $(date +%s) + 1100 )) MS_PER_STEP=150 setsid nohup bash benchmarks/gpu/train_session.sh \
 #       > ~/session.log 2>&1 < /dev/null &
 # MS_PER_STEP (a step's time at BATCH, e.g. from training_throughput.py) sizes STEPS to end near DEADLINE;
-# without it, STEPS is used as given. CPU dry run: TARGET=stories260k INIT_FROM=... EXTRA="--attention dense" ...
+# without it, STEPS is used as given. CPU dry run (INIT_FROM a stories260K drafter of a 2-step `hf-dflash train`):
+#   TARGET=stories260k INIT_FROM=... PROMPT_SETS="a.jsonl.gz b.jsonl.gz" AB_SECONDS=0 ARM=hard STEPS=4 BATCH=2 \
+#       MAX_NEW_TOKENS=10 MAX_LENGTH=64 EXTRA="--attention dense --compile-loss off" RUN=/tmp/run DEADLINE=...
 #
 # The prompt sets (made on a machine that reaches PyPI; see benchmarks/NOTES.md), in .stage/prompts:
-#   mix.jsonl.gz         29,668 ShareGPT turns + codeio/scicode/champ (drafter 4's mix; answers in .stage/regen)
+#   mix.jsonl.gz         30,000 ShareGPT user turns, drafter 4's mix (answers: .stage/regen/regenerated.part*)
 #   code.jsonl.gz        python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz
+#                        (answers: .stage/regen/regenerated_new.part*)
 #   docstrings.jsonl.gz  python benchmarks/gpu/prompt_mix.py --sharegpt 0 --sets docstrings \
 #                            --out .stage/prompts/docstrings.jsonl.gz   # 10,094 prompts, 9,560 within 384 tokens
 # then the usual calls (session_start.sh throughput / stage / train, carrying .stage/regen with .stage/prompts in
