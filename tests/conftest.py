@@ -49,6 +49,16 @@ def random_prompt(length: int, seed: int = 0, batch: int = 1) -> torch.LongTenso
     return torch.randint(0, VOCAB - 1, (batch, length), generator=generator)
 
 
+def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.LongTensor, torch.Tensor]:
+    """A random (batch, length) prompt whose row i starts with pads[i] padding tokens (id 0, mask 0)."""
+    ids = random_prompt(length, seed=seed, batch=batch)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
 def hook_count(model: torch.nn.Module) -> int:
     """Forward hooks attached anywhere in `model`."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())

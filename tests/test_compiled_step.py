@@ -14,18 +14,9 @@ from transformers.testing_utils import CaptureLogger
 from hf_dflash.modeling import dflash_attention, dflash_fast_path
 from hf_dflash.modeling.dflash_attention import grouped_attention
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
-from tests.conftest import random_prompt, tiny_drafter, tiny_target
+from tests.conftest import left_padded, random_prompt, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.LongTensor, torch.Tensor]:
-    ids = random_prompt(length, seed=seed, batch=batch)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
-    return ids, mask
 
 
 @pytest.fixture

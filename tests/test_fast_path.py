@@ -13,7 +13,7 @@ from transformers.testing_utils import CaptureLogger
 from hf_dflash.modeling import dflash_decoding, dflash_fast_path
 from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
 from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path, takes_fast_path
-from tests.conftest import random_prompt, tiny_drafter, tiny_target
+from tests.conftest import left_padded, random_prompt, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,15 +57,6 @@ def oracle_static_drafts(reference: torch.LongTensor, wrong_every: int, vocab: i
         yield
     finally:
         DFlashStaticStep.step = original
-
-
-def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.LongTensor, torch.Tensor]:
-    ids = random_prompt(length, seed=seed, batch=batch)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
-    return ids, mask
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
