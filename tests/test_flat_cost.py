@@ -20,7 +20,7 @@ from hf_dflash.modeling.dflash_attention import (
 from hf_dflash.modeling.dflash_decoding import _cache_argument
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_static_cache import StaticTargetCache, page_slots
-from tests.conftest import tiny_drafter, tiny_target
+from tests.conftest import left_padded, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,16 +55,6 @@ def repeat_kv_calls(monkeypatch):
     original = sdpa_attention.repeat_kv
     monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a, **k: calls.append(1) or original(*a, **k))
     return calls
-
-
-def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.LongTensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 250, (batch, length), generator=generator)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        ids[row, :pad] = 0
-        mask[row, :pad] = 0
-    return ids, mask
 
 
 @pytest.fixture(params=["fold", "enable_gqa"])
