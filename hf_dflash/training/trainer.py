@@ -191,9 +191,10 @@ def train(
         run = {
             "steps": step,
             "anchor_blocks": anchor_blocks,
-            "wall_time_s": round(wall, 1),
+            # Milliseconds kept: a short run (a test's few steps) would otherwise record 0 s.
+            "wall_time_s": round(wall, 3),
             "device": _device_description(accelerator),
-            "device_seconds": round(wall * accelerator.num_processes, 1),
+            "device_seconds": round(wall * accelerator.num_processes, 3),
             "data": {"sequences": len(dataset), "response_tokens": data.num_response_tokens,
                      **args.extra.get("data", {})},
             "final_loss": final_loss,
