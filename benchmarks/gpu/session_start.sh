@@ -43,8 +43,11 @@ else:
     print(400, "off")
 PY
 )"
-    # A step time measured on real data in an earlier session (MS_PER_STEP=...) overrides the estimate.
+    # A step time measured on real data in an earlier session (MS_PER_STEP=...) overrides the estimate, and
+    # COMPILE_LOSS=auto/off the choice (a machine with no report here, and no throughput call, would otherwise
+    # train with the loss uncompiled).
     ms=${MS_PER_STEP:-$ms}
+    compile=${COMPILE_LOSS:-$compile}
     echo "long run sized at $ms ms per step, compiled loss: $compile"
     DEADLINE=$deadline MS_PER_STEP=$ms EXTRA="--compile-loss $compile" \
         setsid nohup bash benchmarks/gpu/train_session.sh > ~/session.log 2>&1 < /dev/null &
