@@ -30,7 +30,7 @@
 #   mix.jsonl.gz         30,000 ShareGPT user turns, drafter 4's mix (answers: .stage/regen/regenerated.part*)
 #   code.jsonl.gz        CodeI/O, SciCode, CHAMP (answers: .stage/regen/regenerated_new.part*)
 #   docstrings.jsonl.gz  10,094 HumanEval-shaped prompts, 9,560 within 384 tokens
-# Answering them all from scratch took about 7 minutes of the device (mix 256 s, code 67 s, docstrings about 2 min):
+# Answering from scratch costs device time: mix 256 s and code 67 s as measured, docstrings about 2 min estimated:
 # carry back what a session answers (COPY=regen below), and where none is carried, consider PROMPT_SETS with fewer.
 # then the usual calls (session_start.sh throughput / stage / train, carrying .stage/regen with .stage/prompts in
 # the train call): the sets with answers in .stage/regen are reused, the others answered on the GPU (docstrings:
