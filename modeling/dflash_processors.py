@@ -165,24 +165,25 @@ class TopKTopP:
         top_values, top_indices = scores.topk(k)  # (rows, k) descending; which of tied tokens it picks is arbitrary
         kth = top_values[:, -1:]  # (rows, 1)
         at_kth = scores == kth  # (rows, V)
-        survivors = (scores >= kth).sum(-1, keepdim=True)  # (rows, 1) m
-        # Top-p's ascending row of top-k's output: positions V - m .. V - k - 1 hold ties of the k-th value.
-        from_the_top = torch.arange(vocab - 1, k - 1, -1, device=scores.device)  # (V - k,) tokens above each place
-        below_top_k = torch.where(from_the_top < survivors, kth, -float("inf"))  # (rows, V - k)
-        ascending = torch.cat([below_top_k, top_values.flip(-1)], dim=-1)  # (rows, V)
-        cut = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - self.top_p)
+        tie_rank = at_kth.cumsum(-1)  # (rows, V) 1 + the number of ties of the k-th value before each token
+        survivors = (top_values > kth).sum(-1, keepdim=True) + tie_rank[:, -1:]  # (rows, 1) m
+        # Top-p's ascending row of top-k's output: -inf, then the k-th value from place V - m on, then the top k.
+        places = torch.arange(vocab, device=scores.device)
+        ascending = torch.where(places < vocab - survivors, -float("inf"), kth)  # (rows, V)
+        ascending[:, vocab - k :] = top_values.flip(-1)
+        cut = ascending.softmax(dim=-1).cumsum_(dim=-1) <= (1 - self.top_p)
         cut[..., -self.min_tokens_to_keep :] = False
-        # Tokens tied at the k-th value fill places V - m onward, in token order.
-        tie_place = (vocab - survivors + at_kth.cumsum(-1) - 1).clamp(0, vocab - 1)  # (rows, V)
-        keep = at_kth & ~cut.gather(-1, tie_place)
+        # The tokens tied at the k-th value fill places V - m onward in token order (in place: a full-width int64).
+        tie_place = tie_rank.add_(vocab - 1 - survivors).clamp_min_(0)  # (rows, V), garbage but in range elsewhere
+        keep = cut.gather(-1, tie_place).logical_not_().logical_and_(at_kth)
         # The top-k entries above the k-th value hold the last places: order them ascending by (score, token index).
         by_index, index_order = top_indices.sort(dim=-1)
         values_by_index = top_values.gather(-1, index_order)
         ascending_top, top_order = values_by_index.sort(dim=-1, stable=True)  # (rows, k)
         top_tokens = by_index.gather(-1, top_order)
         above_kth_kept = torch.where(ascending_top > kth, ~cut[:, vocab - k :], keep.gather(-1, top_tokens))
-        keep = keep.scatter(-1, top_tokens, above_kth_kept)
-        return scores.masked_fill(~keep, -float("inf"))
+        keep.scatter_(-1, top_tokens, above_kth_kept)
+        return torch.where(keep, scores, -float("inf"))
 
 
 def _merge_top_k_top_p(processors: list[Any]) -> list[Any]:
