@@ -131,8 +131,8 @@ def _no_distribution_checks() -> Iterator[None]:
 
 class TopKTopP:
     """A TopKLogitsWarper followed by a TopPLogitsWarper, both filtering to -inf, in one step whose scores equal the
-    pair's bit for bit (ties as a stable sort orders them, below), sorting only top-k's survivors instead of the whole
-    vocabulary (the pair's top-p sorts every row in full: most of a sampled step's processor time at a 49K vocabulary).
+    pair's bit for bit (ties as a stable sort orders them, below), sorting only top-k's k values where the pair's top-p
+    sorts every row in full.
 
     Top-k keeps every token whose score is at least the k-th largest: a group of tokens tied at that value all survive,
     so the survivors number m >= k (m = V when fewer than k scores are finite). Top-p then sorts the row ascending,
