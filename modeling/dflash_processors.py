@@ -7,7 +7,8 @@ the fast path's CUDA graph, for all rows together:
 
 - row processors read only their row's scores (temperature, top-k, top-p, top-h, min-p, typical-p, epsilon, eta,
   suppress-tokens, inf/nan removal, renormalization, single-token sequence bias / bad words): called as they are on
-  the (b * B, V) rows;
+  the (b * B, V) rows, except that a top-k followed by a top-p (generate's order) runs as one `TopKTopP`, which gives
+  the pair's scores without sorting the whole vocabulary;
 - length-gated processors act only at some prefix lengths (min-length, min-new-tokens, begin-suppress, forced
   BOS/EOS): each is called once as if its condition held, and each row takes that result where its own length meets
   the condition;
@@ -128,6 +129,74 @@ def _no_distribution_checks() -> Iterator[None]:
         torch.distributions.Distribution.set_default_validate_args(checks)
 
 
+class TopKTopP:
+    """A TopKLogitsWarper followed by a TopPLogitsWarper, both filtering to -inf, in one step whose scores equal the
+    pair's bit for bit (ties as a stable sort orders them, below), sorting only top-k's k values where the pair's top-p
+    sorts every row in full.
+
+    Top-k keeps every token whose score is at least the k-th largest: a group of tokens tied at that value all survive,
+    so the survivors number m >= k (m = V when fewer than k scores are finite). Top-p then sorts the row ascending,
+    cuts where the softmax's running sum is <= 1 - top_p, and keeps the last min_tokens_to_keep. That ascending row is
+    known without a sort: -inf V - m times, the k-th value once for each token tied at it, then the values above it
+    ascending (all among topk's k values). Built at full width, its softmax and running sum are the pair's own,
+    value for value; each survivor then reads the cut at its place in that order. Exact ties are placed as a stable
+    sort places them (the lower token index first, so cut first). The pair's own sort is not asked to be stable:
+    on the CPU it orders exact ties arbitrarily, so where top-p's cut falls inside a group of equal scores the pair
+    keeps an arbitrary subset of that group, and this step the highest-indexed ones (same count, same scores).
+    Fixed shapes throughout and no host sync, so it records in a CUDA graph.
+    """
+
+    def __init__(self, top_k: int, top_p: float, min_tokens_to_keep: int):
+        self.top_k, self.top_p, self.min_tokens_to_keep = top_k, top_p, min_tokens_to_keep
+
+    @staticmethod
+    def merges(first: Any, second: Any) -> bool:
+        """Whether this pair is served exactly: another filter value would leave top-k's cut tokens with a finite
+        score that top-p's softmax counts."""
+        return (
+            type(first) is lp.TopKLogitsWarper and type(second) is lp.TopPLogitsWarper
+            and first.filter_value == -float("inf") and second.filter_value == -float("inf")
+        )
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        """scores (rows, V) -> (rows, V): the pair's scores (input_ids unused, as by the pair)."""
+        vocab = scores.shape[-1]
+        k = min(self.top_k, vocab)
+        top_values, top_indices = scores.topk(k)  # (rows, k) descending; which of tied tokens it picks is arbitrary
+        kth = top_values[:, -1:]  # (rows, 1)
+        at_kth = scores == kth  # (rows, V)
+        tie_rank = at_kth.cumsum(-1)  # (rows, V) 1 + the number of ties of the k-th value before each token
+        survivors = (top_values > kth).sum(-1, keepdim=True) + tie_rank[:, -1:]  # (rows, 1) m
+        # Top-p's ascending row of top-k's output: -inf, then the k-th value from place V - m on, then the top k.
+        places = torch.arange(vocab, device=scores.device)
+        ascending = torch.where(places < vocab - survivors, -float("inf"), kth)  # (rows, V)
+        ascending[:, vocab - k :] = top_values.flip(-1)
+        cut = ascending.softmax(dim=-1).cumsum_(dim=-1) <= (1 - self.top_p)
+        cut[..., -self.min_tokens_to_keep :] = False
+        # The tokens tied at the k-th value fill places V - m onward in token order (in place: a full-width int64).
+        tie_place = tie_rank.add_(vocab - 1 - survivors).clamp_min_(0)  # (rows, V), garbage but in range elsewhere
+        keep = cut.gather(-1, tie_place).logical_not_().logical_and_(at_kth)
+        # The top-k entries above the k-th value hold the last places: order them ascending by (score, token index).
+        by_index, index_order = top_indices.sort(dim=-1)
+        values_by_index = top_values.gather(-1, index_order)
+        ascending_top, top_order = values_by_index.sort(dim=-1, stable=True)  # (rows, k)
+        top_tokens = by_index.gather(-1, top_order)
+        above_kth_kept = torch.where(ascending_top > kth, ~cut[:, vocab - k :], keep.gather(-1, top_tokens))
+        keep.scatter_(-1, top_tokens, above_kth_kept)
+        return torch.where(keep, scores, -float("inf"))
+
+
+def _merge_top_k_top_p(processors: list[Any]) -> list[Any]:
+    """The list with each exactly mergeable TopK -> TopP pair replaced by one TopKTopP."""
+    merged = []
+    for processor in processors:
+        if merged and TopKTopP.merges(merged[-1], processor):
+            top_k = merged.pop()
+            processor = TopKTopP(top_k.top_k, processor.top_p, processor.min_tokens_to_keep)
+        merged.append(processor)
+    return merged
+
+
 class StepProcessors:
     """The call's processors, sorted into those the device applies to all verify rows and those left on the host.
 
@@ -138,6 +207,8 @@ class StepProcessors:
 
     def __init__(self, logits_processor: Any):
         self.processors = list(logits_processor)
+        # What __call__ applies: the list with top-k -> top-p merged (exact, so `signature` still reads the list).
+        self.steps = _merge_top_k_top_p(self.processors)
         penalties = [p for p in self.processors if type(p) is lp.RepetitionPenaltyLogitsProcessor]
         host = [
             p for p in self.processors
@@ -199,7 +270,7 @@ class StepProcessors:
         row_lengths = (lengths[:, None] + torch.arange(n, device=lengths.device)).reshape(b * n)
         no_prefix = torch.zeros((), dtype=torch.long, device=scores.device).expand(b * n, 0)
         with _no_distribution_checks():
-            for processor in self.processors:
+            for processor in self.steps:
                 if processor is self.penalty:
                     every_token = torch.arange(vocab, device=scores.device).expand(b * n, vocab)
                     penalized = self._every_token_penalty(every_token, scores)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+)
 
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
@@ -39,22 +41,31 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), statistic / 2))
 
 
-# A second setting: a processor that reads the prefix (the repetition penalty) before temperature and top-p, in the
-# order generate builds them; its expected distribution comes from transformers' own processors.
-PENALTY_TOP_P = dict(temperature=TEMPERATURE, top_p=0.9, repetition_penalty=1.5)
-PENALTY_TOP_P_PROCESSORS = LogitsProcessorList(
-    [RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(TEMPERATURE), TopPLogitsWarper(0.9)]
-)
+# More settings, each with the processors generate builds for it, in its order; their expected distribution comes from
+# transformers' own processors. A processor that reads the prefix (the repetition penalty) before temperature and
+# top-p; top-k followed by top-p, which the step applies as one (TopKTopP).
+SETTINGS = {
+    "penalty_top_p": (
+        dict(temperature=TEMPERATURE, top_p=0.9, repetition_penalty=1.5),
+        LogitsProcessorList(
+            [RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(TEMPERATURE), TopPLogitsWarper(0.9)]
+        ),
+    ),
+    "top_k_top_p": (
+        dict(temperature=TEMPERATURE, top_k=6, top_p=0.8),
+        LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(6), TopPLogitsWarper(0.8)]),
+    ),
+}
 
 
-def pair_probabilities(target: torch.nn.Module, prompt: torch.LongTensor, penalty_top_p: bool = False) -> torch.Tensor:
-    """Exact probabilities (V, V) of the first two sampled tokens, under temperature + top-k (or PENALTY_TOP_P)."""
+def pair_probabilities(target: torch.nn.Module, prompt: torch.LongTensor, setting: str = "top_k") -> torch.Tensor:
+    """Exact probabilities (V, V) of the first two sampled tokens, under temperature + top-k (or a named SETTING)."""
 
     def probs(prefix: torch.LongTensor) -> torch.Tensor:
         logits = target(prefix).logits[0, -1]
-        if not penalty_top_p:
+        if setting == "top_k":
             return processed_probs(logits)
-        return torch.softmax(PENALTY_TOP_P_PROCESSORS(prefix, logits[None].clone())[0], dim=-1)
+        return torch.softmax(SETTINGS[setting][1](prefix, logits[None].clone())[0], dim=-1)
 
     with torch.no_grad():
         first = probs(prompt)
@@ -100,17 +111,17 @@ def test_sampled_pairs_follow_the_target_distribution(rule):
     assert_pairs_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
 
 
-@pytest.mark.parametrize("penalty_top_p", [False, True], ids=["top_k", "penalty_top_p"])
+@pytest.mark.parametrize("setting", ["top_k", *SETTINGS])
 @pytest.mark.parametrize("rule", ["point_mass", "rejection"])
-def test_the_static_step_samples_the_target_distribution(rule, penalty_top_p):
+def test_the_static_step_samples_the_target_distribution(rule, setting):
     """The fast path's step (processors, drafts, acceptance and the random numbers all inside it) against the same
     exact pair distribution. The drafter's lm_head proposes one-hot logits of the target's greedy continuation: its
     argmax under point mass, samples of their softmax at the temperature under rejection sampling."""
     target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
     prompt = torch.tensor([[3, 7, 1, 4]])
-    pair = pair_probabilities(target, prompt, penalty_top_p)
-    settings = {**SAMPLED, **(dict(top_k=None, **PENALTY_TOP_P) if penalty_top_p else {})}
+    pair = pair_probabilities(target, prompt, setting)
+    settings = {**SAMPLED, **({"top_k": None, **SETTINGS[setting][0]} if setting in SETTINGS else {})}
     batch = SAMPLES // 5
     greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
     torch.manual_seed(1)
