@@ -7,12 +7,16 @@ rounded through bf16 (many exact ties), and from the pair with a stable sort (th
 The logits are random normal with standard deviation 3 (no model is loaded), so only the timings and the tie counts
 of that shape mean anything.
 
-    python benchmarks/top_k_top_p_cost.py   # writes results/top_k_top_p_cost_cpu.json
+    python benchmarks/top_k_top_p_cost.py                 # writes results/top_k_top_p_cost_cpu.json
+    python benchmarks/top_k_top_p_cost.py --device cuda   # results/top_k_top_p_cost_cuda.json, also at Qwen3-8B's
+                                                          # batch-1 verify rows (16 x 151,936)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -22,22 +26,45 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from hf_dflash.bench import run_environment
 from hf_dflash.modeling.dflash_processors import TopKTopP
 
-RESULT = Path(__file__).parent / "results" / "top_k_top_p_cost_cpu.json"
-ROWS, VOCAB, TEMPERATURE = 256, 49152, 0.6
+RESULTS = Path(__file__).parent / "results"
+TEMPERATURE = 0.6
 SETTINGS = {"llama3 (top_k 50, top_p 0.9)": (50, 0.9), "qwen3 (top_k 20, top_p 0.95)": (20, 0.95)}
-REPEATS = 5
+# (rows, vocab): SmolLM2's batch-16 verify (16 x 16 rows); on a GPU also Qwen3-8B's batch-1 verify (16 rows).
+SHAPES = {"cpu": [(256, 49152)], "cuda": [(256, 49152), (16, 151936)]}
+REPEATS = {"cpu": 5, "cuda": 50}
 
 
-def fastest_ms(fn) -> float:
-    """The fastest of REPEATS calls after a warm-up (on a CPU shared with other jobs, the minimum is the stable
-    figure)."""
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
+def timer_ms(device: str):
+    """A function timing calls: on the CPU the fastest of 5 after a warm-up (shared with other jobs, the minimum is
+    the stable figure); on a GPU the median of 50, synchronized before each clock read."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def measure(fn) -> float:
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return round(min(times), 1)
+        sync()
+        times = []
+        for _ in range(REPEATS[device]):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        return round(min(times) if device == "cpu" else statistics.median(times), 3)
+
+    return measure
+
+
+def graph_ms(fn) -> float:
+    """fn recorded once as a CUDA graph (as the fast path's step records it), median of 50 synchronized replays:
+    kernel launches cost what they cost inside the step, not what they cost eagerly."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up on a side stream, as graph capture asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timer_ms("cuda")(graph.replay)
 
 
 def stable_pair(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -54,11 +81,12 @@ def differing_rows(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def measure(top_k: int, top_p: float) -> dict:
+def measure(top_k: int, top_p: float, rows: int, vocab: int, device: str) -> dict:
     """Rows differing from transformers' pair (its default sort, ties in no set order) and from the stable-sort
     pair, on float32 and bf16-rounded logits; then milliseconds per call on the float32 rows."""
     top_k_warper, top_p_warper, merged = TopKLogitsWarper(top_k), TopPLogitsWarper(top_p), TopKTopP(top_k, top_p, 1)
-    logits = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(device)
+    fastest_ms = timer_ms(device)
     result = {}
     for name, rows in {"float32": logits, "bf16_rounded": logits.bfloat16().float()}.items():
         scores = rows / TEMPERATURE
@@ -81,19 +109,34 @@ def measure(top_k: int, top_p: float) -> dict:
         "sort_of_raw_scores": fastest_ms(lambda: torch.sort(scores)),  # what a top-p without top-k sorts
         "torch_topk_alone": fastest_ms(lambda: scores.topk(top_k)),
     }
+    if device == "cuda":
+        result["ms"]["transformers_pair_graph"] = graph_ms(lambda: top_p_warper(None, top_k_warper(None, scores.clone())))
+        result["ms"]["merged_step_graph"] = graph_ms(lambda: merged(None, scores.clone()))
     return result
 
 
 def main() -> None:
-    torch.set_num_threads(2)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    device = parser.parse_args().device
+    if device == "cpu":
+        torch.set_num_threads(2)
     report = {
-        **run_environment("cpu"), "rows": ROWS, "vocab": VOCAB, "temperature": TEMPERATURE, "threads": 2,
-        "logits": "random normal, std 3", "statistic": f"fastest of {REPEATS}",
-        "settings": {name: measure(top_k, top_p) for name, (top_k, top_p) in SETTINGS.items()},
+        **run_environment(device), "temperature": TEMPERATURE, "logits": "random normal, std 3",
+        "statistic": "fastest of 5" if device == "cpu" else "median of 50, synchronized",
+        "shapes": {
+            f"{rows} x {vocab}": {
+                name: measure(top_k, top_p, rows, vocab, device) for name, (top_k, top_p) in SETTINGS.items()
+            }
+            for rows, vocab in SHAPES[device]
+        },
     }
-    RESULT.parent.mkdir(exist_ok=True)
-    RESULT.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["settings"], indent=2))
+    if device == "cpu":
+        report["threads"] = 2
+    result = RESULTS / f"top_k_top_p_cost_{device}.json"
+    result.parent.mkdir(exist_ok=True)
+    result.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["shapes"], indent=2))
 
 
 if __name__ == "__main__":
