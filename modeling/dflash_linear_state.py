@@ -21,7 +21,8 @@ The full-attention layers keep their keys/values in the `StaticTargetCache` this
 
 The layers talk to their cache through transformers' linear-attention methods, which changed between 5.17
 (`has_previous_state`, `layers[i].conv_states[0]`, `layers[i].recurrent_states[0]`, `layers[i].record_past`) and 5.24
-(`get_conv_state`, `get_recurrent_state`, `is_recording_past`); both are spoken here. The chunked rule's arguments
+(`get_conv_state`, `get_recurrent_state`, `is_recording_past`), and 5.25 added `get_recurrent_states_to_keep` and
+`increase_count`; all are spoken here. The chunked rule's arguments
 are not handed to the cache, so during the verify the modeling module's `torch_chunk_gated_delta_rule` (transformers'
 kernel dispatcher: flash-linear-attention's kernel when installed, else its PyTorch code) is wrapped by one that
 records them and calls it unchanged (`deferring`); it is put back when the forward returns. A CUDA graph records the
@@ -222,7 +223,7 @@ class HybridStaticCache(StaticTargetCache):
             self.recurrent[i].copy_(final)
         self.pending = None
 
-    # ---- transformers' linear-attention cache methods (5.24 names, then 5.17's) -------------------------------
+    # ---- transformers' linear-attention cache methods (5.25's additions, 5.24 names, then 5.17's) ------------
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return None if self.fresh else self.conv[layer_idx]
@@ -232,6 +233,16 @@ class HybridStaticCache(StaticTargetCache):
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """0: no per-row recurrent states. From 5.25 a multi-row forward runs its last k rows one at a time through the
+        recurrent rule to hand the cache k states for a later crop; `commit` instead reruns the chunked rule up to each
+        sequence's `taken`, which needs the whole block in the one chunked call that `deferring` records."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """Nothing to count: 5.25's one-row conv path tells the cache it consumed a token; the fast path keeps each
+        sequence's length in its own device tensors and passes the positions."""
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return not self.fresh

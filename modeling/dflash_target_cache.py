@@ -223,6 +223,11 @@ class TargetCacheRollback:
         """Put a linear layer's states back to before the block, then advance them over the accepted rows only: the
         sequences that accepted the same count run together, through transformers' own forward of the layer."""
         conv, recurrent = states.conv_states[0], states.recurrent_states[0]  # (b, ...) each, kept by the cache
+        # From transformers 5.25 a linear layer counts the tokens it has read (`cumulative_length_linear`), and that
+        # count is what `cache.get_seq_length()` reports when layer 0 is linear (Qwen3.5, Qwen3-Next). The verify
+        # counted every block row and the re-runs below count again: end where the attention layers' crop ends.
+        counted = getattr(states, "cumulative_length_linear", None)
+        kept = counted - (block.hidden_states.shape[1] - 1 - max(accepted)) if counted is not None else None
         kwargs = {name: value for name, value in block.kwargs.items() if name != "attention_mask"}  # no padding
         for taken in sorted(set(accepted)):
             rows = torch.tensor([row for row, a in enumerate(accepted) if a == taken], device=conv.device)
@@ -231,6 +236,8 @@ class TargetCacheRollback:
             block.forward(block.hidden_states[rows, : taken + 1], *block.args, **kwargs)
             conv[rows], recurrent[rows] = states.conv_states[0], states.recurrent_states[0]
         states.conv_states[0], states.recurrent_states[0] = conv, recurrent
+        if kept is not None:
+            states.cumulative_length_linear.copy_(kept)
 
     def after_prefill(self, attention_mask: torch.Tensor) -> None:
         """The prompt's forward is done; attention_mask (b, P) is its mask."""

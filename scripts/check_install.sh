@@ -2,10 +2,10 @@
 # The package as a user installs it: build the wheel from this checkout, install it (not editable) into a fresh
 # virtual environment, and from a directory outside the checkout run `hf-dflash --help`, `hf-dflash info` on a
 # published config with the Hub offline, and a tiny generation on the stories260K target the package ships.
-# usage: scripts/check_install.sh [TRANSFORMERS_VERSION]   (default 5.24.0; torch 2.13.0 as in setup_env.sh)
+# usage: scripts/check_install.sh [TRANSFORMERS_VERSION]   (default 5.25.0; torch 2.13.0 as in setup_env.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-transformers_version=${1:-5.24.0}
+transformers_version=${1:-5.25.0}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 

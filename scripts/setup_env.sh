@@ -2,8 +2,8 @@
 # Create (or reuse) a virtual environment with hf-dflash installed for a given transformers version.
 # usage: scripts/setup_env.sh VENV_DIR TRANSFORMERS_VERSION
 # torch 2.13.0 is pinned because this project's CPU machines carry that CPU build on local disk (a plain
-# `pip install torch` would download a multi-GB CUDA build). transformers 5.24.0 is the newest 5.x that installs
-# from PyPI today (5.25 needs `kernels>=0.19.1`, not published yet); 5.17.0 is the oldest we support.
+# `pip install torch` would download a multi-GB CUDA build). transformers 5.25.0 is the newest 5.x on PyPI
+# today (pip installs the `kernels>=0.19.1` it depends on with it); 5.17.0 is the oldest we support.
 set -euo pipefail
 venv=${1:?venv dir}
 transformers_version=${2:?transformers version}

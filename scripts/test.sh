@@ -4,7 +4,7 @@
 # reports each part and exits non-zero at the end if any failed. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh .venv 5.24.0
+bash scripts/setup_env.sh .venv 5.25.0
 bash scripts/setup_env.sh .venv-5.17 5.17.0
 
 logs=$(mktemp -d)
@@ -12,15 +12,15 @@ trap 'rm -rf "$logs"' EXIT
 summary=()
 failed=0
 
-echo "== installed wheel (transformers 5.24.0) =="
-if bash scripts/check_install.sh 5.24.0; then
+echo "== installed wheel (transformers 5.25.0) =="
+if bash scripts/check_install.sh 5.25.0; then
     summary+=("installed wheel: passed")
 else
     summary+=("installed wheel: FAILED (scripts/check_install.sh, output above)")
     failed=1
 fi
 
-for end in "5.24.0 .venv" "5.17.0 .venv-5.17"; do
+for end in "5.25.0 .venv" "5.17.0 .venv-5.17"; do
     read -r version venv <<< "$end"
     echo "== transformers $version =="
     status=0

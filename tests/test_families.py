@@ -17,6 +17,7 @@ from hf_dflash import DFlashCandidateGenerator, DFlashConfig
 from hf_dflash.hub import published_drafters
 from hf_dflash.modeling import dflash_fast_path
 from hf_dflash.modeling.dflash_capture import decoder_layers
+from hf_dflash.modeling.dflash_decoding import _cache_argument
 from hf_dflash.modeling.dflash_fast_path import FAST_PATH_FAMILIES, DFlashStaticStep, release_fast_path
 from tests.conftest import VOCAB, random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
@@ -126,6 +127,27 @@ def test_greedy_identity_ragged_batch(family):
         )
     assert torch.equal(out.sequences, plain)
     assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1  # sequences accepted different counts
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_returned_hybrid_cache_continues_as_plain(family):
+    """The cache a hybrid target's eager loop returns holds the tokens plain decoding would have read: its length is
+    plain's (from transformers 5.25 a Gated DeltaNet layer counts its tokens, and layer 0 is one) and generate
+    continues from it with plain's tokens (qwen3_5 places its rotary positions from that length)."""
+    target = family_target(family, seed=2)
+    drafter = tiny_drafter(target, block_size=4)
+    prompt = random_prompt(6, seed=2)
+    plain = target.generate(prompt, max_new_tokens=26, do_sample=False, return_dict_in_generate=True)
+    argument = _cache_argument(target)
+    with oracle_drafts(plain.sequences, wrong_every=3):  # every verify rejects a draft: the layers roll back
+        out = target.generate(
+            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+        )
+    assert min(out.acceptance_lengths[0]) < drafter.config.block_size
+    cache = getattr(out, argument)
+    assert cache.get_seq_length() == prompt.shape[1] + 20 - 1  # the last token is not read yet
+    more = target.generate(out.sequences, max_new_tokens=6, do_sample=False, **{argument: cache})
+    assert torch.equal(more, plain.sequences)
 
 
 @pytest.mark.parametrize("family", WINDOWED)
