@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from hf_dflash.bench import run_environment
+from hf_dflash.bench import _graph_ms, run_environment
 from hf_dflash.modeling.dflash_processors import TopKTopP
 
 RESULTS = Path(__file__).parent / "results"
@@ -51,20 +51,6 @@ def timer_ms(device: str):
         return round(min(times) if device == "cpu" else statistics.median(times), 3)
 
     return measure
-
-
-def graph_ms(fn) -> float:
-    """fn recorded once as a CUDA graph (as the fast path's step records it), median of 50 synchronized replays:
-    kernel launches cost what they cost inside the step, not what they cost eagerly."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up on a side stream, as graph capture asks
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return timer_ms("cuda")(graph.replay)
 
 
 def stable_pair(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -110,8 +96,10 @@ def measure(top_k: int, top_p: float, rows: int, vocab: int, device: str) -> dic
         "torch_topk_alone": fastest_ms(lambda: scores.topk(top_k)),
     }
     if device == "cuda":
-        result["ms"]["transformers_pair_graph"] = graph_ms(lambda: top_p_warper(None, top_k_warper(None, scores.clone())))
-        result["ms"]["merged_step_graph"] = graph_ms(lambda: merged(None, scores.clone()))
+        # Recorded as CUDA graphs, as the fast path's step records them: launches cost what they cost inside the step.
+        pair_call = lambda: top_p_warper(None, top_k_warper(None, scores.clone()))  # noqa: E731
+        result["ms"]["transformers_pair_graph"] = round(_graph_ms(pair_call, replays=50), 3)
+        result["ms"]["merged_step_graph"] = round(_graph_ms(lambda: merged(None, scores.clone()), replays=50), 3)
     return result
 
 
