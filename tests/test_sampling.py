@@ -9,6 +9,7 @@ from transformers import (
     LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
+from hf_dflash.modeling.dflash_acceptance import exponential_race_sample, inverse_cdf_sample, sample
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
 from tests.test_fast_path import oracle_static_drafts
@@ -157,3 +158,48 @@ def test_manual_seed_reproduces_a_sampled_run(fast):
     release_fast_path(drafter)
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+
+
+# A distribution with zeros between, before and after its tokens, one token of tiny weight, and rows that sum to 3
+# (sample normalizes), as top-k/top-p filtered rows and rejection sampling's residuals are.
+ROW = torch.tensor([0.0, 0.5, 0.0, 0.0, 1.2, 1e-4, 0.0, 0.7, 0.6, 0.0])
+
+
+@pytest.mark.parametrize("rule", [inverse_cdf_sample, exponential_race_sample])
+def test_each_sampler_draws_the_row_distribution_and_never_a_zero(rule):
+    torch.manual_seed(0)
+    draws = rule(ROW.expand(20000, 3, -1))  # (20000, 3): the leading dimensions are kept
+    assert draws.shape == (20000, 3)
+    counts = torch.bincount(draws.flatten(), minlength=ROW.numel()).float()
+    assert counts[ROW == 0].sum() == 0
+    assert chi_square_p_value(counts, ROW / ROW.sum()) > 1e-3
+    skewed = ROW.clone()  # teeth: 5% of the mass moved from token 4 to token 1 is seen
+    skewed[1], skewed[4] = skewed[1] + 0.15, skewed[4] - 0.15
+    assert chi_square_p_value(counts, skewed / skewed.sum()) < 1e-3
+
+
+def test_sample_takes_the_inverse_cdf_on_the_cpu():
+    """The rule the CPU runs (the other is run on accelerators) draws the same tokens as the inverse CDF for a seed."""
+    torch.manual_seed(5)
+    chosen = sample(ROW.expand(64, -1))
+    torch.manual_seed(5)
+    assert torch.equal(chosen, inverse_cdf_sample(ROW.expand(64, -1)))
+
+
+def test_the_cpu_running_sum_is_flat_at_zero_probability_tokens():
+    """What the inverse CDF relies on: on the CPU a zero-probability token adds exactly nothing to the running sum,
+    on rows of a real vocabulary's width with most tokens filtered out and the survivors' weights spread widely."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(64, 49152) * 6, dim=-1)
+    probs[torch.rand_like(probs) < 0.9] = 0
+    running = probs.cumsum(dim=-1)
+    assert torch.equal(running[:, 1:][probs[:, 1:] == 0], running[:, :-1][probs[:, 1:] == 0])
+    assert (running.diff(dim=-1) >= 0).all()
+
+
+def test_inverse_cdf_at_the_top_of_the_line_draws_the_last_token_of_weight(monkeypatch):
+    """A uniform just below 1 whose product with the total rounds up to the total still lands on a token of weight,
+    not past the row nor on the zeros that end it."""
+    row = torch.tensor([[0.3, 0.0, 0.1, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, 1.0))  # beyond any real draw
+    assert inverse_cdf_sample(row).tolist() == [2]
