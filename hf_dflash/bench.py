@@ -376,6 +376,8 @@ def _padded_batches(
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype == "auto":  # bf16 on a GPU; on a CPU float32, where our tokens equal plain greedy's
+        args.dtype = "bf16" if device.startswith("cuda") else "fp32"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     settings: list[tuple[str, list[list[int]]]] = []
     shape = None
@@ -549,7 +551,8 @@ def register(subparsers: Any) -> None:
                         "top_p 0.95; llama3: temperature 0.6, top_p 0.9), every method alike")
     parser.add_argument("--own-lengths", action="store_true",
                         help="batch 1 only: each prompt at its own length, not left-padded to the longest")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                        help="auto (default): bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--out", default="benchmarks/results/bench.json", help="JSON report (a .png plot is written beside it)")
     parser.set_defaults(func=run)
