@@ -46,7 +46,8 @@ def inverse_cdf_sample(probs: torch.Tensor) -> torch.LongTensor:
     total = running[..., -1:]
     # u * total may round up to total itself; the largest float below total keeps the point inside the row
     point = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(running, point, right=True)[..., 0]
+    # clamped: a row of no weight at all gets a token of the row (as from the race), not an index past it
+    return torch.searchsorted(running, point, right=True)[..., 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def draft_distribution(draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:

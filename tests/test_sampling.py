@@ -203,3 +203,4 @@ def test_inverse_cdf_at_the_top_of_the_line_draws_the_last_token_of_weight(monke
     row = torch.tensor([[0.3, 0.0, 0.1, 0.0, 0.0]])
     monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, 1.0))  # beyond any real draw
     assert inverse_cdf_sample(row).tolist() == [2]
+    assert inverse_cdf_sample(torch.zeros(1, 5)).tolist() == [4]  # a row with no weight: a token of the row
