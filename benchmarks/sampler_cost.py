@@ -4,7 +4,8 @@ inverse CDF), alone and inside whole sampled generate calls, side by side in one
 1. The rules alone: one call on the rows a verify step samples (batch x block rows of the vocabulary), median ms.
 2. Whole calls: the target's sampled generate with our drafter, ms per verify step with each rule forced (in the
    order race, inverse CDF, race, inverse CDF, so that drift of a shared machine shows as a gap between the rounds),
-   beside plain sampled generate's ms per token and our greedy step on the same prompts.
+   beside plain sampled generate's ms per token and our greedy step on the same prompts. On a GPU, calls use the race
+   (see `sample`); the inverse CDF is forced there only to time it.
 
 usage: python benchmarks/sampler_cost.py [--target smollm2] [--prompts sharegpt:8] [--max-new-tokens 96]
 Writes benchmarks/results/sampler_cost_<target>_<device>.json, and a plot beside it when matplotlib is installed.

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The decoding evidence rows of benchmarks/NOTES.md on the device (the `device` tool's H200), one part per call, the
+# calls chained within 30 s of each other. Each part writes its JSON (and plot) into $OUT. Stage first, here:
+# `bash benchmarks/gpu/stage_smollm2.sh` and `bash benchmarks/gpu/stage_prompts.sh`. From the repository root:
+#   call 1, carry .stage/a .whl:           bash benchmarks/gpu/decode_evidence.sh qwen3-sampled
+#       the top-k + top-p step's cost (eager and graph-replayed), then Qwen3-8B's shape (random weights) at 512,
+#       2,048 and 8,192 tokens of context with Qwen3's sampling defaults, against compiled plain generate
+#   call 2, carry .stage/b:                bash benchmarks/gpu/decode_evidence.sh qwen3-greedy
+#   call 3, carry .stage/c .stage/prompts: bash benchmarks/gpu/decode_evidence.sh smollm2-sampled
+#       SmolLM2-135M-Instruct + the shipped drafter, 32 held-out chat prompts, batch 1 / 4 / 16, Llama-3's sampling
+#   call 4:                                bash benchmarks/gpu/decode_evidence.sh smollm2-greedy
+#   call 5:                                bash benchmarks/gpu/decode_evidence.sh own-lengths
+#       compiled plain generate on the prompts at their own lengths (a compile per shape), then the two samplers'
+#       cost on the GPU (benchmarks/sampler_cost.py)
+# Files left on the machine by an earlier call (the GGUF's parts, the prompts) stay while the machine is held.
+set -u
+source benchmarks/gpu/device_env.sh
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+qwen3=(python3 -m hf_dflash.cli bench --random-weights qwen3-8b --context-lengths 512 2048 8192 --max-new-tokens 64
+       --methods plain-static dflash)
+smollm2=(python3 -m hf_dflash.cli bench --target smollm2 --prompts .stage/prompts/heldout32.jsonl.gz --limit 32
+         --max-new-tokens 256)
+needs_smollm2() {
+    if [ -z "${HF_DFLASH_SMOLLM2_GGUF:-}" ]; then echo "no SmolLM2 GGUF on this machine yet: carry .stage/a, b, c"; exit 1; fi
+    if [ ! -f .stage/prompts/heldout32.jsonl.gz ]; then echo "no held-out prompts: carry .stage/prompts"; exit 1; fi
+}
+case "${1:?qwen3-sampled, qwen3-greedy, smollm2-sampled, smollm2-greedy or own-lengths}" in
+qwen3-sampled)
+    timeout 100 python3 benchmarks/top_k_top_p_cost.py --device cuda && cp benchmarks/results/top_k_top_p_cost_cuda.json "$OUT/"
+    timeout 450 "${qwen3[@]}" --sampling qwen3 --out "$OUT/qwen3_8b_b1_qwen3_sampling.json" 2>&1 | tail -n 12
+    ;;
+qwen3-greedy)
+    timeout 540 "${qwen3[@]}" --sampling greedy --out "$OUT/qwen3_8b_b1_greedy.json" 2>&1 | tail -n 12
+    ;;
+smollm2-sampled | smollm2-greedy)
+    needs_smollm2
+    sampling=$([ "$1" = smollm2-sampled ] && echo llama3 || echo greedy)
+    timeout 540 "${smollm2[@]}" --batch-sizes 1 4 16 --methods plain-static dflash --sampling "$sampling" \
+        --out "$OUT/smollm2_heldout32_batches_$sampling.json" 2>&1 | tail -n 12
+    ;;
+own-lengths)
+    needs_smollm2
+    timeout 300 "${smollm2[@]}" --limit 16 --batch-sizes 1 --own-lengths --methods plain-static dflash \
+        --out "$OUT/smollm2_heldout16_own_lengths.json" 2>&1 | tail -n 6
+    timeout 270 python3 benchmarks/sampler_cost.py --prompts .stage/prompts/heldout32.jsonl.gz --limit 8 \
+        && cp benchmarks/results/sampler_cost_smollm2_cuda.* "$OUT/"
+    ;;
+esac
