@@ -110,6 +110,24 @@ def check_drafter_fits(drafter: torch.nn.Module, target: torch.nn.Module) -> Non
         raise ValueError("the drafter's weights are on the meta device; load them or move the drafter to a device")
 
 
+# The inputs generate hands the target on every call (it derives position_ids from the attention mask); the DFlash
+# loops build their own of each. Any other model input (an image's pixel_values, ...) would not reach the target.
+MODEL_INPUTS_DFLASH_BUILDS = frozenset(
+    {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values", "use_cache"}
+)
+
+
+def _reaches_the_target(name: str, value: Any) -> bool:
+    """Whether a model input would change the target's forward: not when absent or empty (generate passes an empty
+    `mm_encoder_outputs` for a text-only call), nor a token-type mask of zeros (every token text, as a multimodal
+    processor marks a text-only prompt)."""
+    if value is None or (isinstance(value, (dict, list, tuple)) and len(value) == 0):
+        return False
+    if name.endswith("token_type_ids") and isinstance(value, torch.Tensor):
+        return bool(value.any())
+    return True
+
+
 def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) -> None:
     """Refuse what DFlash cannot honour, before any work."""
     if (generation_config.num_beams or 1) > 1:
@@ -123,6 +141,15 @@ def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) 
         )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("DFlash needs input_ids (the drafter embeds tokens with the target); pass input_ids")
+    unread = sorted(
+        name for name, value in model_kwargs.items()
+        if name not in MODEL_INPUTS_DFLASH_BUILDS and _reaches_the_target(name, value)
+    )
+    if unread:
+        raise ValueError(
+            f"{unread} would not reach the target on the DFlash path, which decodes text from input_ids and "
+            "attention_mask alone; drop them, or the drafter"
+        )
     if generation_config.constraints is not None or generation_config.force_words_ids is not None:
         raise ValueError("constrained beam search (constraints / force_words_ids) is not supported with a DFlash drafter")
     if generation_config.dola_layers is not None:
@@ -240,6 +267,15 @@ class EagerDecoding:
         self.presence = self.processors.prompt_presence(self.input_ids, logits.shape[-1])
         return self.commit(tokens[:, None].tolist(), scores, logits)
 
+    def returned_cache(self) -> Any:
+        """The cache for generate's output where plain generate can continue from it: a batch of 1 on a target without
+        sliding layers, where it holds every committed token but the last, as plain generate's does. Otherwise None:
+        in a batch, finished sequences left the cache and rows some sequences rejected stay in it (masked for them),
+        and sliding layers were made full-history layers whose front slots were dropped."""
+        if len(self.host_hooks.tokens) == 1 and self.target_cache.window is None:
+            return self.cache
+        return None
+
     def drop_finished(self, running: list[int]) -> None:
         """Finished sequences stop costing work: their cache rows, mask rows and drafter states go."""
         if len(running) == len(self.live):
@@ -349,9 +385,16 @@ def _check_call(
         )
     if batch_size > 1 and streamer is not None:
         raise ValueError("streamers take one sequence; generate with a batch of 1 to stream")
-    cache_refusal = rollback_problem(target, model_kwargs.get("cache", model_kwargs.get("past_key_values")))
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    cache_refusal = rollback_problem(target, cache)
     if cache_refusal is not None:
         raise ValueError(cache_refusal)
+    if cache.get_seq_length() > 0:
+        raise ValueError(
+            f"the cache passed to generate already holds {int(cache.get_seq_length())} tokens; the DFlash drafter "
+            "reads the target's hidden states of the whole prompt, which a cache does not keep: pass the whole prompt "
+            "with no cache (or an empty one)"
+        )
 
 
 def dflash_generate(
@@ -360,7 +403,6 @@ def dflash_generate(
     logits_processor: Any,
     stopping_criteria: Any,
     generation_config: Any,
-    synced_gpus: bool = False,
     streamer: Any = None,
     drafter: torch.nn.Module | None = None,
     dflash_sampling: str = "rejection",
@@ -414,7 +456,8 @@ def dflash_generate(
     )
     loop.run()
     host_hooks.end()
-    return _generate_output(host_hooks, loop.acceptance_lengths, return_dict, **{loop.cache_arg: cache})
+    returned = {loop.cache_arg: loop.returned_cache()}
+    return _generate_output(host_hooks, loop.acceptance_lengths, return_dict, **returned)
 
 
 __all__ = [

@@ -14,7 +14,10 @@ import functools
 import inspect
 from typing import Any
 
+import torch
 from transformers.generation.utils import GenerationMixin
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.integrations.fsdp import is_fsdp_managed_module
 
 
 def is_dflash_drafter(model: Any) -> bool:
@@ -34,6 +37,19 @@ def _asks_for_native_dflash(arguments: dict[str, Any]) -> bool:
 def _refuse_what_generate_would_drop(model: Any, arguments: dict[str, Any]) -> None:
     """Options generate handles before the decoding loop in a way that loses the drafter or the option itself."""
     kwargs = arguments["kwargs"]
+    synced_gpus = arguments.get("synced_gpus")
+    if synced_gpus is None:  # as generate decides it (it does not pass it on to a custom loop)
+        several_processes = torch.distributed.is_available() and torch.distributed.is_initialized() and (
+            torch.distributed.get_world_size() > 1
+        )
+        synced_gpus = several_processes and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
+    if synced_gpus:
+        raise ValueError(
+            "synced_gpus (which generate turns on for a model sharded over several processes by DeepSpeed ZeRO-3 or "
+            "FSDP) keeps every process stepping until all are done, which the DFlash loops do not do: give each "
+            "process a whole target (device_map may split it over that process's GPUs), and pass synced_gpus=False "
+            "if generate still asks for it"
+        )
     if kwargs.get("cache_implementation") == "paged":
         raise ValueError(
             "cache_implementation='paged' switches generate to continuous batching, which would drop the DFlash "

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
+from hf_dflash.modeling.dflash_decoding import _cache_argument
 from tests.conftest import MASK_ID, random_prompt, tiny_drafter, tiny_target
 
 
@@ -69,6 +70,8 @@ def test_vocabulary_mismatch():
         ({"cache_implementation": "paged"}, "continuous batching.*leave cache_implementation unset"),
         ({"stop_strings": ["end"]}, r"StopStringCriteria\(tokenizer, stop_strings\)"),
         ({"num_return_sequences": 2}, "num_return_sequences"),  # greedy: transformers' own refusal
+        # ZeRO-3 / FSDP set it: every process would have to keep stepping until all are done
+        ({"synced_gpus": True}, "synced_gpus.*give each process a whole target"),
     ],
 )
 def test_generation_modes_dflash_cannot_serve(kwargs, match):
@@ -146,3 +149,11 @@ def test_target_without_decoder_layers_is_named():
 
     with pytest.raises(ValueError, match="cannot find the decoder layers"):
         TargetHiddenCapture(torch.nn.Linear(2, 2), [0], 2)
+
+
+def test_a_cache_that_already_holds_tokens():
+    """A reused prompt cache would be read from the wrong positions: the drafter needs the whole prompt's states."""
+    target = tiny_target("llama")
+    out = target(random_prompt(5)[:, :3], use_cache=True)
+    cache = getattr(out, "past_key_values", None) or out.cache
+    refuse(target, tiny_drafter(target), "already holds 3 tokens.*whole prompt with no cache", **{_cache_argument(target): cache})

@@ -129,11 +129,11 @@ def test_greedy_identity_ragged_batch(family):
     assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1  # sequences accepted different counts
 
 
-@pytest.mark.parametrize("family", HYBRID)
-def test_returned_hybrid_cache_continues_as_plain(family):
-    """The cache a hybrid target's eager loop returns holds the tokens plain decoding would have read: its length is
-    plain's (from transformers 5.25 a Gated DeltaNet layer counts its tokens, and layer 0 is one) and generate
-    continues from it with plain's tokens (qwen3_5 places its rotary positions from that length)."""
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in WINDOWED])
+def test_returned_cache_continues_as_plain(family):
+    """The cache the eager loop returns for one sequence holds the tokens plain decoding would have read: its length
+    is plain's (from transformers 5.25 a Gated DeltaNet layer counts its tokens, and in hybrids layer 0 is one) and
+    generate continues from it with plain's tokens (qwen3_5 places its rotary positions from that length)."""
     target = family_target(family, seed=2)
     drafter = tiny_drafter(target, block_size=4)
     prompt = random_prompt(6, seed=2)
@@ -148,6 +148,34 @@ def test_returned_hybrid_cache_continues_as_plain(family):
     assert cache.get_seq_length() == prompt.shape[1] + 20 - 1  # the last token is not read yet
     more = target.generate(out.sequences, max_new_tokens=6, do_sample=False, **{argument: cache})
     assert torch.equal(more, plain.sequences)
+
+
+@pytest.mark.parametrize("family, batch", [("gpt_oss", 1), ("mistral", 1), ("llama", 2)])
+def test_no_cache_is_returned_where_plain_generate_could_not_continue_from_it(family, batch):
+    """Sliding layers were made full-history layers with their front slots dropped (gpt-oss's would then not fit its
+    full layers' masks); in a batch, finished sequences left the cache and rows some sequences rejected stay in it."""
+    target = family_target(family, seed=2)
+    out = target.generate(
+        random_prompt(6, seed=2).repeat(batch, 1), max_new_tokens=12, do_sample=False,
+        assistant_model=tiny_drafter(target, block_size=4), return_dict_in_generate=True,
+    )
+    assert getattr(out, _cache_argument(target)) is None
+
+
+def test_inputs_that_would_not_reach_the_target_are_refused():
+    """A multimodal wrapper's (Qwen3.5's) inputs beyond the text are refused, not decoded past as if absent; a
+    text-only prompt's token-type mask (every token text) is served."""
+    target = family_target("qwen3_5")
+    drafter = tiny_drafter(target, block_size=4)
+    prompt = random_prompt(6)
+    plain = target.generate(prompt, max_new_tokens=6, do_sample=False)
+    text_only = torch.zeros_like(prompt)
+    ours = target.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=drafter, mm_token_type_ids=text_only)
+    assert torch.equal(ours, plain)
+    image_tokens = text_only.clone()
+    image_tokens[0, 2] = 1
+    with pytest.raises(ValueError, match=r"\['mm_token_type_ids'\] would not reach the target.*drop them, or the drafter"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, mm_token_type_ids=image_tokens)
 
 
 @pytest.mark.parametrize("family", WINDOWED)
