@@ -190,7 +190,7 @@ def fast_path_blocker(
         )
     if text.model_type not in FAST_PATH_FAMILIES:
         return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
-    if text.model_type in HYBRID_FAMILIES and (hybrid := hybrid_blocker(target, next(iter(devices)))) is not None:
+    if text.model_type in HYBRID_FAMILIES and (hybrid := hybrid_blocker(target)) is not None:
         return hybrid
     if processors.host_only:
         return (

@@ -57,7 +57,7 @@ def linear_attention_modules(target: torch.nn.Module) -> dict[int, torch.nn.Modu
     return {i: layer.linear_attn for i, layer in enumerate(decoder_layers(target)) if hasattr(layer, "linear_attn")}
 
 
-def hybrid_blocker(target: torch.nn.Module, device: torch.device) -> str | None:
+def hybrid_blocker(target: torch.nn.Module) -> str | None:
     """Why the fast path cannot serve this hybrid target, or None (called only for HYBRID_FAMILIES)."""
     text = target.config.get_text_config()
     modules = linear_attention_modules(target)
@@ -69,14 +69,7 @@ def hybrid_blocker(target: torch.nn.Module, device: torch.device) -> str | None:
                 f"{type(module).__module__} has no {CHUNK_RULE} (this transformers changed how its Gated DeltaNet "
                 "layers are called)"
             )
-    experts = getattr(text, "_experts_implementation", None)
-    if device.type == "cuda" and getattr(text, "num_experts", 0) and experts != "batched_mm":
-        # the default expert loop picks the experts each token routes to with nonzero(): a host sync no graph holds
-        return (
-            f"the target's MoE layers run with experts_implementation={experts!r}, which a CUDA graph cannot record "
-            "(load the target with experts_implementation='batched_mm')"
-        )
-    return None
+    return None  # MoE experts, as in every family: dflash_fast_path._experts_blocker
 
 
 @dataclass
