@@ -183,14 +183,14 @@ def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) 
 
 
 def _decode_static(
-    step: DFlashStaticStep, input_ids: torch.LongTensor, attention_mask: torch.Tensor, logits_processor: Any,
+    step: DFlashStaticStep, input_ids: torch.LongTensor, attention_mask: torch.Tensor, processors: StepProcessors,
     host_hooks: HostHooks,
 ) -> list[list[int]]:
     """The fast path's host loop (dflash_fast_path.py): per step one replay and one read-back of [tokens, accepted]
     per running sequence, whose committed tokens then pass the call's host hooks (`host_hooks`, which keeps the
     sequences). Returns each sequence's acceptance lengths."""
     acceptance_lengths: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
-    first, scores, logits = step.prefill(input_ids, attention_mask, host_hooks.max_length, logits_processor)
+    first, scores, logits = step.prefill(input_ids, attention_mask, host_hooks.max_length, processors)
     running = []
     for i, token in enumerate(first):
         if host_hooks.commit(i, [token], scores[i], logits[i]):
@@ -448,7 +448,7 @@ def dflash_generate(
         compile_drafter = step.use_graphs if dflash_compile is None else dflash_compile
         step.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
         with step.generator.capture:
-            acceptance_lengths = _decode_static(step, input_ids, attention_mask, logits_processor, host_hooks)
+            acceptance_lengths = _decode_static(step, input_ids, attention_mask, processors, host_hooks)
         host_hooks.end()
         return _generate_output(host_hooks, acceptance_lengths, return_dict)
     loop = EagerDecoding(

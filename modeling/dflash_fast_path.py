@@ -604,11 +604,13 @@ class DFlashStaticStep:
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, logits_processor: Any
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, call: StepProcessors
     ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Eager prompt forward into the static cache; the prompt rows become drafter context. Returns each
         sequence's first token (the call's one synchronization before the loop), chosen under the call's own
-        processors exactly as plain generate chooses it, with its scores (b, 1, V) and raw logits (b, 1, V)."""
+        processors `call` exactly as plain generate chooses it, with its scores (b, 1, V) and raw logits (b, 1, V).
+        (`call`, not the bound `self.processors`: a kept graph keeps the processor objects of the call that recorded
+        it, and the first token is chosen by this call's own, as plain generate chooses it.)"""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         self.generator.restart()
@@ -622,7 +624,6 @@ class DFlashStaticStep:
         sees = (self.key_slots <= columns[:, None]) & (self.key_slots < prompt_len)  # (P, L)
         real_keys = torch.nn.functional.pad(real.bool(), (0, self.num_slots - prompt_len))  # (b, L)
         visible = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])  # (b, P, L)
-        call = StepProcessors(logits_processor)
         # a hybrid target's linear layers zero the padding's inputs, as in generate, and start from empty states
         forward_mask = self.target_masks(visible, columns.expand(batch, -1), linear_attention=real)
         with self.target_cache.prefilling() if self.hybrid else contextlib.nullcontext():

@@ -151,7 +151,7 @@ def measure(args) -> dict:
         step = static_step_for(target, drafter, 1, context + 64, _cache_argument(target))
         step.bind(StepProcessors([]), DecodingRule(do_sample=False, rejection=False), keep_scores=False, keep_logits=False)
         prompt = torch.randint(0, vocab, (1, context), device=device)
-        step.prefill(prompt, torch.ones_like(prompt), context + 64, [])
+        step.prefill(prompt, torch.ones_like(prompt), context + 64, StepProcessors([]))
         step.active.zero_()  # frozen: every replay repeats the same work
         if device == "cuda":
             row = {"context": context, **step_parts_ms(step), "target_1_token_graph_ms": target_1_token_graph_ms(step)}
