@@ -231,8 +231,8 @@ class EagerDecoding:
 
     def __init__(
         self, target: torch.nn.Module, drafter: torch.nn.Module, input_ids: torch.LongTensor,
-        attention_mask: torch.Tensor, cache: Any, generation_config: Any, processors: StepProcessors,
-        rule: DecodingRule, host_hooks: HostHooks, verify_rows: int,
+        attention_mask: torch.Tensor, cache: Any, processors: StepProcessors, rule: DecodingRule, host_hooks: HostHooks,
+        verify_rows: int,
     ):
         batch_size, prompt_len = input_ids.shape
         self.target, self.cache, self.cache_arg = target, cache, _cache_argument(target)
@@ -240,12 +240,11 @@ class EagerDecoding:
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.processors, self.rule, self.verify_rows = processors, rule, verify_rows
         self.host_hooks = host_hooks
-        self.max_length = generation_config.max_length
         self.live = list(range(batch_size))
         self.acceptance_lengths: list[list[int]] = [[] for _ in range(batch_size)]
         self.presence: torch.Tensor | None = None
         self.generator = DFlashCandidateGenerator(
-            drafter, target, batch_size, self.max_length, max_rows=max(prompt_len, drafter.config.block_size)
+            drafter, target, batch_size, host_hooks.max_length, max_rows=max(prompt_len, drafter.config.block_size)
         )
 
     def run(self) -> None:
@@ -293,7 +292,7 @@ class EagerDecoding:
         sequences = [self.host_hooks.tokens[seq] for seq in live]
         lengths = torch.tensor([len(tokens) for tokens in sequences], device=device)
         # never verify past max_length: a sequence with r tokens left commits at most r
-        room = [self.max_length - len(tokens) for tokens in sequences]
+        room = [self.host_hooks.max_length - len(tokens) for tokens in sequences]
         num_rows = min(self.verify_rows, max(room))
         anchors = torch.tensor([tokens[-1:] for tokens in sequences], device=device)  # (b, 1)
         candidates, draft_logits = self.generator.get_candidates(anchors)  # [anchor, argmax drafts], their logits
@@ -452,7 +451,7 @@ def dflash_generate(
         host_hooks.end()
         return _generate_output(host_hooks, acceptance_lengths, return_dict)
     loop = EagerDecoding(
-        target, drafter, input_ids, attention_mask, cache, generation_config, processors, rule, host_hooks, verify_rows
+        target, drafter, input_ids, attention_mask, cache, processors, rule, host_hooks, verify_rows
     )
     loop.run()
     host_hooks.end()

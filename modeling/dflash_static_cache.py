@@ -51,10 +51,6 @@ class StaticTargetCache:
         self.values = [torch.zeros_like(key) for key in self.keys]
         self.write_slots: torch.Tensor | None = None
 
-    @property
-    def num_slots(self) -> int:
-        return next(key for key in self.keys if key.dim() == 4).shape[2]  # an attention layer's (b, g, L, d)
-
     def head(self, rows: int) -> "StaticTargetCache":
         """A cache over the first `rows` sequences only, sharing this one's memory (the fast path's smaller batches)."""
         view = object.__new__(StaticTargetCache)
