@@ -9,8 +9,8 @@ stopping criteria token by token, the streamer, and per-token scores / logits, w
 for a call that returns them), exactly as plain generate would stop and report.
 
 Sequences keep their own slots (dflash_static_cache.py): a sequence that accepts fewer drafts than its neighbours
-just moves its anchor less; a finished one is frozen, and once the running ones fit in half the batch they move to
-the first rows and the step runs at that smaller batch (`compact`, one graph per batch size).
+just moves its anchor less; a finished one is frozen, and once the running ones fit in a smaller power-of-two batch
+they move to the first rows and the step runs at that batch (`compact`, one graph per batch size).
 
 What the fast path serves: greedy and sampled decoding (point-mass or rejection sampling, inside the step, with
 random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
@@ -271,8 +271,8 @@ def compile_drafter_pass(fn: Callable[["StepRows"], torch.Tensor]) -> Callable[[
 
 def bucket_size(running: int, batch_size: int) -> int:
     """The batch a step runs at for `running` sequences: the next power of two, at most the full batch. Finished rows
-    leave the step once the running ones fit in half of it, so a batch is not held by its longest sequence, and a
-    held step records at most log2(b) + 1 graphs."""
+    leave the step once the running ones fit in a smaller one (for b a power of two: in half of it), so a batch is not
+    held by its longest sequence, and a held step records at most ceil(log2(b)) + 1 graphs."""
     return min(batch_size, 1 << max(running - 1, 0).bit_length())
 
 
@@ -661,7 +661,8 @@ class DFlashStaticStep:
 
     @torch.no_grad()
     def run_step(self) -> dict[int, list[int]]:
-        """One verify step over the live rows; returns per running sequence [tokens at the B rows..., accepted]."""
+        """One verify step over the live rows; returns per sequence in them (frozen ones included) [tokens at the B
+        rows..., accepted]."""
         n = self.live_rows
         self.prepare_drafter(n)
         if self.use_graphs and n not in self.graphs:
@@ -689,8 +690,8 @@ class DFlashStaticStep:
         self.active[self.sequence_of_row.index(sequence)] = 0
 
     def compact(self, running: list[int]) -> None:
-        """Move the running sequences to the first rows and run on the smallest batch that holds them, once that
-        batch is at most half the current one (`bucket_size`); one copy of each per-sequence buffer's rows."""
+        """Move the running sequences to the first rows and run on the smallest batch that holds them (`bucket_size`),
+        once that is smaller than the live rows; one copy of each per-sequence buffer's rows."""
         n = bucket_size(len(running), self.batch_size)
         if n >= self.live_rows:
             return
