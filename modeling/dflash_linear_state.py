@@ -135,10 +135,7 @@ class HybridStaticCache(StaticTargetCache):
         return next(iter(self.conv.values())).shape[-1]
 
     def head(self, rows: int) -> "HybridStaticCache":
-        view = object.__new__(HybridStaticCache)
-        view.keys = [key[:rows] for key in self.keys]
-        view.values = [value[:rows] for value in self.values]
-        view.write_slots = None
+        view = super().head(rows)
         view.conv = {i: state[:rows] for i, state in self.conv.items()}
         view.recurrent = {i: state[:rows] for i, state in self.recurrent.items()}
         view.rule_modules = self.rule_modules

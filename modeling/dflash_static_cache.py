@@ -53,7 +53,7 @@ class StaticTargetCache:
 
     def head(self, rows: int) -> "StaticTargetCache":
         """A cache over the first `rows` sequences only, sharing this one's memory (the fast path's smaller batches)."""
-        view = object.__new__(StaticTargetCache)
+        view = object.__new__(type(self))  # a subclass adds its own buffers' rows (`HybridStaticCache.head`)
         view.keys = [key[:rows] for key in self.keys]
         view.values = [value[:rows] for value in self.values]
         view.write_slots = None
