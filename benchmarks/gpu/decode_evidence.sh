@@ -12,6 +12,9 @@
 #   call 5:                                bash benchmarks/gpu/decode_evidence.sh own-lengths
 #       compiled plain generate on the prompts at their own lengths (a compile per shape), then the two samplers'
 #       cost on the GPU (benchmarks/sampler_cost.py)
+#   call 6:                                bash benchmarks/gpu/decode_evidence.sh checks
+#       the fast path's correctness on the GPU (benchmarks/gpu/fast_path_check.py: graph-replayed tokens equal plain
+#       greedy; grouped_mm MoE experts, qwen3_next's included, record in a graph)
 # Files left on the machine by an earlier call (the GGUF's parts, the prompts) stay while the machine is held.
 set -u
 source benchmarks/gpu/device_env.sh
@@ -25,7 +28,7 @@ needs_smollm2() {
     if [ -z "${HF_DFLASH_SMOLLM2_GGUF:-}" ]; then echo "no SmolLM2 GGUF on this machine yet: carry .stage/a, b, c"; exit 1; fi
     if [ ! -f .stage/prompts/heldout32.jsonl.gz ]; then echo "no held-out prompts: carry .stage/prompts"; exit 1; fi
 }
-case "${1:?qwen3-sampled, qwen3-greedy, smollm2-sampled, smollm2-greedy or own-lengths}" in
+case "${1:?qwen3-sampled, qwen3-greedy, smollm2-sampled, smollm2-greedy, own-lengths or checks}" in
 qwen3-sampled)
     timeout 100 python3 benchmarks/top_k_top_p_cost.py --device cuda && cp benchmarks/results/top_k_top_p_cost_cuda.json "$OUT/"
     timeout 450 "${qwen3[@]}" --sampling qwen3 --out "$OUT/qwen3_8b_b1_qwen3_sampling.json" 2>&1 | tail -n 12
@@ -45,5 +48,8 @@ own-lengths)
         --out "$OUT/smollm2_heldout16_own_lengths.json" 2>&1 | tail -n 6
     timeout 270 python3 benchmarks/sampler_cost.py --prompts .stage/prompts/heldout32.jsonl.gz --limit 8 \
         && cp benchmarks/results/sampler_cost_smollm2_cuda.* "$OUT/"
+    ;;
+checks)
+    timeout 500 python3 benchmarks/gpu/fast_path_check.py 2>&1 | tee "$OUT/fast_path_check.txt" | tail -n 40
     ;;
 esac

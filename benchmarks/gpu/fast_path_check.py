@@ -6,10 +6,10 @@ targets are Llama and Qwen3, and the families whose layers the fast path masks p
 layers alternating with full ones, attention sinks, eager attention, MoE experts on batched_mm), Mistral-style (a
 window on every layer, no layer_types) and qwen3_moe (batched_mm experts); every window (6) is shorter than prompt
 plus generation, so it binds. Under Qwen3's sampling defaults (and a repetition penalty) the graph-replayed step
-runs, and torch.manual_seed reproduces its output. Two MoE facts the blocker relies on: a bfloat16 qwen3_moe whose
-experts run grouped_mm (transformers' default) is recorded as a graph and replays without error on this GPU (its
-tokens are compared with plain greedy and printed, not required: bfloat16), and one whose experts run 'eager' is
-refused with the reason. Prints one line per case and exits non-zero on a failure.
+runs, and torch.manual_seed reproduces its output. Two MoE facts the blocker relies on: a bfloat16 qwen3_moe, and a
+bfloat16 qwen3_next (hybrid), whose experts run grouped_mm (transformers' default) are recorded as a graph and replay
+without error on this GPU (their tokens are compared with plain greedy and printed, not required: bfloat16), and
+one whose experts run 'eager' is refused with the reason. Prints one line per case and exits non-zero on a failure.
 
     python benchmarks/gpu/fast_path_check.py
 """
@@ -73,20 +73,20 @@ def sampled_runs_reproduce(target: torch.nn.Module, drafter: torch.nn.Module) ->
     return graphed and same
 
 
-def grouped_mm_is_captured() -> bool:
-    """bfloat16 qwen3_moe, experts on grouped_mm: the fast path takes it, records the step and replays it."""
-    target = build("qwen3_moe", torch.bfloat16, experts="grouped_mm")
+def grouped_mm_is_captured(family: str) -> bool:
+    """A bfloat16 MoE target, experts on grouped_mm: the fast path takes it, records the step and replays it."""
+    target = build(family, torch.bfloat16, experts="grouped_mm")
     drafter = tiny_drafter(target, block_size=8).to("cuda", torch.bfloat16)
     ids, mask = padded_batch(3, [0, 3, 6])
     common = dict(attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0)
     try:
         fast = target.generate(ids, assistant_model=drafter, dflash_fast_path=True, **common)
     except Exception as error:  # a host synchronization inside the capture raises here
-        print(f"qwen3_moe bf16 grouped_mm: FAILED to run in a graph: {type(error).__name__}: {error}")
+        print(f"{family} bf16 grouped_mm: FAILED to run in a graph: {type(error).__name__}: {error}")
         return False
     graphed = bool(drafter._dflash_static_step[1].graphs)
     plain = target.generate(ids, **common)
-    print(f"qwen3_moe bf16 grouped_mm batch 3: graph {graphed}, fast == plain {torch.equal(plain, fast)} (bf16: info)")
+    print(f"{family} bf16 grouped_mm batch 3: graph {graphed}, fast == plain {torch.equal(plain, fast)} (bf16: info)")
     return graphed
 
 
@@ -117,7 +117,7 @@ def main() -> int:
         failures += greedy_matches(name, target, drafter)
         if name in ("llama", "qwen3"):
             failures += not sampled_runs_reproduce(target, drafter)
-    failures += not grouped_mm_is_captured()
+    failures += sum(not grouped_mm_is_captured(family) for family in ("qwen3_moe", "qwen3_next"))
     failures += not eager_experts_are_refused()
     print("OK" if not failures else f"{failures} FAILED")
     return 1 if failures else 0
