@@ -163,12 +163,14 @@ class PagedCacheView(PagedView):
         lengths = [s.ctx_count_drafter for s in states]
         kv_len = max(lengths)
         device = cache.device
-        # Block rows' slots (b*q,) and every row's readable slots (b, kv_len); short rows repeat their slot 0,
-        # which the mask hides.
+        # Block rows' slots (b*q,) and every row's readable slots (b, kv_len); short rows repeat their own slot 0
+        # (the first slot of their first page), which the mask hides.
         block_slots = torch.cat([cache.slot_mapping(s, s.ctx_committed, s.ctx_committed + block_size) for s in states])
         read_slots = torch.stack(
             [
-                torch.nn.functional.pad(cache.slot_mapping(s, 0, n), (0, kv_len - n), value=int(s.block_table[0]))
+                torch.nn.functional.pad(
+                    cache.slot_mapping(s, 0, n), (0, kv_len - n), value=s.block_table[0] * PAGE_SIZE
+                )
                 for s, n in zip(states, lengths)
             ]
         )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_dflash import PAGE_SIZE, DFlashCandidateGenerator, DflashProposerState, PagedDrafterCache
+from hf_dflash.modeling.dflash_paged_cache import PagedCacheView
 from tests.conftest import MASK_ID, random_prompt, tiny_drafter, tiny_target
 from tests.test_greedy_identity import oracle_drafts
 
@@ -44,6 +45,21 @@ def test_slots_map_through_the_block_table_and_keep_their_values():
     cache.write(0, slots, key, value)
     read_key, read_value = cache.read(0, slots[None])
     assert torch.equal(read_key[0].transpose(0, 1), key) and torch.equal(read_value[0].transpose(0, 1), value)
+
+
+def test_a_short_sequence_pads_its_readable_slots_with_its_own_slot_0():
+    """In a batch of unequal contexts the shorter one's read slots are padded (the mask hides the padding) with a
+    slot of its own, not one of another sequence's pages."""
+    cache = PagedDrafterCache(num_layers=1, num_pages=8, num_key_value_heads=1, head_dim=4, dtype=torch.float32, device="cpu")
+    long, short = new_state(), new_state()
+    cache.reserve(long, 3 * PAGE_SIZE)  # pages 0..2, so the short sequence's first page is 3
+    long.ctx_committed, short.ctx_committed = 2 * PAGE_SIZE, 1
+    view = PagedCacheView(cache, [long, short], block_size=4, window=None)
+    n = short.ctx_count_drafter
+    assert short.block_table[0] == 3
+    assert view.read_slots[1, :n].tolist() == cache.slot_mapping(short, 0, n).tolist()
+    assert view.read_slots[1, n:].tolist() == [3 * PAGE_SIZE] * (view.read_slots.shape[1] - n)
+    assert not view.full_mask[1, 0, 0, n:].any()
 
 
 def test_accumulator_refuses_to_overflow():
