@@ -6,7 +6,7 @@ Per verify step the decoding loop (dflash_decoding.py) calls:
    target's lm_head on block rows 1..B-1.
 2. the target verifies [anchor, drafts] while `capture` copies the chosen layers' rows into `scratch`;
 3. `update_candidate_strategy(input_ids, scores, num_matches)`: rows 0..a of the scratch (anchor and accepted
-   drafts) become context slots stamped with their absolute positions; the block rows' page slots are released.
+   drafts) become the next context slots; the block rows' page slots are released.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -52,8 +52,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.scratch = torch.empty(batch_size, max_rows, config.num_context_features, dtype=dtype, device=device)
         self.states = [
             DflashProposerState(
-                ctx_hidden_acc=torch.empty(max_length, config.num_context_features, dtype=dtype, device=device),
-                ctx_positions=torch.zeros(max_length, dtype=torch.long, device=device),
+                ctx_hidden_acc=torch.empty(max_length, config.num_context_features, dtype=dtype, device=device)
             )
             for _ in range(batch_size)
         ]
@@ -83,8 +82,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         mask = prompt_mask.to(self.scratch.device).bool()
         for i, state in enumerate(self.states):
             rows = self.scratch[i, : mask.shape[1]][mask[i]]
-            state.append_context(rows, first_position=0)
-            state.seq_len = rows.shape[0] + 1  # the prompt plus the first token the target just chose
+            state.append_context(rows)
 
     def store_new_context(self, states: list[DflashProposerState]) -> None:
         """Keys/values for slots [ctx_committed, ctx_len) of every state, in one drafter pass over all of them."""
@@ -92,7 +90,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if not fresh:
             return
         rows = torch.cat([s.ctx_hidden_acc[s.ctx_committed : s.ctx_len] for s in fresh])[None]  # (1, n, kH)
-        positions = torch.cat([s.ctx_positions[s.ctx_committed : s.ctx_len] for s in fresh])[None]  # (1, n)
+        # a slot's index is its absolute position (dflash_paged_cache.py)
+        positions = torch.cat([torch.arange(s.ctx_committed, s.ctx_len, device=self.device) for s in fresh])[None]
         for state in fresh:
             self.cache.reserve(state, state.ctx_len + self.block_size)
         slots = torch.cat([self.cache.slot_mapping(s, s.ctx_committed, s.ctx_len) for s in fresh])[None]  # (1, n)
@@ -143,14 +142,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
             num_matches = [num_matches] * len(self.states)
         for i, (state, accepted) in enumerate(zip(self.states, num_matches)):
             state.ctx_count_drafter = state.ctx_committed  # drop the block rows' page slots
-            state.append_context(self.scratch[i, : accepted + 1], first_position=state.ctx_len)
-            state.seq_len += accepted + 1
+            state.append_context(self.scratch[i, : accepted + 1])
 
     def restart(self) -> None:
         """Begin new sequences in the same buffers (the fast path reuses them across calls): every state empties and
         keeps its pages."""
         for state in self.states:
-            state.seq_len = state.ctx_len = state.ctx_committed = state.ctx_count_drafter = 0
+            state.ctx_len = state.ctx_committed = state.ctx_count_drafter = 0
             state.context_ready = False
 
     def keep(self, indices: Sequence[int]) -> None:

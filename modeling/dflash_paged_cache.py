@@ -27,17 +27,15 @@ class DflashProposerState:
 
     ctx_hidden_acc: torch.Tensor
     """[max_ctx_len, k * H_target] captured target hidden states, one slot per committed position (the anchor's
-    row arrives with the verify that follows it). Not circular: exceeding it is an error, never a wrap-around."""
-    ctx_positions: torch.Tensor
-    """[max_ctx_len] int64 absolute position of each accumulator slot, stamped once when the slot is appended."""
+    row arrives with the verify that follows it); slot i sits at absolute position i. Not circular: exceeding it is
+    an error, never a wrap-around."""
     block_table: list[int] = field(default_factory=list)
     """Physical page ids of this sequence, shared by every drafter layer's pool."""
     block_table_dev: torch.Tensor | None = None
     """The block table on the drafter's device (int64), refreshed whenever a page is added or dropped."""
-    seq_len: int = 0
-    """Tokens committed for this sequence (prompt and generated); the anchor sits at position seq_len - 1."""
     ctx_len: int = 0
-    """Populated accumulator slots: every committed position before the anchor, so ctx_len == seq_len - 1."""
+    """Populated accumulator slots: every committed position before the anchor, so the anchor sits at position
+    ctx_len and the sequence holds ctx_len + 1 tokens (prompt and generated)."""
     ctx_committed: int = 0
     """Watermark: slots [0, ctx_committed) already have their keys/values in the pages. Each propose computes only
     [ctx_committed, ctx_len); 0 forces a full rebuild."""
@@ -54,8 +52,8 @@ class DflashProposerState:
         """Accumulator capacity in slots."""
         return self.ctx_hidden_acc.shape[0]
 
-    def append_context(self, rows: torch.Tensor, first_position: int) -> None:
-        """Append `rows` (n, k*H_target) as the slots of positions first_position .. first_position + n - 1."""
+    def append_context(self, rows: torch.Tensor) -> None:
+        """Append `rows` (n, k*H_target) as the slots ctx_len .. ctx_len + n - 1."""
         n = rows.shape[0]
         if self.ctx_len + n > self.max_ctx_len:
             raise ValueError(
@@ -63,9 +61,6 @@ class DflashProposerState:
                 f"{self.ctx_len + n}; lower max_new_tokens or the prompt length"
             )
         self.ctx_hidden_acc[self.ctx_len : self.ctx_len + n].copy_(rows)
-        self.ctx_positions[self.ctx_len : self.ctx_len + n] = torch.arange(
-            first_position, first_position + n, device=self.ctx_positions.device
-        )
         self.ctx_len += n
         self.context_ready = True
 

@@ -13,7 +13,7 @@ from tests.test_greedy_identity import oracle_drafts
 
 
 def new_state(capacity: int = 64, width: int = 8) -> DflashProposerState:
-    return DflashProposerState(ctx_hidden_acc=torch.zeros(capacity, width), ctx_positions=torch.zeros(capacity, dtype=torch.long))
+    return DflashProposerState(ctx_hidden_acc=torch.zeros(capacity, width))
 
 
 def test_pages_are_never_shared_and_come_back():
@@ -64,10 +64,10 @@ def test_a_short_sequence_pads_its_readable_slots_with_its_own_slot_0():
 
 def test_accumulator_refuses_to_overflow():
     state = new_state(capacity=10)
-    state.append_context(torch.ones(8, 8), first_position=0)
-    assert state.ctx_len == 8 and state.ctx_positions[:8].tolist() == list(range(8))
+    state.append_context(torch.ones(8, 8))
+    assert state.ctx_len == 8
     with pytest.raises(ValueError, match="holds 10 positions"):
-        state.append_context(torch.ones(3, 8), first_position=8)
+        state.append_context(torch.ones(3, 8))
     assert state.ctx_len == 8  # nothing written on refusal
 
 
@@ -84,7 +84,7 @@ def test_drafts_equal_a_from_scratch_forward_over_the_whole_context(family, wron
 
     def recording(self, input_ids, **kwargs):
         candidates, logits = original(self, input_ids, **kwargs)
-        recorded.append((input_ids.clone(), logits.clone(), [(s.ctx_len, s.seq_len, s.ctx_committed) for s in self.states]))
+        recorded.append((input_ids.clone(), logits.clone(), [(s.ctx_len, s.ctx_committed) for s in self.states]))
         return candidates, logits
 
     DFlashCandidateGenerator.get_candidates = recording
@@ -98,12 +98,13 @@ def test_drafts_equal_a_from_scratch_forward_over_the_whole_context(family, wron
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     ids = drafter.config.target_layer_ids
     block = drafter.config.block_size
-    for anchors, logits, ((ctx_len, seq_len, ctx_committed),) in recorded:
-        # the output is lossless, so the committed sequence at this propose is the reference's first seq_len tokens
-        input_ids = reference_ids[:, :seq_len]
+    for anchors, logits, ((ctx_len, ctx_committed),) in recorded:
+        # the output is lossless, so the committed sequence at this propose is the reference's first ctx_len + 1
+        # tokens: the context, then the anchor
+        input_ids = reference_ids[:, : ctx_len + 1]
         assert torch.equal(anchors[:, -1], input_ids[:, -1])
-        anchor_pos = seq_len - 1
-        assert ctx_len == anchor_pos == ctx_committed
+        anchor_pos = ctx_len
+        assert ctx_committed == ctx_len
         with torch.no_grad():
             hidden = target(input_ids[:, :anchor_pos], output_hidden_states=True).hidden_states
             context = torch.cat([hidden[i + 1] for i in ids], dim=-1)
@@ -126,7 +127,7 @@ def test_propose_refuses_a_stale_context():
         target(prompt)
     generator.commit_prefill(torch.ones_like(prompt))
     state = generator.states[0]
-    assert state.context_ready and state.ctx_len == 6 and state.seq_len == 7
+    assert state.context_ready and state.ctx_len == 6
     candidates, logits = generator.get_candidates(torch.cat([prompt, torch.tensor([[3]])], dim=1))
     assert candidates.shape == (1, 7 + 3) and logits.shape == (1, 3, target.config.vocab_size)
     assert state.ctx_committed == 6 and state.ctx_count_drafter == 6 + 4 and not state.context_ready

@@ -38,7 +38,7 @@ class ReferenceSequence:
 
     rows: list[torch.Tensor] = field(default_factory=list)  # context rows (k*H_target,), in slot order
     positions: list[int] = field(default_factory=list)
-    seq_len: int = 0
+    seq_len: int = 0  # tokens committed: the context, then the anchor
     ctx_committed: int = 0
     ctx_count_drafter: int = 0
     pages: int = 0  # pages the sequence must hold: enough for the furthest slot any propose addressed
@@ -157,7 +157,7 @@ class DrafterStateMachine(RuleBasedStateMachine):
         state = self.generator.states[row]
         excess = state.max_ctx_len - state.ctx_len + data.draw(st.integers(1, 3), label="excess")
         with pytest.raises(ValueError, match=f"holds {state.max_ctx_len} positions"):
-            state.append_context(torch.randn(excess, WIDTH), first_position=state.ctx_len)
+            state.append_context(torch.randn(excess, WIDTH))
 
     @precondition(lambda self: self.released)
     @rule(**CALL)
@@ -179,11 +179,10 @@ class DrafterStateMachine(RuleBasedStateMachine):
         assert len(states) == len(self.reference)
         for state, ref in zip(states, self.reference):
             n = len(ref.rows)
-            assert (state.ctx_len, state.seq_len, state.ctx_committed, state.ctx_count_drafter) == (
-                n, ref.seq_len, ref.ctx_committed, ref.ctx_count_drafter
+            assert (state.ctx_len, state.ctx_committed, state.ctx_count_drafter) == (
+                n, ref.ctx_committed, ref.ctx_count_drafter
             )
-            assert state.ctx_len == state.seq_len - 1  # every committed position before the anchor
-            assert state.ctx_positions[:n].tolist() == ref.positions
+            assert state.ctx_len == ref.seq_len - 1  # every committed position before the anchor
             assert torch.equal(state.ctx_hidden_acc[:n], torch.stack(ref.rows))
             assert state.context_ready == (not self.proposed)
 
