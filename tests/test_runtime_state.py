@@ -62,13 +62,16 @@ def test_a_short_sequence_pads_its_readable_slots_with_its_own_slot_0():
     assert not view.full_mask[1, 0, 0, n:].any()
 
 
-def test_accumulator_refuses_to_overflow():
+def test_accumulator_holds_the_rows_since_the_last_propose_and_refuses_to_overflow():
     state = new_state(capacity=10)
     state.append_context(torch.ones(8, 8))
     assert state.ctx_len == 8
-    with pytest.raises(ValueError, match="holds 10 positions"):
+    with pytest.raises(ValueError, match="holds 10 rows"):
         state.append_context(torch.ones(3, 8))
     assert state.ctx_len == 8  # nothing written on refusal
+    state.ctx_committed = 8  # a propose turned them into keys/values: the accumulator is free again
+    state.append_context(torch.full((3, 8), 2.0))
+    assert state.ctx_len == 11 and torch.equal(state.ctx_hidden_acc[:3], torch.full((3, 8), 2.0))
 
 
 @pytest.mark.parametrize("family, wrong_every", [("llama", 3), ("qwen3", 2), ("qwen3", 1000)])
@@ -117,6 +120,49 @@ def test_drafts_equal_a_from_scratch_forward_over_the_whole_context(family, wron
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_context_buffers_hold_a_prompt_or_a_block_not_max_length(fast_path):
+    """The capture scratch holds one forward's rows (the padded prompt, then a block) and each accumulator the rows
+    one verify adds (a block), however many tokens the call may generate: a row is num_context_features values
+    (40 KB for Qwen3-8B's drafter), so max_length rows per sequence cost gigabytes. The prompts are longer than a
+    block and of different lengths, and the output stays plain greedy's."""
+    from hf_dflash.modeling.dflash_fast_path import release_fast_path
+    from tests.conftest import left_padded
+
+    target = tiny_target("qwen3", seed=9)
+    drafter = tiny_drafter(target, seed=10, block_size=4)
+    ids, mask = left_padded(2, 10, [0, 3], seed=9)
+    seen = set()  # (scratch rows, accumulator rows of every state) whenever context rows arrive
+    original_prefill = DFlashCandidateGenerator.commit_prefill
+    original_update = DFlashCandidateGenerator.update_candidate_strategy
+
+    def record(generator):
+        seen.add((generator.scratch.shape[1], tuple(s.ctx_hidden_acc.shape[0] for s in generator.states)))
+
+    def commit_prefill(self, prompt_mask):
+        record(self)
+        original_prefill(self, prompt_mask)
+
+    def update_candidate_strategy(self, *args):
+        record(self)
+        original_update(self, *args)
+
+    DFlashCandidateGenerator.commit_prefill = commit_prefill
+    DFlashCandidateGenerator.update_candidate_strategy = update_candidate_strategy
+    try:
+        kwargs = dict(attention_mask=mask, max_new_tokens=200, do_sample=False, pad_token_id=0)
+        out = target.generate(ids, assistant_model=drafter, dflash_fast_path=fast_path, **kwargs)
+    finally:
+        DFlashCandidateGenerator.commit_prefill = original_prefill
+        DFlashCandidateGenerator.update_candidate_strategy = original_update
+    assert torch.equal(out, target.generate(ids, **kwargs))
+    assert (10, (4, 4)) in seen  # the prefill: a padded prompt of 10 rows
+    assert all(scratch <= 10 and accumulators == (4,) * len(accumulators) for scratch, accumulators in seen), seen
+    if fast_path:  # the held step keeps no prompt rows between calls
+        assert drafter._dflash_static_step[1].generator.scratch.shape[1] == 0
+        release_fast_path(drafter)
+
+
 def test_propose_refuses_a_stale_context():
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
@@ -127,7 +173,7 @@ def test_propose_refuses_a_stale_context():
         target(prompt)
     generator.commit_prefill(torch.ones_like(prompt))
     state = generator.states[0]
-    assert state.context_ready and state.ctx_len == 6
+    assert state.context_ready and state.ctx_len == state.ctx_committed == 6  # the prompt's keys/values are written
     candidates, logits = generator.get_candidates(torch.cat([prompt, torch.tensor([[3]])], dim=1))
     assert candidates.shape == (1, 7 + 3) and logits.shape == (1, 3, target.config.vocab_size)
     assert state.ctx_committed == 6 and state.ctx_count_drafter == 6 + 4 and not state.context_ready

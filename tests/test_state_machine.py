@@ -75,7 +75,13 @@ class DrafterStateMachine(RuleBasedStateMachine):
         self.reference = []
         for i, n in enumerate(prompt_lengths):
             rows = list(self.generator.scratch[i, width - n : width].clone())
-            self.reference.append(ReferenceSequence(rows=rows, positions=list(range(n)), seq_len=n + 1))
+            # the prompt's keys/values go to the pages at once, with room for the first block
+            self.reference.append(
+                ReferenceSequence(
+                    rows=rows, positions=list(range(n)), seq_len=n + 1, ctx_committed=n, ctx_count_drafter=n,
+                    pages=-(-(n + block_size) // PAGE_SIZE),
+                )
+            )
         # padded length of each sequence, as the loop's `lengths` (max_length counts the padding)
         self.padded = [width + 1] * batch
         self.proposed = False
@@ -155,8 +161,9 @@ class DrafterStateMachine(RuleBasedStateMachine):
     def overlong_append_is_refused(self, data: st.DataObject) -> None:
         row = data.draw(st.integers(0, len(self.reference) - 1), label="row")
         state = self.generator.states[row]
-        excess = state.max_ctx_len - state.ctx_len + data.draw(st.integers(1, 3), label="excess")
-        with pytest.raises(ValueError, match=f"holds {state.max_ctx_len} positions"):
+        pending = state.ctx_len - state.ctx_committed
+        excess = state.max_pending_rows - pending + data.draw(st.integers(1, 3), label="excess")
+        with pytest.raises(ValueError, match=f"holds {state.max_pending_rows} rows"):
             state.append_context(torch.randn(excess, WIDTH))
 
     @precondition(lambda self: self.released)
@@ -183,7 +190,12 @@ class DrafterStateMachine(RuleBasedStateMachine):
                 n, ref.ctx_committed, ref.ctx_count_drafter
             )
             assert state.ctx_len == ref.seq_len - 1  # every committed position before the anchor
-            assert torch.equal(state.ctx_hidden_acc[:n], torch.stack(ref.rows))
+            # the accumulator holds exactly the rows no propose has turned into keys/values yet, and never more than
+            # one block of them
+            pending = ref.rows[ref.ctx_committed :]
+            assert len(pending) <= state.max_pending_rows == self.block_size
+            if pending:
+                assert torch.equal(state.ctx_hidden_acc[: len(pending)], torch.stack(pending))
             assert state.context_ready == (not self.proposed)
 
     @invariant()
