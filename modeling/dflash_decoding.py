@@ -264,6 +264,8 @@ class EagerDecoding:
             {self.cache_arg: self.cache}, self.processors, self.rule.do_sample,
         )
         self.target_cache.after_prefill(self.attention_mask)
+        # The prompt's rows are in the drafter's pages now; a verify captures at most a block.
+        self.generator.resize_scratch(self.generator.block_size)
         self.presence = self.processors.prompt_presence(self.input_ids, logits.shape[-1])
         return self.commit(tokens[:, None].tolist(), scores, logits)
 

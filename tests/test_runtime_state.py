@@ -157,6 +157,8 @@ def test_context_buffers_hold_a_prompt_or_a_block_not_max_length(fast_path):
         DFlashCandidateGenerator.update_candidate_strategy = original_update
     assert torch.equal(out, target.generate(ids, **kwargs))
     assert (10, (4, 4)) in seen  # the prefill: a padded prompt of 10 rows
+    if not fast_path:  # each verify: a block (the fast path's steps capture into their own buffer)
+        assert (4, (4, 4)) in seen
     assert all(scratch <= 10 and accumulators == (4,) * len(accumulators) for scratch, accumulators in seen), seen
     if fast_path:  # the held step keeps no prompt rows between calls
         assert drafter._dflash_static_step[1].generator.scratch.shape[1] == 0
