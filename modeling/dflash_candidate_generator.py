@@ -6,7 +6,8 @@ Per verify step the decoding loop (dflash_decoding.py) calls:
    target's lm_head on block rows 1..B-1.
 2. the target verifies [anchor, drafts] while `capture` copies the chosen layers' rows into `scratch`;
 3. `update_candidate_strategy(input_ids, scores, num_matches)`: rows 0..a of the scratch (anchor and accepted
-   drafts) become context slots stamped with their absolute positions; the block rows' page slots are released.
+   drafts) become the next context slots, held in the accumulator until that propose; the block rows' page slots
+   are released.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -30,8 +31,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         drafter: a `DFlashDraftModel`.
         target: the causal LM being decoded; its input embedding and lm_head serve the drafter.
         batch_size: sequences decoded together.
-        max_length: longest sequence (prompt + new tokens) any of them may reach; sizes every buffer.
-        max_rows: most target rows captured in one forward (the padded prompt length, or B).
+        max_length: longest sequence (prompt + new tokens) any of them may reach; sizes the page pool.
+        max_rows: most target rows captured in one forward (the padded prompt length, or B); sizes the scratch.
     """
 
     def __init__(self, drafter: torch.nn.Module, target: torch.nn.Module, batch_size: int, max_length: int, max_rows: int):
@@ -48,12 +49,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
         device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         self.device = device
         self.capture = TargetHiddenCapture(target, config.target_layer_ids, config.target_hidden_size)
-        # Hooks write here; each step's rows are then copied to their sequence's accumulator.
+        # Hooks write here; a verify's rows are then copied to their sequence's accumulator.
         self.scratch = torch.empty(batch_size, max_rows, config.num_context_features, dtype=dtype, device=device)
+        # Between two proposes a sequence gains the rows of one verify, at most a block; the prompt's rows, which can
+        # be far more, go to the pages straight from the scratch (`commit_prefill`).
         self.states = [
             DflashProposerState(
-                ctx_hidden_acc=torch.empty(max_length, config.num_context_features, dtype=dtype, device=device),
-                ctx_positions=torch.zeros(max_length, dtype=torch.long, device=device),
+                ctx_hidden_acc=torch.empty(self.block_size, config.num_context_features, dtype=dtype, device=device)
             )
             for _ in range(batch_size)
         ]
@@ -75,30 +77,45 @@ class DFlashCandidateGenerator(CandidateGenerator):
         """Point the hooks at the scratch for the next target forward of `num_rows` rows per live sequence."""
         self.capture.destination = self.scratch[: len(self.states), :num_rows]
 
+    def resize_scratch(self, max_rows: int) -> None:
+        """Capture at most `max_rows` rows per sequence from now on, into a new scratch (the fast path holds a prompt's
+        rows only through its prefill). The hooks write nowhere until the next `capture_rows`."""
+        self.capture.destination = None  # the hooks' view would keep the old scratch alive
+        self.scratch = self.scratch.new_empty(self.scratch.shape[0], max_rows, self.scratch.shape[2])
+
     def commit_prefill(self, prompt_mask: torch.Tensor) -> None:
-        """After the prompt forward: every real (non-padding) prompt row becomes a context slot.
+        """After the prompt forward: every real (non-padding) prompt row becomes a context slot, its keys/values
+        computed now, straight from the scratch (the accumulator holds one verify's rows, not a prompt's).
 
         prompt_mask (b, P): 1 for real tokens. Left padding never reaches the drafter's context.
         """
         mask = prompt_mask.to(self.scratch.device).bool()
-        for i, state in enumerate(self.states):
-            rows = self.scratch[i, : mask.shape[1]][mask[i]]
-            state.append_context(rows, first_position=0)
-            state.seq_len = rows.shape[0] + 1  # the prompt plus the first token the target just chose
+        rows = [self.scratch[i, : mask.shape[1]][mask[i]] for i in range(len(self.states))]
+        self.store_context(self.states, rows)
+        for state, state_rows in zip(self.states, rows):
+            state.ctx_len += len(state_rows)  # already in the pages: nothing waits in the accumulator
+            state.context_ready = True
 
     def store_new_context(self, states: list[DflashProposerState]) -> None:
-        """Keys/values for slots [ctx_committed, ctx_len) of every state, in one drafter pass over all of them."""
-        fresh = [s for s in states if s.ctx_len > s.ctx_committed]
+        """Keys/values for slots [ctx_committed, ctx_len) of every state, from its accumulator."""
+        self.store_context(states, [s.ctx_hidden_acc[: s.ctx_len - s.ctx_committed] for s in states])
+
+    def store_context(self, states: list[DflashProposerState], rows: list[torch.Tensor]) -> None:
+        """Keys/values of rows[i] (n_i, kH) as the slots from ctx_committed on of states[i], in one drafter pass over
+        all of them; each watermark moves past its rows."""
+        fresh = [(state, state_rows) for state, state_rows in zip(states, rows) if len(state_rows)]
         if not fresh:
             return
-        rows = torch.cat([s.ctx_hidden_acc[s.ctx_committed : s.ctx_len] for s in fresh])[None]  # (1, n, kH)
-        positions = torch.cat([s.ctx_positions[s.ctx_committed : s.ctx_len] for s in fresh])[None]  # (1, n)
-        for state in fresh:
-            self.cache.reserve(state, state.ctx_len + self.block_size)
-        slots = torch.cat([self.cache.slot_mapping(s, s.ctx_committed, s.ctx_len) for s in fresh])[None]  # (1, n)
-        self.write_context(rows, positions, slots)
-        for state in fresh:
-            state.ctx_committed = state.ctx_count_drafter = state.ctx_len
+        positions, slots = [], []
+        for state, state_rows in fresh:
+            start, end = state.ctx_committed, state.ctx_committed + len(state_rows)
+            self.cache.reserve(state, end + self.block_size)
+            positions.append(torch.arange(start, end, device=self.device))  # a slot's index is its position
+            slots.append(self.cache.slot_mapping(state, start, end))
+        rows = torch.cat([state_rows for _, state_rows in fresh])[None]  # (1, n, kH)
+        self.write_context(rows, torch.cat(positions)[None], torch.cat(slots)[None])
+        for state, state_rows in fresh:
+            state.ctx_committed = state.ctx_count_drafter = state.ctx_committed + len(state_rows)
 
     def write_context(self, rows: torch.Tensor, positions: torch.LongTensor, slots: torch.LongTensor) -> None:
         """Every drafter layer's keys/values of context rows (b, n, k * H_target), rotated at their absolute
@@ -143,14 +160,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
             num_matches = [num_matches] * len(self.states)
         for i, (state, accepted) in enumerate(zip(self.states, num_matches)):
             state.ctx_count_drafter = state.ctx_committed  # drop the block rows' page slots
-            state.append_context(self.scratch[i, : accepted + 1], first_position=state.ctx_len)
-            state.seq_len += accepted + 1
+            state.append_context(self.scratch[i, : accepted + 1])
 
     def restart(self) -> None:
         """Begin new sequences in the same buffers (the fast path reuses them across calls): every state empties and
         keeps its pages."""
         for state in self.states:
-            state.seq_len = state.ctx_len = state.ctx_committed = state.ctx_count_drafter = 0
+            state.ctx_len = state.ctx_committed = state.ctx_count_drafter = 0
             state.context_ready = False
 
     def keep(self, indices: Sequence[int]) -> None:

@@ -263,6 +263,8 @@ class EagerDecoding:
             {self.cache_arg: self.cache}, self.processors, self.rule.do_sample,
         )
         self.target_cache.after_prefill(self.attention_mask)
+        # The prompt's rows are in the drafter's pages now; a verify captures at most a block.
+        self.generator.resize_scratch(self.generator.block_size)
         self.presence = self.processors.prompt_presence(self.input_ids, logits.shape[-1])
         return self.commit(tokens[:, None].tolist(), scores, logits)
 
@@ -301,14 +303,14 @@ class EagerDecoding:
             # the drafter's logits come from the lm_head's device; the target's scores are on the inputs'
             drafts, draft_probs = self.rule.propose(draft_logits[:, : num_rows - 1].to(device))
         block = torch.cat([anchors, drafts], dim=1)  # (b, n): [anchor, drafts]
-        real_lengths = torch.tensor([s.seq_len for s in self.generator.states], device=device)
+        anchor_positions = torch.tensor([s.ctx_len for s in self.generator.states], device=device)  # padding excluded
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(live), num_rows)], dim=1)
         self.generator.capture_rows(num_rows)
         with self.target_cache.verifying():
             logits = self.target(
                 input_ids=block,
                 attention_mask=self.target_cache.verify_mask(self.attention_mask, num_rows),
-                position_ids=real_lengths[:, None] - 1 + torch.arange(num_rows, device=device),
+                position_ids=anchor_positions[:, None] + torch.arange(num_rows, device=device),
                 use_cache=True,
                 logits_to_keep=num_rows,
                 **{self.cache_arg: self.cache},

@@ -319,9 +319,8 @@ class DFlashStaticStep:
         self.max_length = num_slots - block  # the longest sequence (padding included) this step can hold
         self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
         # Capture hooks, per-sequence states and the drafter's page pools; prefill reuses the generator's methods.
-        self.generator = generator = DFlashCandidateGenerator(
-            drafter, target, batch_size, self.max_length, max_rows=self.max_length
-        )
+        # Its scratch is sized for each call's prompt in `prefill` (the steps capture into `verify_rows`).
+        self.generator = generator = DFlashCandidateGenerator(drafter, target, batch_size, self.max_length, max_rows=0)
         for state in self.generator.states:  # every page a sequence may need, once, in row order (the pool is fresh)
             self.generator.cache.reserve(state, num_slots)
         self.block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
@@ -354,7 +353,7 @@ class DFlashStaticStep:
         self.block_offsets = torch.arange(block, device=device)
         # Target hidden states of the verified rows land here (the capture hooks' destination during a step).
         self.verify_rows = torch.zeros(
-            batch_size, block, config.num_context_features, dtype=self.generator.scratch.dtype, device=device
+            batch_size, block, config.num_context_features, dtype=drafter.fc.weight.dtype, device=device
         )
         long = dict(dtype=torch.long, device=device)
         self.anchor_ids = torch.zeros(batch_size, 1, **long)
@@ -626,12 +625,14 @@ class DFlashStaticStep:
         visible = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])  # (b, P, L)
         # a hybrid target's linear layers zero the padding's inputs, as in generate, and start from empty states
         forward_mask = self.target_masks(visible, columns.expand(batch, -1), linear_attention=real)
+        # The prompt's captured rows are held only while its context keys/values are computed from them.
+        self.generator.resize_scratch(prompt_len)
         with self.target_cache.prefilling() if self.hybrid else contextlib.nullcontext():
             first, scores, logits = prefill(
                 self.target, self.generator, input_ids, real, forward_mask, {self.cache_argument: self.target_cache},
                 call, self.rule.do_sample,
             )
-        self.generator.store_new_context(self.generator.states)
+        self.generator.resize_scratch(0)
         if self.presence is not None:
             self.presence.copy_(call.prompt_presence(input_ids, self.vocab_size))
             self.presence[torch.arange(batch, device=device), first] = True

@@ -26,21 +26,19 @@ class DflashProposerState:
     """What the drafter keeps for one sequence between verify steps."""
 
     ctx_hidden_acc: torch.Tensor
-    """[max_ctx_len, k * H_target] captured target hidden states, one slot per committed position (the anchor's
-    row arrives with the verify that follows it). Not circular: exceeding it is an error, never a wrap-around."""
-    ctx_positions: torch.Tensor
-    """[max_ctx_len] int64 absolute position of each accumulator slot, stamped once when the slot is appended."""
+    """[max_pending_rows, k * H_target] captured target hidden states of the slots [ctx_committed, ctx_len), row 0
+    being slot ctx_committed: the rows a verify appended (the anchor's among them), waiting for the next propose to
+    turn them into keys/values. Slot i sits at absolute position i. Exceeding it is an error, never a wrap-around."""
     block_table: list[int] = field(default_factory=list)
     """Physical page ids of this sequence, shared by every drafter layer's pool."""
     block_table_dev: torch.Tensor | None = None
     """The block table on the drafter's device (int64), refreshed whenever a page is added or dropped."""
-    seq_len: int = 0
-    """Tokens committed for this sequence (prompt and generated); the anchor sits at position seq_len - 1."""
     ctx_len: int = 0
-    """Populated accumulator slots: every committed position before the anchor, so ctx_len == seq_len - 1."""
+    """Context slots: every committed position before the anchor, so the anchor sits at position ctx_len and the
+    sequence holds ctx_len + 1 tokens (prompt and generated)."""
     ctx_committed: int = 0
     """Watermark: slots [0, ctx_committed) already have their keys/values in the pages. Each propose computes only
-    [ctx_committed, ctx_len); 0 forces a full rebuild."""
+    [ctx_committed, ctx_len), from the accumulator."""
     ctx_count_drafter: int = 0
     """Page slots holding valid keys/values: ctx_committed, plus the block rows while a propose is pending. A propose
     reserves pages for this many slots and its block rows read exactly these."""
@@ -50,22 +48,19 @@ class DflashProposerState:
     context that lacks the last verify's rows, and refuses to run."""
 
     @property
-    def max_ctx_len(self) -> int:
-        """Accumulator capacity in slots."""
+    def max_pending_rows(self) -> int:
+        """Accumulator capacity: the most context rows that may wait for the next propose."""
         return self.ctx_hidden_acc.shape[0]
 
-    def append_context(self, rows: torch.Tensor, first_position: int) -> None:
-        """Append `rows` (n, k*H_target) as the slots of positions first_position .. first_position + n - 1."""
-        n = rows.shape[0]
-        if self.ctx_len + n > self.max_ctx_len:
+    def append_context(self, rows: torch.Tensor) -> None:
+        """Append `rows` (n, k*H_target) as the slots ctx_len .. ctx_len + n - 1."""
+        n, pending = rows.shape[0], self.ctx_len - self.ctx_committed
+        if pending + n > self.max_pending_rows:
             raise ValueError(
-                f"the drafter context holds {self.max_ctx_len} positions and this sequence needs "
-                f"{self.ctx_len + n}; lower max_new_tokens or the prompt length"
+                f"the drafter's accumulator holds {self.max_pending_rows} rows between two proposes and this "
+                f"sequence needs {pending + n}; this is a bug: please report it"
             )
-        self.ctx_hidden_acc[self.ctx_len : self.ctx_len + n].copy_(rows)
-        self.ctx_positions[self.ctx_len : self.ctx_len + n] = torch.arange(
-            first_position, first_position + n, device=self.ctx_positions.device
-        )
+        self.ctx_hidden_acc[pending : pending + n].copy_(rows)
         self.ctx_len += n
         self.context_ready = True
 
@@ -163,12 +158,14 @@ class PagedCacheView(PagedView):
         lengths = [s.ctx_count_drafter for s in states]
         kv_len = max(lengths)
         device = cache.device
-        # Block rows' slots (b*q,) and every row's readable slots (b, kv_len); short rows repeat their slot 0,
-        # which the mask hides.
+        # Block rows' slots (b*q,) and every row's readable slots (b, kv_len); short rows repeat their own slot 0
+        # (the first slot of their first page), which the mask hides.
         block_slots = torch.cat([cache.slot_mapping(s, s.ctx_committed, s.ctx_committed + block_size) for s in states])
         read_slots = torch.stack(
             [
-                torch.nn.functional.pad(cache.slot_mapping(s, 0, n), (0, kv_len - n), value=int(s.block_table[0]))
+                torch.nn.functional.pad(
+                    cache.slot_mapping(s, 0, n), (0, kv_len - n), value=s.block_table[0] * PAGE_SIZE
+                )
                 for s, n in zip(states, lengths)
             ]
         )

@@ -96,12 +96,16 @@ def test_padding_never_reaches_the_drafter_context():
         target(**batch, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
     generator.commit_prefill(mask)
     short = generator.states[0]
-    assert short.ctx_len == 2 and short.seq_len == 3
-    assert short.ctx_positions[:2].tolist() == [0, 1]
-    with torch.no_grad():  # the rows kept are the unpadded prompt's own hidden states
+    assert short.ctx_len == short.ctx_committed == 2
+    with torch.no_grad():  # the pages hold the keys/values of the unpadded prompt's own hidden states, at 0 and 1
         hidden = target(prompts[0], output_hidden_states=True).hidden_states
-    expected = torch.cat([hidden[i + 1][0] for i in drafter.config.target_layer_ids], dim=-1)
-    torch.testing.assert_close(short.ctx_hidden_acc[:2], expected, rtol=1e-4, atol=1e-4)
+        rows = torch.cat([hidden[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+        expected = drafter.context_key_values(rows, torch.arange(2)[None])
+    slots = generator.cache.slot_mapping(short, 0, 2)[None]
+    for layer, (key, value) in enumerate(expected):
+        stored_key, stored_value = generator.cache.read(layer, slots)
+        torch.testing.assert_close(stored_key, key, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stored_value, value, rtol=1e-4, atol=1e-4)
 
 
 def test_num_return_sequences_expands_the_batch():

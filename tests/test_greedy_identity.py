@@ -31,7 +31,7 @@ def oracle_drafts(reference: torch.LongTensor, wrong_every: int):
     def get_candidates(self, input_ids, **kwargs):
         candidates, logits = original_propose(self, input_ids, **kwargs)
         for i, state in enumerate(self.states):
-            row, start = state.oracle_row, state.oracle_offset + state.seq_len
+            row, start = state.oracle_row, state.oracle_offset + state.ctx_len + 1
             for k in range(1, candidates.shape[1]):
                 column = start + k - 1
                 if column < reference.shape[1] and (column + row) % wrong_every:

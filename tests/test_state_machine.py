@@ -38,7 +38,7 @@ class ReferenceSequence:
 
     rows: list[torch.Tensor] = field(default_factory=list)  # context rows (k*H_target,), in slot order
     positions: list[int] = field(default_factory=list)
-    seq_len: int = 0
+    seq_len: int = 0  # tokens committed: the context, then the anchor
     ctx_committed: int = 0
     ctx_count_drafter: int = 0
     pages: int = 0  # pages the sequence must hold: enough for the furthest slot any propose addressed
@@ -75,7 +75,13 @@ class DrafterStateMachine(RuleBasedStateMachine):
         self.reference = []
         for i, n in enumerate(prompt_lengths):
             rows = list(self.generator.scratch[i, width - n : width].clone())
-            self.reference.append(ReferenceSequence(rows=rows, positions=list(range(n)), seq_len=n + 1))
+            # the prompt's keys/values go to the pages at once, with room for the first block
+            self.reference.append(
+                ReferenceSequence(
+                    rows=rows, positions=list(range(n)), seq_len=n + 1, ctx_committed=n, ctx_count_drafter=n,
+                    pages=-(-(n + block_size) // PAGE_SIZE),
+                )
+            )
         # padded length of each sequence, as the loop's `lengths` (max_length counts the padding)
         self.padded = [width + 1] * batch
         self.proposed = False
@@ -155,9 +161,10 @@ class DrafterStateMachine(RuleBasedStateMachine):
     def overlong_append_is_refused(self, data: st.DataObject) -> None:
         row = data.draw(st.integers(0, len(self.reference) - 1), label="row")
         state = self.generator.states[row]
-        excess = state.max_ctx_len - state.ctx_len + data.draw(st.integers(1, 3), label="excess")
-        with pytest.raises(ValueError, match=f"holds {state.max_ctx_len} positions"):
-            state.append_context(torch.randn(excess, WIDTH), first_position=state.ctx_len)
+        pending = state.ctx_len - state.ctx_committed
+        excess = state.max_pending_rows - pending + data.draw(st.integers(1, 3), label="excess")
+        with pytest.raises(ValueError, match=f"holds {state.max_pending_rows} rows"):
+            state.append_context(torch.randn(excess, WIDTH))
 
     @precondition(lambda self: self.released)
     @rule(**CALL)
@@ -179,12 +186,16 @@ class DrafterStateMachine(RuleBasedStateMachine):
         assert len(states) == len(self.reference)
         for state, ref in zip(states, self.reference):
             n = len(ref.rows)
-            assert (state.ctx_len, state.seq_len, state.ctx_committed, state.ctx_count_drafter) == (
-                n, ref.seq_len, ref.ctx_committed, ref.ctx_count_drafter
+            assert (state.ctx_len, state.ctx_committed, state.ctx_count_drafter) == (
+                n, ref.ctx_committed, ref.ctx_count_drafter
             )
-            assert state.ctx_len == state.seq_len - 1  # every committed position before the anchor
-            assert state.ctx_positions[:n].tolist() == ref.positions
-            assert torch.equal(state.ctx_hidden_acc[:n], torch.stack(ref.rows))
+            assert state.ctx_len == ref.seq_len - 1  # every committed position before the anchor
+            # the accumulator holds exactly the rows no propose has turned into keys/values yet, and never more than
+            # one block of them
+            pending = ref.rows[ref.ctx_committed :]
+            assert len(pending) <= state.max_pending_rows == self.block_size
+            if pending:
+                assert torch.equal(state.ctx_hidden_acc[: len(pending)], torch.stack(pending))
             assert state.context_ready == (not self.proposed)
 
     @invariant()
