@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hf_dflash import DFlashCandidateGenerator, DFlashConfig
@@ -385,10 +385,10 @@ def test_sliding_layers_keep_about_a_window(family):
     target = family_target(family, seed=5)
     drafter = tiny_drafter(target, block_size=4)
     prompt = random_prompt(5, seed=5)
-    out = target.generate(
-        prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+    cache = DynamicCache(config=target.config)  # passed in, as generate does not return it for a sliding target
+    target.generate(
+        prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, **{_cache_argument(target): cache}
     )
-    cache = out.past_key_values if hasattr(out, "past_key_values") and out.past_key_values is not None else out.cache
     kinds = getattr(target.config, "layer_types", None) or ["sliding_attention"] * len(cache.layers)  # Mistral-style
     for kind, layer in zip(kinds, cache.layers):
         slots = layer.keys.shape[2]
