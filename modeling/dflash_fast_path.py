@@ -316,11 +316,11 @@ class DFlashStaticStep:
         device = drafter.fc.weight.device
         self.target, self.drafter = target, drafter
         self.batch_size, self.block_size, self.num_slots = batch_size, block, num_slots
-        self.max_length = num_slots - block  # the longest sequence (padding included) this step can hold
+        max_length = num_slots - block  # the longest sequence (padding included) this step can hold
         self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
         # Capture hooks, per-sequence states and the drafter's page pools; prefill reuses the generator's methods.
         # Its scratch is sized for each call's prompt in `prefill` (the steps capture into `verify_rows`).
-        self.generator = generator = DFlashCandidateGenerator(drafter, target, batch_size, self.max_length, max_rows=0)
+        self.generator = generator = DFlashCandidateGenerator(drafter, target, batch_size, max_length, max_rows=0)
         for state in self.generator.states:  # every page a sequence may need, once, in row order (the pool is fresh)
             self.generator.cache.reserve(state, num_slots)
         self.block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
@@ -350,7 +350,7 @@ class DFlashStaticStep:
         self.mask_types = sorted(set(layer_types)) if getattr(text, "layer_types", None) is not None else None
         self.target_window = text.sliding_window if SLIDING in layer_types else None
         self.mask_dtype = target.dtype
-        self.block_offsets = torch.arange(block, device=device)
+        self.block_offsets = generator.block_offsets  # (B,) 0..B-1
         # Target hidden states of the verified rows land here (the capture hooks' destination during a step).
         self.verify_rows = torch.zeros(
             batch_size, block, config.num_context_features, dtype=drafter.fc.weight.dtype, device=device

@@ -151,7 +151,6 @@ class PagedCacheView(PagedView):
     """
 
     def __init__(self, cache: PagedDrafterCache, states: list[DflashProposerState], block_size: int, window: int | None):
-        self.states = states
         for state in states:  # the block rows follow the committed context
             state.ctx_count_drafter = state.ctx_committed + block_size
             cache.reserve(state, state.ctx_count_drafter)
