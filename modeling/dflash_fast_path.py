@@ -52,7 +52,7 @@ from .dflash_attention import grouped_attention
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
 from .dflash_linear_state import HYBRID_FAMILIES, HybridStaticCache, hybrid_blocker
-from .dflash_paged_cache import PAGE_SIZE
+from .dflash_paged_cache import PAGE_SIZE, in_window
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
 from .dflash_static_cache import (
@@ -459,9 +459,8 @@ class DFlashStaticStep:
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
         visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
         masks = {FULL: visible[:, None, :]}  # (n, 1, S)
-        if generator.window is not None:  # causal within the block too, as the eager loop's PagedCacheView
-            behind = positions[:, :, None] - self.draft_key_positions  # (n, B, S)
-            masks[SLIDING] = (behind >= 0) & (behind < generator.window)
+        if generator.window is not None:
+            masks[SLIDING] = in_window(positions, self.draft_key_positions, generator.window)  # (n, B, S)
         # (n, 1, q, S) masks; additive for sdpa, built once here rather than converted from booleans in every layer
         masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
         return generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)

@@ -144,6 +144,14 @@ class PagedView:
         return self.cache.read(layer_idx, self.read_slots)
 
 
+def in_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """What a drafter's sliding layer lets each block row see: the `window` positions up to and including its own,
+    causal within the block too, as z-lab's reference and vLLM run the published sliding-window drafters
+    (benchmarks/NOTES.md). query_positions (..., q), key_positions (..., kv) -> bool (..., q, kv)."""
+    behind = query_positions[..., :, None] - key_positions[..., None, :]
+    return (behind >= 0) & (behind < window)
+
+
 class PagedCacheView(PagedView):
     """The eager loop's view for one propose over a batch of states: the block rows go to slots
     [ctx_committed, ctx_committed + q) of each sequence, and each reads its valid slots, padded to the longest
@@ -177,10 +185,7 @@ class PagedCacheView(PagedView):
         self.full_mask = None if all(n == kv_len for n in lengths) else valid[:, None, None, :]
         self.window_mask = None
         if window is not None:
-            # Sliding layers see the W positions up to and including each row's own: causal within the block too,
-            # as z-lab's reference and vLLM run the published sliding-window drafters (benchmarks/NOTES.md).
-            behind = query_pos[:, :, None] - key_pos[None, None, :]  # (b, q, kv)
-            self.window_mask = ((behind >= 0) & (behind < window) & valid[:, None, :])[:, None]
+            self.window_mask = (in_window(query_pos, key_pos, window) & valid[:, None, :])[:, None]
 
     @property
     def attention_masks(self) -> dict[str, torch.Tensor | None]:
@@ -188,4 +193,4 @@ class PagedCacheView(PagedView):
         return {"full_attention": self.full_mask, "sliding_attention": self.window_mask}
 
 
-__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE"]
+__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE", "in_window"]
