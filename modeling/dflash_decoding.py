@@ -386,6 +386,15 @@ def _check_call(
         )
     if batch_size > 1 and streamer is not None:
         raise ValueError("streamers take one sequence; generate with a batch of 1 to stream")
+    position_ids, mask = model_kwargs.get("position_ids"), model_kwargs.get("attention_mask")
+    if position_ids is not None and position_ids.shape == input_ids.shape:  # (a multimodal rope's 3-D ids: not read)
+        real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+        counted = real.long().cumsum(dim=-1) - 1  # what generate derives, and what the DFlash loops use
+        if not torch.equal(position_ids.to(counted.device)[real], counted[real]):
+            raise ValueError(
+                "position_ids other than each sequence's count of its real tokens (what generate derives from the "
+                "attention mask) would not reach the target on the DFlash path: drop position_ids"
+            )
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     cache_refusal = rollback_problem(target, cache)
     if cache_refusal is not None:

@@ -156,4 +156,20 @@ def test_a_cache_that_already_holds_tokens():
     target = tiny_target("llama")
     out = target(random_prompt(5)[:, :3], use_cache=True)
     cache = getattr(out, "past_key_values", None) or out.cache
-    refuse(target, tiny_drafter(target), "already holds 3 tokens.*whole prompt with no cache", **{_cache_argument(target): cache})
+    given = {_cache_argument(target): cache}
+    refuse(target, tiny_drafter(target), "already holds 3 tokens.*whole prompt with no cache", **given)
+
+
+def test_position_ids_other_than_generate_derives():
+    """generate derives position_ids from the attention mask, and so do the DFlash loops; others are refused, and the
+    derived ones (padding included) pass."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    shifted = torch.arange(5)[None] + 7
+    refuse(target, drafter, "position_ids other than.*drop position_ids", position_ids=shifted)
+    prompt, mask = random_prompt(5, batch=2), torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    derived = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = target.generate(prompt, attention_mask=mask, position_ids=derived, max_new_tokens=6, do_sample=False,
+                          assistant_model=drafter, pad_token_id=0)
+    plain = target.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, plain)
