@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import transformers
 from transformers.generation import logits_process as lp
 
 from hf_dflash import DFlashDraftModel
-from hf_dflash.bench import SAMPLING
+from hf_dflash.bench import SAMPLING, run_environment
 from hf_dflash.generate_cli import DEFAULT_DRAFTER, encode, load_target
 from hf_dflash.modeling import dflash_decoding
 from hf_dflash.modeling.dflash_acceptance import DecodingRule
@@ -90,9 +87,7 @@ def main() -> None:
         proposals[name] = {"first_row": full[:, 0].mean().item(), "all_rows": full.mean().item(),
                            "implied_tau": 1 + full.cumprod(dim=1).sum(dim=1).mean().item()}
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": f"{platform.machine()} CPU",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "command": " ".join(["python", *sys.argv]), "target": args.target, "drafter": Path(args.drafter).name,
+        **run_environment("cpu"), "command": " ".join(["python", *sys.argv]), "target": args.target, "drafter": Path(args.drafter).name,
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens, "settings": settings,
         "steps": len(taus), "measured_tau": sum(taus) / len(taus), "proposals": proposals,
     }

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import transformers
 
 from hf_dflash import DFlashDraftModel
-from hf_dflash.generate_cli import DEFAULT_DRAFTER, encode, load_target
+from hf_dflash.bench import run_environment
+from hf_dflash.generate_cli import DEFAULT_DRAFTER, encode, load_target, timed
 from hf_dflash.modeling import dflash_acceptance
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.training.data import load_prompts
@@ -37,22 +34,11 @@ DEVICE_RULE = dflash_acceptance.sample  # what a call uses: the inverse CDF on a
 LLAMA3_SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.9)  # Llama-3.1-Instruct's generation_config
 
 
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def rule_alone_ms(rule, rows: int, vocab: int, device: str, repeats: int = 20) -> float:
     """Median ms of one call on `rows` rows of a top-p-like distribution (most of each row zero)."""
     probs = torch.softmax(torch.randn(rows, vocab, device=device) * 6, dim=-1)
     probs[probs < probs.topk(50, dim=-1).values[:, -1:]] = 0
-    times = []
-    for _ in range(repeats + 2):
-        synchronize(device)
-        started = time.perf_counter()
-        rule(probs)
-        synchronize(device)
-        times.append((time.perf_counter() - started) * 1e3)
+    times = [timed(lambda: rule(probs))[1] * 1e3 for _ in range(repeats + 2)]
     return statistics.median(times[2:])
 
 
@@ -61,12 +47,11 @@ def decode_ms(target, drafter, prompts, max_new_tokens: int, device: str, **sett
     seconds, steps, tokens = 0.0, 0, 0
     for i, ids in enumerate(prompts):
         torch.manual_seed(i)
-        synchronize(device)
-        started = time.perf_counter()
-        out = target.generate(**ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-                              **({"assistant_model": drafter} if drafter is not None else {}), **settings)
-        synchronize(device)
-        seconds += time.perf_counter() - started
+        out, took = timed(lambda: target.generate(
+            **ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
+            **({"assistant_model": drafter} if drafter is not None else {}), **settings,
+        ))
+        seconds += took
         new = out.sequences.shape[1] - ids["input_ids"].shape[1]
         tokens += new
         steps += len(out.acceptance_lengths[0]) if drafter is not None else new
@@ -111,10 +96,7 @@ def main() -> None:
     plain_ms, _ = decode_ms(target, None, prompts, args.max_new_tokens, device, **LLAMA3_SAMPLING, **pad)
 
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else f"{platform.machine()} CPU, "
-        f"{torch.get_num_threads()} threads",
-        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        **run_environment(device), "threads": torch.get_num_threads(),
         "command": " ".join(["python", *sys.argv]), "target": args.target, "drafter": Path(args.drafter).name,
         "dtype": str(dtype).replace("torch.", ""), "prompts": args.prompts, "limit": len(prompts),
         "max_new_tokens": args.max_new_tokens, "sampling": LLAMA3_SAMPLING,
@@ -142,7 +124,7 @@ def plot(result: dict, path: Path) -> None:
     left.set_xticks(range(len(shapes)), shapes)
     left.set_yscale("log")
     left.set_ylabel("ms per call (median)")
-    left.set_title(f"one draw per row, vocabulary of the drafter ({result['device']})", fontsize=9)
+    left.set_title(f"one draw per row, vocabulary of the drafter ({result['machine']}, {result['threads']} threads)", fontsize=9)
     left.legend()
     bars = {f"sampled,\n{name}": statistics.mean(r["ms_per_step"] for r in runs)
             for name, runs in result["sampled_step"].items()}

@@ -399,9 +399,10 @@ def _check_call(
     cache_refusal = rollback_problem(target, cache)
     if cache_refusal is not None:
         raise ValueError(cache_refusal)
-    if cache.get_seq_length() > 0:
+    held = int(cache.get_seq_length())
+    if held > 0:
         raise ValueError(
-            f"the cache passed to generate already holds {int(cache.get_seq_length())} tokens; the DFlash drafter "
+            f"the cache passed to generate already holds {held} tokens; the DFlash drafter "
             "reads the target's hidden states of the whole prompt, which a cache does not keep: pass the whole prompt "
             "with no cache (or an empty one)"
         )
