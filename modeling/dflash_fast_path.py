@@ -52,13 +52,13 @@ from .dflash_attention import grouped_attention
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
 from .dflash_linear_state import HYBRID_FAMILIES, HybridStaticCache, hybrid_blocker
-from .dflash_paged_cache import PAGE_SIZE, in_window
+from .dflash_masks import FULL, LINEAR, SLIDING, additive_mask, in_window, target_attention_mask
+from .dflash_paged_cache import PAGE_SIZE
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
 from .dflash_static_cache import (
     ContiguousPagedView, StaticTargetCache, contiguous_block_tables, page_slots, reorder_contiguous_rows,
 )
-from .dflash_target_cache import FULL, LINEAR, SLIDING, additive_mask
 
 logger = logging.get_logger(__name__)
 
@@ -420,15 +420,8 @@ class DFlashStaticStep:
         prefill, none in a verify (a block has no padding)."""
         windowed = None
         if self.target_window is not None:  # slot distances are position distances (a sequence's slots are contiguous)
-            windowed = visible & (self.key_slots > query_slots[:, :, None] - self.target_window)
-        if self.mask_types is None:
-            return additive_mask(visible if windowed is None else windowed, self.mask_dtype)
-        return {
-            # a hybrid target's Gated DeltaNet layers take a padding mask or none, not a 4D one
-            kind: linear_attention if kind == LINEAR
-            else additive_mask(windowed if kind == SLIDING else visible, self.mask_dtype)
-            for kind in self.mask_types
-        }
+            windowed = visible & in_window(query_slots, self.key_slots, self.target_window)
+        return target_attention_mask(visible, windowed, self.mask_types, self.mask_dtype, linear_attention)
 
     # -- one verify step, on device buffers only (recorded once per batch size as a CUDA graph) ----------------
 

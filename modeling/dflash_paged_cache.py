@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dflash_masks import FULL, SLIDING, in_window
+
 PAGE_SIZE = 16
 
 
@@ -144,14 +146,6 @@ class PagedView:
         return self.cache.read(layer_idx, self.read_slots)
 
 
-def in_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """What a drafter's sliding layer lets each block row see: the `window` positions up to and including its own,
-    causal within the block too, as z-lab's reference and vLLM run the published sliding-window drafters
-    (benchmarks/NOTES.md). query_positions (..., q), key_positions (..., kv) -> bool (..., q, kv)."""
-    behind = query_positions[..., :, None] - key_positions[..., None, :]
-    return (behind >= 0) & (behind < window)
-
-
 class PagedCacheView(PagedView):
     """The eager loop's view for one propose over a batch of states: the block rows go to slots
     [ctx_committed, ctx_committed + q) of each sequence, and each reads its valid slots, padded to the longest
@@ -190,7 +184,7 @@ class PagedCacheView(PagedView):
     @property
     def attention_masks(self) -> dict[str, torch.Tensor | None]:
         """Per layer type, the boolean mask (b, 1, q, kv) of slots each block row may see (None: all)."""
-        return {"full_attention": self.full_mask, "sliding_attention": self.window_mask}
+        return {FULL: self.full_mask, SLIDING: self.window_mask}
 
 
-__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE", "in_window"]
+__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE"]

@@ -36,8 +36,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from .dflash_capture import decoder_layers
-
-FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+from .dflash_masks import FULL, LINEAR, SLIDING, in_window, target_attention_mask
 
 
 def layer_kinds(cache: Any) -> list[str]:
@@ -111,13 +110,6 @@ class BlockInput:
     recurrent_before: torch.Tensor
 
 
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean (b, q, L) visibility as the additive (b, 1, q, L) mask every attention backend takes."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
-        ~visible, torch.finfo(dtype).min
-    )[:, None]
-
-
 class TargetCacheRollback:
     """Prepares the target's `cache` for DFlash and rolls it back after every verify (see the module docstring).
 
@@ -136,8 +128,9 @@ class TargetCacheRollback:
         self.dtype = target.get_input_embeddings().weight.dtype
         windows = sliding_windows(cache)
         self.window: int | None = windows.pop() if windows else None
-        # The model wants one mask per layer type when its config lists them, else one mask for every layer.
-        self.mask_by_type = getattr(text, "layer_types", None) is not None
+        # The model wants one mask per layer type when its config lists them, else one mask for every layer; the
+        # linear-attention layers take the 2D mask as it is (a window is never set on a hybrid target).
+        self.mask_types = sorted(set(self.kinds) - {LINEAR}) if getattr(text, "layer_types", None) is not None else None
         for i, kind in enumerate(self.kinds):
             if kind == SLIDING:
                 cache.layers[i] = DynamicLayer()  # full history; the window is applied by the mask
@@ -157,15 +150,11 @@ class TargetCacheRollback:
             return attention_mask
         real = attention_mask.bool()
         positions = attention_mask.long().cumsum(dim=1) - 1  # (b, L): a slot's position in its own sequence
-        queries = positions[:, -num_rows:, None]  # (b, q, 1)
-        visible = real[:, None, :] & (positions[:, None, :] <= queries)  # (b, q, L)
-        windowed = (visible & (queries - positions[:, None, :] < self.window))[..., self.sliding_start :]
-        if not self.mask_by_type:  # Mistral-style: every layer slides
-            return additive_mask(windowed, self.dtype)
-        masks = {SLIDING: additive_mask(windowed, self.dtype)}
-        if FULL in self.kinds:
-            masks[FULL] = additive_mask(visible, self.dtype)
-        return masks
+        queries = positions[:, -num_rows:]  # (b, q)
+        visible = real[:, None, :] & (positions[:, None, :] <= queries[:, :, None])  # (b, q, L)
+        windowed = real[:, None, :] & in_window(queries, positions, self.window)
+        # the full layers hold every slot; the sliding layers have dropped their first `sliding_start`
+        return target_attention_mask(visible, windowed[..., self.sliding_start :], self.mask_types, self.dtype)
 
     @contextlib.contextmanager
     def verifying(self) -> Iterator[None]:
@@ -272,4 +261,4 @@ class TargetCacheRollback:
                 layer.batch_select_indices(index)
 
 
-__all__ = ["FULL", "LINEAR", "SLIDING", "TargetCacheRollback", "additive_mask", "layer_kinds", "rollback_problem", "sliding_windows"]
+__all__ = ["TargetCacheRollback", "layer_kinds", "rollback_problem", "sliding_windows"]
