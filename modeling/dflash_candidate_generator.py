@@ -33,9 +33,19 @@ class DFlashCandidateGenerator(CandidateGenerator):
         batch_size: sequences decoded together.
         max_length: longest sequence (prompt + new tokens) any of them may reach; sizes the page pool.
         max_rows: most target rows captured in one forward (the padded prompt length, or B); sizes the scratch.
+        pending_rows: rows a state holds between a verify and the next propose (default: a block). The fast path
+            passes 0: its step writes the verified rows to the pages itself.
     """
 
-    def __init__(self, drafter: torch.nn.Module, target: torch.nn.Module, batch_size: int, max_length: int, max_rows: int):
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        target: torch.nn.Module,
+        batch_size: int,
+        max_length: int,
+        max_rows: int,
+        pending_rows: int | None = None,
+    ):
         config = drafter.config
         self.drafter = drafter
         self.block_size = config.block_size
@@ -53,9 +63,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.scratch = torch.empty(batch_size, max_rows, config.num_context_features, dtype=dtype, device=device)
         # Between two proposes a sequence gains the rows of one verify, at most a block; the prompt's rows, which can
         # be far more, go to the pages straight from the scratch (`commit_prefill`).
+        pending_rows = self.block_size if pending_rows is None else pending_rows
         self.states = [
             DflashProposerState(
-                ctx_hidden_acc=torch.empty(self.block_size, config.num_context_features, dtype=dtype, device=device)
+                ctx_hidden_acc=torch.empty(pending_rows, config.num_context_features, dtype=dtype, device=device)
             )
             for _ in range(batch_size)
         ]

@@ -320,7 +320,9 @@ class DFlashStaticStep:
         self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
         # Capture hooks, per-sequence states and the drafter's page pools; prefill reuses the generator's methods.
         # Its scratch is sized for each call's prompt in `prefill` (the steps capture into `verify_rows`).
-        self.generator = generator = DFlashCandidateGenerator(drafter, target, batch_size, max_length, max_rows=0)
+        self.generator = generator = DFlashCandidateGenerator(
+            drafter, target, batch_size, max_length, max_rows=0, pending_rows=0
+        )
         for state in self.generator.states:  # every page a sequence may need, once, in row order (the pool is fresh)
             self.generator.cache.reserve(state, num_slots)
         self.block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
