@@ -68,3 +68,19 @@ def test_shipped_smollm2_drafter_is_lossless_and_accepts_drafts(smollm2):
     assert torch.equal(plain, out.sequences)
     lengths = out.acceptance_lengths[0]
     assert sum(lengths) / len(lengths) > 1.3, lengths  # a trained drafter: drafts are accepted
+
+
+def test_text_generation_pipeline_with_the_shipped_drafter(smollm2):
+    """transformers' text-generation pipeline forwards `assistant_model` to generate: chat messages in, a batch of
+    two conversations (the pipeline pads them), the same replies as the pipeline without the drafter."""
+    from transformers import pipeline
+
+    target, tokenizer = smollm2
+    drafter = DFlashDraftModel.from_pretrained(DEFAULT_DRAFTER, dtype=torch.float32).eval()
+    chat = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    conversations = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS[:2]]
+    settings = dict(max_new_tokens=24, do_sample=False, batch_size=2)
+    plain = chat(conversations, **settings)
+    dflash = chat(conversations, assistant_model=drafter, **settings)
+    replies = [[out[0]["generated_text"][-1]["content"] for out in outs] for outs in (plain, dflash)]
+    assert replies[0] == replies[1] and all(replies[0]), replies
