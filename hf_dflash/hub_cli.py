@@ -21,7 +21,7 @@ from . import convert as conversion
 from .cli_checks import BUNDLED_TARGETS
 from .hub import published_drafters
 from .modeling import DFlashConfig, DFlashDraftModel
-from .modeling.dflash_decoding import fit_problems
+from .modeling.dflash_checks import fit_problems
 
 
 def run_convert(args: argparse.Namespace) -> int:

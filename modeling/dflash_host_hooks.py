@@ -10,7 +10,7 @@ already read back, and a call whose criteria are only those makes no call per to
 Differences from plain generate, by construction: a criterion is called for one sequence at a time (input_ids
 (1, t), the sequence's left padding included), since the sequences of a batch commit different numbers of tokens per
 step; a per-row criterion (every one transformers ships) decides the same. The streamer and per-token scores take a
-batch of 1 (`dflash_decoding._check_call`), as transformers' streamers do.
+batch of 1 (`dflash_checks.check_call`), as transformers' streamers do.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
