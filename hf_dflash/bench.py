@@ -45,7 +45,8 @@ from tqdm.auto import tqdm
 
 from .modeling import DFlashConfig, DFlashDraftModel
 from .generate_cli import timed
-from .modeling.dflash_fast_path import DFlashStaticStep, grouped_mm_stays_on_device, moe_experts, record_cuda_graph
+from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
+from .modeling.dflash_fast_path_blockers import grouped_mm_stays_on_device, moe_experts
 
 METHODS = ("plain", "plain-static", "native", "dflash")
 

@@ -33,7 +33,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_checks import check_call
-from .dflash_fast_path import DFlashStaticStep, fast_path_blocker, static_step_for, takes_fast_path
+from .dflash_fast_path import DFlashStaticStep, static_step_for
+from .dflash_fast_path_blockers import fast_path_blocker, takes_fast_path
 from .dflash_host_hooks import HostHooks
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors

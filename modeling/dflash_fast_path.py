@@ -12,17 +12,8 @@ Sequences keep their own slots (dflash_static_cache.py): a sequence that accepts
 just moves its anchor less; a finished one is frozen, and once the running ones fit in a smaller power-of-two batch
 they move to the first rows and the step runs at that batch (`compact`, one graph per batch size).
 
-What the fast path serves: greedy and sampled decoding (point-mass or rejection sampling, inside the step, with
-random numbers a graph replays afresh) under the logits processors that run on the device (dflash_processors.py:
-temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length, suppressed tokens, ...),
-eos / max-length stopping, any stopping criteria, streamers and output_scores / output_logits (host hooks around
-the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized) target of the families in
-`FAST_PATH_FAMILIES` (sliding-window layers and gpt-oss's attention sinks included; hybrid Qwen3-Next / Qwen3.5 /
-Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU
-only where their dispatch can be captured) and the drafter (its own sliding layers included) on one device with sdpa
-or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same
-distribution when sampling); on a GPU a warning says why, once. `generate(..., dflash_fast_path=True)` insists (and
-names what blocks it); on a CPU it runs the same step without a graph, which is how CI tests it.
+Which calls the fast path serves, and the warning that says why one does not: dflash_fast_path_blockers.py. On a
+CPU (`generate(..., dflash_fast_path=True)`) it runs the same step without a graph, which is how CI tests it.
 
 The drafter's pass of the step (its context keys/values, masks, layers and the lm_head over the draft rows: our own code)
 is compiled with torch.compile (inductor, fixed shapes) before a graph records it, so the graph replays inductor's
@@ -51,8 +42,9 @@ from .dflash_acceptance import DecodingRule, accept
 from .dflash_attention import grouped_attention
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
-from .dflash_linear_state import HYBRID_FAMILIES, HybridStaticCache, hybrid_blocker
-from .dflash_masks import FULL, LINEAR, SLIDING, additive_mask, in_window, target_attention_mask
+from .dflash_fast_path_blockers import target_layer_types
+from .dflash_linear_state import HYBRID_FAMILIES, HybridStaticCache
+from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
 from .dflash_paged_cache import PAGE_SIZE
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
@@ -64,182 +56,9 @@ logger = logging.get_logger(__name__)
 
 # Target cache lengths are rounded up to this, so prompts of similar length share one captured graph.
 SLOT_BUCKET = 256
-# Target families whose forward the fast path is tested with (4D masks, one per layer type, and our static cache go
-# straight through their attention); others take the eager loop rather than risk a forward that reads the cache
-# differently.
-FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES)
-# Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
-# Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
-MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe")
 # Compiled drafter passes dynamo may keep: one per batch size and cache length a process runs (its default, 8, would
 # leave a long-lived process's ninth shape uncompiled, or with fullgraph raise).
 DRAFTER_RECOMPILE_LIMIT = 64
-
-
-def target_layer_types(text: Any) -> list[str]:
-    """The attention kind of each target layer, as the target's masks apply them: its `layer_types`, or for a
-    Mistral-style config (`sliding_window`, no `layer_types`) sliding everywhere."""
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None:
-        return list(layer_types)
-    sliding = getattr(text, "sliding_window", None) is not None
-    return [SLIDING if sliding else FULL] * text.num_hidden_layers
-
-
-def _quantization_blocker(target: torch.nn.Module) -> str | None:
-    """Why the target's quantization keeps it off the fast path, or None.
-
-    A GGUF checkpoint is marked quantized by transformers even when it was dequantized into plain floating-point
-    weights at load time; such a target is dense and served. Any other quantizer (bitsandbytes and the like) computes
-    through its own layers, which the fast path is not tested with.
-    """
-    quantizer = getattr(target, "hf_quantizer", None)
-    config = getattr(quantizer, "quantization_config", None) or getattr(target.config, "quantization_config", None)
-    if quantizer is None and config is None and not getattr(target, "is_quantized", False):
-        return None
-    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
-    method = getattr(method, "value", method)  # transformers keeps it as a QuantizationMethod enum
-    dense = all(p.is_floating_point() for p in target.parameters())
-    if method == "gguf" and dense:
-        return None
-    return f"the target is quantized ({method or 'unknown method'}); its quantized layers take the eager loop"
-
-
-def _window_blocker(text: Any) -> str | None:
-    """Why the fast path's masks cannot window this target's layers as its own forward does, or None."""
-    family = text.model_type
-    unknown = sorted(set(target_layer_types(text)) - {FULL, SLIDING, LINEAR})
-    if unknown:
-        return (
-            f"the {family} target has {', '.join(unknown)} layers (the fast path serves full, sliding and linear "
-            "attention only)"
-        )
-    window = getattr(text, "sliding_window", None)
-    if getattr(text, "layer_types", None) is None and window is not None and family not in MISTRAL_STYLE_FAMILIES:
-        return (
-            f"the {family} target's config sets sliding_window={window} without layer_types, which "
-            f"{family} models do not apply in their masks (only transformers' cache would); drop it from the config"
-        )
-    return None
-
-
-def moe_experts(target: torch.nn.Module) -> list[torch.nn.Module]:
-    """The target's MoE expert modules, those transformers dispatches by `experts_implementation`."""
-    return [m for m in target.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
-
-
-def grouped_mm_stays_on_device(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether torch's grouped matmul reads its group offsets on the device (so a CUDA graph can hold it): bfloat16 on
-    compute capability 9.x/10.x (its CUTLASS kernel); elsewhere torch and transformers copy them to the host."""
-    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
-
-
-def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | None:
-    """Why the target's MoE experts cannot run inside a CUDA graph, or None (always None off CUDA: the fast path runs
-    there without a graph).
-
-    transformers dispatches experts by `config._experts_implementation`. "eager" loops over the experts that
-    `nonzero` finds hit (a host synchronization and a data-dependent number of kernels per layer); "batched_mm"
-    gathers each routed pair's weights and runs fixed-shape batched matmuls (nothing on the host); "grouped_mm" sorts
-    and counts on the device and runs torch's grouped matmul, whose CUTLASS kernel reads the group offsets on the
-    device for bfloat16 on compute capability 9.x/10.x; for other dtypes and GPUs torch (and transformers' own
-    fallback) copy the offsets to the host.
-    """
-    experts = moe_experts(target)
-    if device.type != "cuda" or not experts:
-        return None
-    implementation = getattr(target.config.get_text_config(), "_experts_implementation", None) or "eager"
-    if implementation == "batched_mm":
-        return None
-    if implementation == "grouped_mm":
-        dtype, capability = experts[0].gate_up_proj.dtype, torch.cuda.get_device_capability(device)
-        if grouped_mm_stays_on_device(dtype, device):
-            return None
-        return (
-            f"the target's MoE experts run grouped_mm, which for {dtype} weights on compute capability "
-            f"{capability[0]}.{capability[1]} copies its group sizes to the host (only bfloat16 on 9.x/10.x stays on "
-            "the device), so a CUDA graph cannot hold it; load the target with experts_implementation='batched_mm'"
-        )
-    if implementation == "eager":
-        return (
-            "the target's MoE experts run 'eager', which finds the routed experts on the host every layer, so a CUDA "
-            "graph cannot hold it; load the target with experts_implementation='batched_mm' (or 'grouped_mm' in "
-            "bfloat16 on a compute capability 9.x/10.x GPU)"
-        )
-    return (
-        f"the target's MoE experts run {implementation!r}, which the fast path is not tested with inside a CUDA graph; "
-        "load the target with experts_implementation='batched_mm'"
-    )
-
-
-def fast_path_blocker(
-    target: torch.nn.Module,
-    drafter: torch.nn.Module,
-    processors: StepProcessors,
-    verify_rows: int,
-    attention_mask: torch.Tensor,
-) -> str | None:
-    """Why the fast path cannot serve this call, with the fix when there is one; None when it can."""
-    config = drafter.config
-    text = target.config.get_text_config()
-    devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
-    if len(devices) != 1:
-        return (
-            f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device "
-            "(load both on one GPU)"
-        )
-    if text.model_type not in FAST_PATH_FAMILIES:
-        return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
-    if text.model_type in HYBRID_FAMILIES and (hybrid := hybrid_blocker(target)) is not None:
-        return hybrid
-    if processors.host_only:
-        return (
-            f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
-            "drop them for the fast path"
-        )
-    if verify_rows != config.block_size:
-        return "dflash_verify_rows is set (drop it for the fast path)"
-    windows = _window_blocker(text)
-    if windows is not None:
-        return windows
-    quantized = _quantization_blocker(target)
-    if quantized is not None:
-        return quantized
-    if text._attn_implementation not in ("sdpa", "eager"):
-        return (
-            f"the target uses {text._attn_implementation!r} attention (the fast path needs sdpa or eager: load it "
-            "with attn_implementation='sdpa')"
-        )
-    if text._attn_implementation != "eager" and any(hasattr(m, "sinks") for m in target.modules()):
-        # gpt-oss passes its sinks to the attention function as `s_aux`; transformers' sdpa function ignores it
-        return (
-            f"the target has attention sinks, which {text._attn_implementation!r} attention drops (load it with "
-            "attn_implementation='eager')"
-        )
-    experts = _experts_blocker(target, next(iter(devices)))
-    if experts is not None:
-        return experts
-    real = attention_mask.long()
-    if not bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding: zeros, then ones
-        return "the attention mask is not left padding (pad prompts on the left)"
-    return None
-
-
-def takes_fast_path(insist: bool | None, blocker: str | None, device: torch.device) -> bool:
-    """Whether a call takes the fast path: `insist` is generate's `dflash_fast_path` (None: whenever it can on a GPU).
-
-    A GPU call that the fast path cannot serve says why once per reason (a logged warning); one that insists on it
-    is an error instead.
-    """
-    if insist and blocker is not None:
-        raise ValueError(f"dflash_fast_path=True, but the fast path cannot serve this call: {blocker}")
-    if insist is None and blocker is not None and device.type == "cuda":
-        logger.warning_once(
-            f"DFlash: this call takes the eager loop, not the CUDA-graph fast path, because {blocker}. The tokens are "
-            "the same; each verify step costs several times more. Pass dflash_fast_path=False to choose the eager "
-            "loop without this warning."
-        )
-    return bool(insist) or (insist is None and blocker is None and device.type == "cuda")
 
 
 def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
@@ -728,7 +547,4 @@ def release_fast_path(drafter: torch.nn.Module) -> None:
     drafter._dflash_static_step = None
 
 
-__all__ = [
-    "DFlashStaticStep", "StepRows", "bucket_size", "fast_path_blocker", "grouped_mm_stays_on_device", "moe_experts",
-    "record_cuda_graph", "release_fast_path", "static_step_for", "takes_fast_path",
-]
+__all__ = ["DFlashStaticStep", "StepRows", "bucket_size", "record_cuda_graph", "release_fast_path", "static_step_for"]

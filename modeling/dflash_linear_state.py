@@ -69,7 +69,7 @@ def hybrid_blocker(target: torch.nn.Module) -> str | None:
                 f"{type(module).__module__} has no {CHUNK_RULE} (this transformers changed how its Gated DeltaNet "
                 "layers are called)"
             )
-    return None  # MoE experts, as in every family: dflash_fast_path._experts_blocker
+    return None  # MoE experts, as in every family: dflash_fast_path_blockers._experts_blocker
 
 
 @dataclass

@@ -15,10 +15,12 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hf_dflash import DFlashCandidateGenerator, DFlashConfig
 from hf_dflash.hub import published_drafters
-from hf_dflash.modeling import dflash_fast_path
+from hf_dflash.modeling import dflash_fast_path_blockers
 from hf_dflash.modeling.dflash_capture import decoder_layers
 from hf_dflash.modeling.dflash_decoding import _cache_argument
-from hf_dflash.modeling.dflash_fast_path import FAST_PATH_FAMILIES, DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_fast_path_blockers import FAST_PATH_FAMILIES
+from hf_dflash.modeling.dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
 from tests.conftest import VOCAB, random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
 from tests.test_fast_path import blocker_of, oracle_static_drafts
@@ -351,7 +353,7 @@ def test_moe_experts_in_a_cuda_graph(family, monkeypatch):
     cuda = torch.device("cuda")
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
-    blocker = dflash_fast_path._experts_blocker
+    blocker = dflash_fast_path_blockers._experts_blocker
     target.set_experts_implementation("eager")
     assert "experts run 'eager', which finds the routed experts on the host" in blocker(target, cuda)
     assert blocker(target, torch.device("cpu")) is None
@@ -361,8 +363,8 @@ def test_moe_experts_in_a_cuda_graph(family, monkeypatch):
     assert "grouped_mm, which for torch.float32 weights on compute capability 9.0" in blocker(target, cuda)
     target.to(torch.bfloat16)
     assert blocker(target, cuda) is None
-    if family in dflash_fast_path.HYBRID_FAMILIES:  # nor does the hybrids' own check refuse these experts
-        assert dflash_fast_path.hybrid_blocker(target) is None
+    if family in HYBRID_FAMILIES:  # nor does the hybrids' own check refuse these experts
+        assert hybrid_blocker(target) is None
     capability[0] = (8, 0)
     assert "compute capability 8.0 copies its group sizes to the host" in blocker(target, cuda)
     assert blocker(family_target("llama"), cuda) is None

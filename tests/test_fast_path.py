@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers.testing_utils import CaptureLogger
 
-from hf_dflash.modeling import dflash_decoding, dflash_fast_path
+from hf_dflash.modeling import dflash_decoding, dflash_fast_path, dflash_fast_path_blockers
 from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
-from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path, takes_fast_path
+from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_fast_path_blockers import takes_fast_path
 from tests.conftest import left_padded, random_prompt, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -233,7 +234,7 @@ def test_a_chat_models_default_call_is_served_by_the_static_step(family, monkeyp
 
 
 def test_a_gpu_call_off_the_fast_path_says_why_once():
-    logger = dflash_fast_path.logger
+    logger = dflash_fast_path_blockers.logger
     cuda = torch.device("cuda")
     with CaptureLogger(logger) as captured:
         assert not takes_fast_path(None, "a made-up reason (test of the warning)", cuda)
@@ -248,7 +249,7 @@ def test_a_gpu_call_off_the_fast_path_says_why_once():
 
 
 def blocker_of(target, drafter):
-    return dflash_fast_path.fast_path_blocker(
+    return dflash_fast_path_blockers.fast_path_blocker(
         target, drafter, dflash_decoding.StepProcessors([]), drafter.config.block_size, torch.ones(1, 4, dtype=torch.long),
     )
 
