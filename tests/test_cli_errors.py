@@ -246,3 +246,15 @@ def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
         "eager loop: dflash_verify_rows is set (drop it for the fast path)"
     )
     assert warm_up(target, drafter, None, "cpu", {}) == "eager loop (the CUDA-graph fast path runs on a GPU)"
+
+
+def test_a_bfloat16_difference_is_reported_and_a_float32_one_stops_the_job():
+    """bf16 rounds the block verify and the 1-token steps differently, so `generate` (bf16 by default on a GPU) may
+    part from plain greedy without a bug: it says so and carries on. In float32 a difference is a bug."""
+    verdict = hf_dflash.generate_cli.identity_verdict
+    same, other = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])
+    assert verdict(same, same.clone(), torch.bfloat16) == "[identical to plain greedy generate: True]"
+    line = verdict(same, other, torch.bfloat16)
+    assert line.startswith("[identical to plain greedy generate: False") and "--dtype float32" in line
+    with pytest.raises(SystemExit, match="please report this as a bug"):
+        verdict(same, other, torch.float32)
