@@ -68,3 +68,24 @@ def test_bench_refuses_own_lengths_with_batches(tmp_path, capsys):
               "--out", str(tmp_path / "r.json")])
     assert exit_.value.code == 2
     assert "--own-lengths" in capsys.readouterr().err
+
+
+def test_native_tau_counts_every_token_and_larger_batches_skip_it(tmp_path):
+    """transformers' DFlash loop verifies its first draft with the prefill, so each of its new tokens is committed by
+    one of its verify steps (a random drafter gives tau 1, not less); it runs batch 1 only, so a batch-2 setting skips
+    it and says so instead of failing after the batch-1 setting ran. Tokens are compared with plain's whatever the
+    order of --methods."""
+    drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
+    out = tmp_path / "report.json"
+    main([
+        "bench", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", "8",
+        "--batch-sizes", "1", "2", "--methods", "dflash", "native", "plain", "--out", str(out),
+    ])
+    report = json.loads(out.read_text())
+    rows = {(r["setting"].split()[-1], r["method"]): r for r in report["results"]}
+    assert set(rows) == {("b1", "plain"), ("b1", "native"), ("b1", "dflash"), ("b2", "plain"), ("b2", "dflash")}
+    assert report["skipped"] == ["stories260k prompts b2 native: transformers' DFlash loop runs batch 1 only"]
+    assert rows["b1", "native"]["tau"] >= 1
+    assert rows["b1", "native"]["steps"] <= rows["b1", "native"]["new_tokens"] - rows["b1", "native"]["prompts"]
+    for key, row in rows.items():
+        assert row["identical_to_plain"] == 1.0, key
