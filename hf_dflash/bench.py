@@ -390,10 +390,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         pad_token_id = 0
         generator = torch.Generator().manual_seed(0)
         vocab = drafter.config.mask_token_id  # random ids below the mask token (near the end of the vocabulary)
-        for length in args.context_lengths:
-            prompts = torch.randint(0, vocab, (args.batch_size, length), generator=generator).tolist()
-            settings.append((f"{args.random_weights} ctx {length}{_label(args)} b{args.batch_size}", prompts,
-                             args.batch_size))
+        batch_size = args.batch_size or 1
+        for length in args.context_lengths or [512]:
+            prompts = torch.randint(0, vocab, (batch_size, length), generator=generator).tolist()
+            settings.append((f"{args.random_weights} ctx {length}{_label(args)} b{batch_size}", prompts, batch_size))
     else:
         from .generate_cli import DEFAULT_DRAFTER, encode, load_target
         from .training.data import load_prompts
@@ -403,7 +403,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         texts = load_prompts(args.prompts)[: args.limit]
         prompts = [encode(tokenizer, text, "cpu")["input_ids"][0].tolist() for text in texts]
-        for batch_size in args.batch_sizes:
+        for batch_size in args.batch_sizes or [1]:
             settings.append((f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}", prompts,
                              batch_size))
     target.eval()
@@ -550,12 +550,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--experts-implementation", choices=["batched_mm", "grouped_mm"], default=None,
                         help="MoE experts of a --random-weights target (default: grouped_mm in bf16 on a compute "
                         "capability 9.x/10.x GPU, else batched_mm, as the fast path advises)")
-    parser.add_argument("--context-lengths", type=int, nargs="+", default=[512],
-                        help="prompt lengths of --random-weights runs")
+    parser.add_argument("--context-lengths", type=int, nargs="+", default=None,
+                        help="prompt lengths of --random-weights runs (default: 512)")
     parser.add_argument("--prompts", default="humaneval", help="humaneval, sharegpt:N or a .jsonl file")
     parser.add_argument("--limit", type=int, default=8, help="number of prompts")
-    parser.add_argument("--batch-size", type=int, default=1, help="batch size of --random-weights runs")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes of prompt-set runs")
+    parser.add_argument("--batch-size", type=int, default=None, help="batch size of --random-weights runs (default: 1)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="batch sizes of prompt-set runs (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",

@@ -248,9 +248,17 @@ def check_bench(args: argparse.Namespace) -> None:
     each_at_least("--context-lengths", args.context_lengths, 1)
     each_at_least("--batch-sizes", args.batch_sizes, 1)
     check_device("--device", args.device)
-    if args.own_lengths and (args.random_weights or args.batch_sizes != [1]):
+    if args.own_lengths and (args.random_weights or (args.batch_sizes or [1]) != [1]):
         raise BadArgument("--own-lengths runs prompts one by one at their own lengths: use it with --batch-sizes 1 "
                           "and a prompt set, not --random-weights")
+    # Each kind of run has its own options; one given to the other kind would be left unread.
+    if args.random_weights is None:
+        for option, value in (("--batch-size", args.batch_size), ("--context-lengths", args.context_lengths),
+                              ("--experts-implementation", args.experts_implementation)):
+            if value is not None:
+                raise BadArgument(f"{option} applies to --random-weights runs; a prompt set's batches are --batch-sizes")
+    elif args.batch_sizes is not None:
+        raise BadArgument("--batch-sizes applies to prompt-set runs; a --random-weights run takes one --batch-size")
     if Path(args.out).is_dir():
         raise BadArgument(f"--out {args.out} is a folder; pass the JSON file to write, e.g. {args.out}/bench.json")
     if args.random_weights is None:
