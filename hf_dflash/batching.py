@@ -10,6 +10,17 @@ from transformers import PreTrainedModel
 from .modeling.dflash_devices import execution_device
 
 
+def eos_token_ids(target: PreTrainedModel, generate_kwargs: dict[str, object] | None = None) -> set[int]:
+    """The ids `generate` stops a sequence at: the call's `eos_token_id`, else the target's generation config's."""
+    eos = (generate_kwargs or {}).get("eos_token_id", target.generation_config.eos_token_id)
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def up_to_first_eos(row: list[int], eos_ids: set[int]) -> list[int]:
+    """A sequence's new tokens up to and including its first eos: what follows is padding of a finished row."""
+    return row[: next((j + 1 for j, token in enumerate(row) if token in eos_ids), len(row))]
+
+
 def generate_in_batches(
     target: PreTrainedModel,
     token_ids: list[list[int]],
@@ -29,8 +40,7 @@ def generate_in_batches(
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("generate_in_batches returns token lists; drop return_dict_in_generate")
-    eos = generate_kwargs.get("eos_token_id", target.generation_config.eos_token_id)
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    eos_ids = eos_token_ids(target, generate_kwargs)
     # Inputs go where the embedding computes: for a target split or offloaded by device_map, target.device may be
     # another layer's device, or meta.
     device = execution_device(target.get_input_embeddings())
@@ -49,10 +59,9 @@ def generate_in_batches(
                 **generate_kwargs,
             )
             for i, row in zip(chunk, out[:, width:].tolist()):
-                stop = next((j + 1 for j, token in enumerate(row) if token in eos_ids), len(row))
-                answers[i] = row[:stop]
+                answers[i] = up_to_first_eos(row, eos_ids)
             bar.update(len(chunk))
     return answers
 
 
-__all__ = ["generate_in_batches"]
+__all__ = ["eos_token_ids", "generate_in_batches", "up_to_first_eos"]

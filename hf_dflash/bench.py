@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .batching import eos_token_ids, up_to_first_eos
 from .modeling import DFlashConfig, DFlashDraftModel
 from .generate_cli import timed
 from .modeling.dflash_fast_path import DFlashStaticStep, grouped_mm_stays_on_device, moe_experts, record_cuda_graph
@@ -192,6 +193,7 @@ def run_method(
     """Warm up once on the first batch (compiles and graph captures happen there), then time every batch. Sampled
     calls are seeded, so a rerun draws the same tokens."""
     kwargs = dict(pad_token_id=pad_token_id, **SAMPLING[sampling], **_method_kwargs(method, drafter))
+    eos_ids = eos_token_ids(target)
     torch.manual_seed(0)
     target.generate(**batches[0], max_new_tokens=max_new_tokens, **kwargs)
     if torch.cuda.is_available():
@@ -209,7 +211,7 @@ def run_method(
         sequences = out.sequences if hasattr(out, "sequences") else out
         seconds += elapsed
         for row in sequences[:, prompt_len:].tolist():
-            row = row[: next((i + 1 for i, t in enumerate(row) if t == pad_token_id), len(row))]
+            row = up_to_first_eos(row, eos_ids)  # a finished row's padding is no new token
             outputs.append(row)
             new_tokens += len(row)
         # decode steps after the prefill's first token

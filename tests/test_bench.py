@@ -89,3 +89,17 @@ def test_native_tau_counts_every_token_and_larger_batches_skip_it(tmp_path):
     assert rows["b1", "native"]["steps"] <= rows["b1", "native"]["new_tokens"] - rows["b1", "native"]["prompts"]
     for key, row in rows.items():
         assert row["identical_to_plain"] == 1.0, key
+
+
+def test_new_tokens_run_to_the_first_eos_not_to_the_pad_id():
+    """A --random-weights run pads with id 0, which a random target may also write as text: a row's new tokens end
+    at its first eos (none here), not at the first token that equals the pad id."""
+    from hf_dflash.bench import run_method
+    from tests.conftest import random_prompt, tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = None
+    batch = {"input_ids": random_prompt(6), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    text = target.generate(**batch, max_new_tokens=10, do_sample=False)[0, 6:].tolist()
+    measurement, outputs = run_method("plain", target, tiny_drafter(target), [batch], 10, "tiny", text[2])
+    assert outputs == [text] and measurement.new_tokens == 10
