@@ -22,6 +22,7 @@ BUNDLED_TARGETS = {
     "stories260k": "stories260K, a 260K-parameter TinyStories Llama read from a GGUF file",
 }
 LOCAL_EXTRA = 'pip install "hf-dflash[local]"'
+DEFAULT_BLOCK_SIZE = 16  # `train`'s block size for a new drafter
 PROMPT_SOURCES = "a {\"prompt\": ...} .jsonl file, sharegpt:N, sharegpt-turns:N or humaneval"
 
 
@@ -267,16 +268,58 @@ def check_bench(args: argparse.Namespace) -> None:
         check_drafter("--drafter", args.drafter)
 
 
+def init_from_block_size(args: argparse.Namespace) -> int:
+    """`--init-from`'s drafter: a folder with a config.json, whose shape no option may change except deeper
+    (`--num-layers` at least its depth). Returns its block size."""
+    from .convert import config_from_layout
+
+    config_file = Path(args.init_from) / "config.json"
+    if not config_file.is_file():
+        raise BadArgument(f"--init-from {args.init_from}: no drafter there (no config.json); pass a drafter folder")
+    if args.init_from_target:
+        raise BadArgument("--init-from takes the drafter's weights: leave out --init-from-target")
+    for option, value in (("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id),
+                          ("--target-layer-ids", args.target_layer_ids)):
+        if value is not None:
+            raise BadArgument(f"--init-from keeps that drafter's {option[2:].replace('-', ' ')}: leave out {option}")
+    config = config_from_layout(json.loads(config_file.read_text()))
+    if args.num_layers is not None and args.num_layers < config.num_hidden_layers:
+        raise BadArgument(
+            f"--num-layers {args.num_layers}: {args.init_from} has {config.num_hidden_layers} layers, and a drafter "
+            f"can grow but not shrink; pass --num-layers {config.num_hidden_layers} or more, or leave it out"
+        )
+    return config.block_size
+
+
+def check_shard_size(option: str, size: str | None) -> None:
+    """A size save_pretrained reads (e.g. 15MB), checked now rather than at the first save, after training."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    if size is None:
+        return
+    try:
+        valid = convert_file_size_to_int(size) > 0
+    except ValueError:
+        valid = False
+    if not valid:
+        raise BadArgument(f"{option} {size!r} is not a size; pass a whole number and a unit, e.g. 15MB or 2GB")
+
+
 def check_train(args: argparse.Namespace) -> None:
     for spec in args.prompts:
         check_prompts("--prompts", spec)
     if args.export_prompts:
         return
     for option in ("num_layers", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "max_anchors", "steps",
-                   "batch_size", "eval_limit", "eval_max_new_tokens"):
+                   "batch_size", "eval_limit", "eval_max_new_tokens", "log_every"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     at_least("--block-size", args.block_size, 2, " (the anchor and one draft)")
-    at_least("--max-length", args.max_length, args.block_size, " (one block)")
+    block_size = init_from_block_size(args) if args.init_from else args.block_size or DEFAULT_BLOCK_SIZE
+    at_least("--max-length", args.max_length, block_size, " (one block)")
+    at_least("--distill-topk", args.distill_topk, 0)
+    if not 0 <= args.distill_weight <= 1:
+        raise BadArgument(f"--distill-weight must be in [0, 1], got {args.distill_weight:g}")
+    check_shard_size("--max-shard-size", args.max_shard_size)
     at_least("--mask-token-id", args.mask_token_id, 0)
     at_least("--temperature", args.temperature, 0)
     at_least("--save-every", args.save_every, 0)
@@ -312,6 +355,9 @@ def check_eval(args: argparse.Namespace) -> None:
     check_prompts("--prompts", args.prompts)
     check_model("--target", args.target)
     check_drafter("--drafter", args.drafter)
+    if args.record and not (Path(args.drafter) / "training_args.json").is_file():
+        raise BadArgument(f"--record adds the measurement to the drafter's training_args.json, and {args.drafter} has "
+                          "none (only hf-dflash train writes one); leave out --record")
 
 
 def check_convert(args: argparse.Namespace) -> None:

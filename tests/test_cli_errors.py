@@ -92,6 +92,10 @@ def refused(argv, capsys) -> str:
         (["train", "--target", "smollm2", "--out", "o", "--target-layer-ids", "1,1"], "--target-layer-ids must be"),
         (["train", "--target", "smollm2", "--out", "o", "--resume", "/nowhere"], "no such checkpoint folder"),
         (["train", "--target", "smollm2", "--out", "o", "--resume"], "no checkpoint under o/checkpoints yet"),
+        (["train", "--target", "smollm2", "--out", "o", "--log-every", "0"], "--log-every must be at least 1"),
+        (["train", "--target", "smollm2", "--out", "o", "--distill-weight", "2"], "--distill-weight must be in [0, 1]"),
+        (["train", "--target", "smollm2", "--out", "o", "--max-shard-size", "big"], "'big' is not a size"),
+        (["train", "--target", "smollm2", "--out", "o", "--init-from", "/nowhere"], "/nowhere: no drafter there"),
         (["eval", "--target", "smollm2", "--drafter", "/nonexistent"], "--drafter /nonexistent: no such folder"),
         (["eval", "--target", "smollm2", "--drafter", "x", "--limit", "0"], "--limit must be at least 1"),
         (["convert", "/nonexistent", "out", "--to", "ours"], "/nonexistent is not a checkpoint folder"),
@@ -118,6 +122,23 @@ def test_default_drafter_block_size_bounds_verify_rows(capsys, no_model_loads):
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks the message of a CPU-only torch")
+def test_init_from_refuses_options_that_would_change_its_shape(small_drafter, capsys, no_model_loads):
+    """A drafter continued with --init-from keeps its block size, mask token and captured layers: an option that
+    asks for others was accepted and left unread."""
+    common = ["train", "--target", "stories260k", "--out", "o", "--init-from", str(small_drafter)]
+    assert "leave out --block-size" in refused([*common, "--block-size", "8"], capsys)
+    assert "leave out --target-layer-ids" in refused([*common, "--target-layer-ids", "0,1"], capsys)
+    assert "leave out --init-from-target" in refused([*common, "--init-from-target"], capsys)
+    # its block size 4 bounds --max-length, not the default 16 of a new drafter
+    assert "--max-length must be at least 4 (one block), got 3" in refused([*common, "--max-length", "3"], capsys)
+
+
+def test_eval_record_needs_a_training_record(small_drafter, capsys, no_model_loads):
+    """--record writes into training_args.json: a drafter without one is refused before the measurement runs."""
+    err = refused(["eval", "--target", "stories260k", "--drafter", str(small_drafter), "--record"], capsys)
+    assert "has none (only hf-dflash train writes one); leave out --record" in err
+
+
 def test_cuda_on_a_cpu_only_torch(capsys, no_model_loads):
     err = refused(["generate", "--device", "cuda"], capsys)
     assert "CPU-only build" in err and "--device cpu" in err

@@ -20,6 +20,7 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..cli_checks import DEFAULT_BLOCK_SIZE
 from ..modeling import DFlashConfig, DFlashDraftModel
 from .data import RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
 from .drafter import grow_drafter, new_drafter
@@ -104,14 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if args.export_prompts:
         write_jsonl_prompts([p for spec in args.prompts for p in load_prompts(spec)], args.export_prompts)
         return 0
-    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
-        raise SystemExit(f"--init-from {args.init_from}: no drafter there (no config.json); give a drafter directory")
-    if args.init_from and args.init_from_target:
-        raise SystemExit("--init-from takes the drafter's weights: leave out --init-from-target")
+    # cli_checks.check_train has checked --init-from against the options that would change its shape
     depth = DFlashConfig.from_pretrained(args.init_from).num_hidden_layers if args.init_from else 0
-    if args.init_from and args.num_layers is not None and args.num_layers < depth:
-        raise SystemExit(f"--num-layers {args.num_layers}: {args.init_from} has {depth} layers, and a drafter can "
-                         f"grow but not shrink; give --num-layers {depth} or more, or leave it out")
     grow = bool(args.init_from) and args.num_layers is not None and args.num_layers > depth
     started = time.perf_counter()
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -129,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         drafter = new_drafter(
             target,
             num_layers=args.num_layers or 1,
-            block_size=args.block_size,
+            block_size=args.block_size or DEFAULT_BLOCK_SIZE,
             mask_token_id=args.mask_token_id,
             tokenizer_size=len(tokenizer),
             target_layer_ids=args.target_layer_ids,
@@ -249,7 +244,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="drafter decoder layers (default 1; published drafters: 5 or 8); with --init-from, grow that "
                    "drafter to this many: each new layer a copy of its last with the output projections of "
                    "attention and MLP zeroed, so it starts out computing exactly what the drafter did")
-    p.add_argument("--block-size", type=int, default=16, help="block size B, anchor included")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"block size B, anchor included (default {DEFAULT_BLOCK_SIZE}; with --init-from, that drafter's)")
     p.add_argument("--mask-token-id", type=int,
                    help="embedding row for mask rows; default: the first row past the tokenizer, if there is one")
     p.add_argument("--target-layer-ids", type=_int_list, help="comma-separated target layers to capture")
