@@ -366,6 +366,9 @@ def check_convert(args: argparse.Namespace) -> None:
     check_empty_or_new_folder("out", args.out)
     if args.to == "speculators" and args.target is None:
         raise BadArgument("--to speculators stores the target's embedding and lm_head: pass --target PATH_OR_ID")
+    if args.to != "speculators" and args.target is not None:
+        raise BadArgument(f"--to {args.to} reads nothing of the target (only --to speculators copies its embedding "
+                          "and lm_head); leave out --target")
     check_model("--target", args.target)
 
 

@@ -174,6 +174,11 @@ def test_convert_to_speculators_needs_the_target(small_drafter, capsys, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_convert_refuses_a_target_it_would_not_read(small_drafter, capsys, tmp_path):
+    err = refused(["convert", str(small_drafter), str(tmp_path / "out"), "--to", "zlab", "--target", "org/model"], capsys)
+    assert "--to zlab reads nothing of the target" in err and not (tmp_path / "out").exists()
+
+
 def test_push_to_a_bad_repository_id(small_drafter, capsys):
     assert "not a Hub repository id" in refused(["push", str(small_drafter), "no slash here"], capsys)
 
