@@ -18,28 +18,21 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..cli_checks import DEFAULT_BLOCK_SIZE
+from .. import generate_cli
+from ..cli_checks import BUNDLED_TARGETS, DEFAULT_BLOCK_SIZE
 from ..modeling import DFlashConfig, DFlashDraftModel
 from .data import RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
 from .drafter import grow_drafter, new_drafter
 from .evaluate import measure_tau
 from .trainer import TrainingArguments, portable_command, portable_path, train
 
-BUNDLED_TARGETS = ("smollm2", "stories260k")
-
-
 def load_target(spec: str, device: torch.device | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A target by path or Hub id, or a bundled offline model by name; bfloat16 on GPU, float32 on CPU."""
+    """A target by path or Hub id, or a bundled offline model by name (as `generate` loads it); bfloat16 on GPU,
+    float32 on CPU."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if spec in BUNDLED_TARGETS:
-        from .. import bundled_models
-
-        loader = bundled_models.load_smollm2 if spec == "smollm2" else bundled_models.load_stories260k
-        return loader(dtype=dtype, device=device)
-    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(spec)
+    return generate_cli.load_target(spec, dtype, str(device))
 
 
 def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: PartialState) -> RegeneratedData:
