@@ -287,3 +287,20 @@ def test_a_bfloat16_difference_is_reported_and_a_float32_one_stops_the_job():
     assert line.startswith("[identical to plain greedy generate: False") and "--dtype float32" in line
     with pytest.raises(SystemExit, match="please report this as a bug"):
         verdict(same, other, torch.float32)
+
+
+def test_eval_fails_on_a_float32_difference_only(small_drafter, tmp_path, monkeypatch, capsys):
+    """eval's exit status says whether DFlash gave plain greedy's tokens where it must: in float32. On a GPU eval runs
+    bfloat16, where README measures outputs parting at near ties without a bug."""
+    import hf_dflash.training.cli as training_cli
+    from hf_dflash.training.evaluate import TauReport
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    monkeypatch.setattr(training_cli, "measure_tau", lambda *args: TauReport(2.0, [2.0], 3, matches_greedy=False))
+    argv = ["eval", "--target", "stories260k", "--drafter", str(small_drafter), "--prompts", str(prompts)]
+    for dtype, code in ((torch.float32, 1), (torch.bfloat16, 0)):
+        monkeypatch.setattr(training_cli, "load_target", lambda spec, device, dtype=dtype: (
+            tiny_target("llama").to(dtype), None))
+        assert main(argv) == code
+        assert '"matches_greedy": false' in capsys.readouterr().out
