@@ -547,6 +547,7 @@ def test_init_from_continues_a_drafter_and_keeps_its_history(tmp_path, monkeypat
     first = DFlashDraftModel.from_pretrained(tmp_path / "first")
     assert cli([*common, "--out", str(tmp_path / "second"), "--init-from", str(tmp_path / "first"),
                 "--steps", "2", "--lr", "0"]) == 0  # lr 0: the weights stay the first drafter's
+    assert f"reusing {tmp_path / 'data.safetensors'}: " in capsys.readouterr().out  # answered by the first run
     second = DFlashDraftModel.from_pretrained(tmp_path / "second")
     for name, tensor in first.state_dict().items():
         torch.testing.assert_close(second.state_dict()[name], tensor, msg=name)

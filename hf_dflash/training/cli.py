@@ -51,7 +51,11 @@ def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: Partia
 def _regenerated_set(spec: str, path: Path, args: argparse.Namespace, target, tokenizer, state: PartialState):
     """Reuse `path` if it exists; otherwise every process answers its share of the prompts of `spec`."""
     if path.is_file():
-        return RegeneratedData.load(path)
+        data = RegeneratedData.load(path)
+        if state.is_main_process:  # the regeneration options were for that file's run, not this one
+            print(f"reusing {path}: {len(data)} sequences, {data.num_response_tokens} answer tokens, answered before "
+                  "(--max-new-tokens, --max-prompt-tokens and --temperature do not apply to it)")
+        return data
     prompts = load_prompts(spec)
     part = path.with_suffix(f".part{state.process_index}.safetensors")
     regenerate(
