@@ -457,6 +457,16 @@ def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
     assert record["steps"] == result.steps == 600 and record["final_tau"] == pytest.approx(result.final_tau)
 
 
+def test_data_without_two_answer_tokens_is_refused_before_training(tmp_path):
+    target = tiny_target("llama")
+    drafter = new_drafter(target, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    data = RegeneratedData.from_sequences([([1, 2, 3], [4]), ([5, 6], [7, 8, 9])])  # the second's answer is cut off
+    args = TrainingArguments(out_dir=str(tmp_path / "out"), epochs=1, max_length=3, progress=False)
+    with pytest.raises(ValueError, match="none of the 2 sequences has two answer tokens within max_length 3"):
+        train(target, drafter, data, args)
+    assert not (tmp_path / "out").exists()
+
+
 def short_sequences(data: RegeneratedData) -> RegeneratedData:
     """Eight 40-token sequences (12 prompt, 28 answer): a few quick steps of training."""
     return RegeneratedData.from_sequences([(data[i][0][:12].tolist(), data[i][0][12:40].tolist()) for i in range(8)])
