@@ -436,12 +436,15 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             results.append(measurement)
             print(_row(measurement), flush=True)
         _add_ratios([m for m in results if m.setting == setting])
+    from .training.trainer import portable_path  # reports are committed: no machine's own paths in them
+
+    words = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
     return {
         **run_environment(device),
-        "command": "hf-dflash bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "command": "hf-dflash bench " + " ".join(map(portable_path, words)),
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
-        "arguments": {k: v for k, v in vars(args).items() if k != "func"},
+        "arguments": {k: portable_path(v) if isinstance(v, str) else v for k, v in vars(args).items() if k != "func"},
         **({"random_weights_shape": shape} if shape is not None else {}),
         **({"skipped": skipped} if skipped else {}),
         "target_1_token_graph_baseline": TARGET_1_TOKEN_BASELINE,

@@ -70,17 +70,19 @@ def test_bench_refuses_own_lengths_with_batches(tmp_path, capsys):
     assert "--own-lengths" in capsys.readouterr().err
 
 
-def test_native_tau_counts_every_token_and_larger_batches_skip_it(tmp_path):
+def test_native_tau_counts_every_token_and_larger_batches_skip_it(tmp_path, monkeypatch):
     """transformers' DFlash loop verifies its first draft with the prefill, so each of its new tokens is committed by
     one of its verify steps (a random drafter gives tau 1, not less); it runs batch 1 only, so a batch-2 setting skips
     it and says so instead of failing after the batch-1 setting ran. Tokens are compared with plain's whatever the
     order of --methods."""
+    monkeypatch.chdir(tmp_path)
     drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
     out = tmp_path / "report.json"
     main([
         "bench", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", "8",
         "--batch-sizes", "1", "2", "--methods", "dflash", "native", "plain", "--out", str(out),
     ])
+    assert str(tmp_path) not in out.read_text()  # paths under the working directory are written relative
     report = json.loads(out.read_text())
     rows = {(r["setting"].split()[-1], r["method"]): r for r in report["results"]}
     assert set(rows) == {("b1", "plain"), ("b1", "native"), ("b1", "dflash"), ("b2", "plain"), ("b2", "dflash")}
