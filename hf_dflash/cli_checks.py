@@ -320,6 +320,9 @@ def check_train(args: argparse.Namespace) -> None:
     if not 0 <= args.distill_weight <= 1:
         raise BadArgument(f"--distill-weight must be in [0, 1], got {args.distill_weight:g}")
     check_shard_size("--max-shard-size", args.max_shard_size)
+    if args.attention == "flex" and not torch.cuda.is_available():
+        raise BadArgument("--attention flex trains on a GPU only (FlexAttention has no backward on a CPU); pass "
+                          "--attention dense, or auto")
     at_least("--mask-token-id", args.mask_token_id, 0)
     at_least("--temperature", args.temperature, 0)
     at_least("--save-every", args.save_every, 0)

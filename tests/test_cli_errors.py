@@ -144,6 +144,12 @@ def test_cuda_on_a_cpu_only_torch(capsys, no_model_loads):
     assert "CPU-only build" in err and "--device cpu" in err
 
 
+def test_flex_attention_training_without_a_gpu(capsys, no_model_loads, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = refused(["train", "--target", "stories260k", "--out", "o", "--attention", "flex"], capsys)
+    assert "--attention flex trains on a GPU only" in err
+
+
 def test_cuda_index_beyond_the_gpus(capsys, no_model_loads, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
