@@ -400,10 +400,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from .generate_cli import DEFAULT_DRAFTER, encode, load_target
         from .training.data import load_prompts
 
+        texts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
         target, tokenizer = load_target(args.target, dtype, device)
         drafter = DFlashDraftModel.from_pretrained(args.drafter or DEFAULT_DRAFTER, dtype=dtype).to(device).eval()
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        texts = load_prompts(args.prompts)[: args.limit]
         prompts = [encode(tokenizer, text, "cpu")["input_ids"][0].tolist() for text in texts]
         for batch_size in args.batch_sizes or [1]:
             settings.append((f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}", prompts,

@@ -139,6 +139,19 @@ def test_eval_record_needs_a_training_record(small_drafter, capsys, no_model_loa
     assert "has none (only hf-dflash train writes one); leave out --record" in err
 
 
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_a_prompt_file_of_other_objects_fails_before_the_models_load(command, small_drafter, tmp_path, capsys,
+                                                                    no_model_loads, monkeypatch):
+    monkeypatch.delenv("HF_DFLASH_DEBUG", raising=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"text": "hello"}) + "\n")
+    extra = ["--out", str(tmp_path / "r.json")] if command == "bench" else []
+    assert main([command, "--target", "stories260k", "--drafter", str(small_drafter), "--prompts", str(prompts),
+                 *extra]) == 1
+    err = capsys.readouterr().err
+    assert f'{prompts} line 2 is not a {{"prompt": ...}} object' in err, err
+
+
 def test_cuda_on_a_cpu_only_torch(capsys, no_model_loads):
     err = refused(["generate", "--device", "cuda"], capsys)
     assert "CPU-only build" in err and "--device cpu" in err

@@ -199,10 +199,11 @@ def run_eval(args: argparse.Namespace) -> int:
     """`hf-dflash eval`: mean tau of a drafter on prompts, with a token-for-token check against plain greedy (exit
     status 1 when a float32 run differs; in bfloat16, a GPU's default here, a near tie may round either way)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
     target, tokenizer = load_target(args.target, device)
     drafter = DFlashDraftModel.from_pretrained(args.drafter).to(device, target.dtype)
     start = time.perf_counter()
-    report = measure_tau(target, drafter, load_prompts(args.prompts)[: args.limit], args.max_new_tokens, tokenizer)
+    report = measure_tau(target, drafter, prompts, args.max_new_tokens, tokenizer)
     result = {"mean_tau": report.mean_tau, "matches_greedy": report.matches_greedy,
               "verify_steps": report.verify_steps, "seconds": round(time.perf_counter() - start, 1)}
     print(json.dumps(result))

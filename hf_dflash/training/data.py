@@ -124,8 +124,17 @@ def _open_text(path: Path, mode: str):
 
 
 def load_jsonl_prompts(path: str | Path) -> list[str]:
+    prompts = []
     with _open_text(Path(path), "r") as fh:
-        return [json.loads(line)["prompt"] for line in fh if line.strip()]
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f'{path} line {number} is not a {{"prompt": ...}} object, which every line of a '
+                                 "prompt file must be") from None
+    return prompts
 
 
 def prompt_sources(spec: str) -> dict[str, int]:
