@@ -260,6 +260,9 @@ def check_bench(args: argparse.Namespace) -> None:
                 raise BadArgument(f"{option} applies to --random-weights runs; a prompt set's batches are --batch-sizes")
     elif args.batch_sizes is not None:
         raise BadArgument("--batch-sizes applies to prompt-set runs; a --random-weights run takes one --batch-size")
+    elif args.drafter is not None:
+        raise BadArgument("a --random-weights run builds the published drafter of its shape with random weights; "
+                          "leave out --drafter")
     if Path(args.out).is_dir():
         raise BadArgument(f"--out {args.out} is a folder; pass the JSON file to write, e.g. {args.out}/bench.json")
     if args.random_weights is None:

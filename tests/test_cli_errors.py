@@ -84,6 +84,7 @@ def refused(argv, capsys) -> str:
         (["bench", "--batch-size", "4"], "--batch-size applies to --random-weights runs"),
         (["bench", "--context-lengths", "2048"], "--context-lengths applies to --random-weights runs"),
         (["bench", "--random-weights", "qwen3-8b", "--batch-sizes", "4"], "--batch-sizes applies to prompt-set runs"),
+        (["bench", "--random-weights", "qwen3-8b", "--drafter", "d"], "leave out --drafter"),
         (["train", "--target", "smollm2", "--out", "o", "--lr", "-1"], "--lr must be at least 0"),
         (["train", "--target", "smollm2", "--out", "o", "--steps", "0"], "--steps must be at least 1"),
         (["train", "--target", "smollm2", "--out", "o", "--block-size", "1"], "--block-size must be at least 2"),
