@@ -20,6 +20,7 @@ from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from .modeling import DFlashDraftModel
+from .training.data import encode_prompt
 
 # Our trained drafter for SmolLM2-135M-Instruct, shipped with the package (config + weights; the remote-code bundle
 # is added whenever it is saved or pushed).
@@ -45,12 +46,10 @@ def load_target(name: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Mo
 
 
 def encode(tokenizer: Any, prompt: str, device: str) -> dict[str, torch.Tensor]:
-    """A chat prompt when the tokenizer has a template (instruction-tuned targets), the raw text otherwise."""
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-    return tokenizer(prompt, return_tensors="pt").to(device)
+    """The prompt as train and eval encode it (`encode_prompt`: a chat prompt when the tokenizer has a template, whose
+    text already holds any BOS; the raw text otherwise), as a batch of one on `device`."""
+    ids = torch.tensor([encode_prompt(tokenizer, prompt)], device=device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def timed(fn: Any) -> tuple[Any, float]:

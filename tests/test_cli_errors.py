@@ -324,3 +324,15 @@ def test_eval_fails_on_a_float32_difference_only(small_drafter, tmp_path, monkey
             tiny_target("llama").to(dtype), None))
         assert main(argv) == code
         assert '"matches_greedy": false' in capsys.readouterr().out
+
+
+def test_generate_and_bench_encode_a_chat_prompt_as_train_and_eval_do():
+    """A chat template that writes the BOS itself (Llama 3's does) gets no second one from the tokenizer: generate and
+    bench encode prompts as train and eval do (`encode_prompt`)."""
+    from hf_dflash.bundled_models import load_stories260k
+    from hf_dflash.training.data import encode_prompt
+
+    _, tokenizer = load_stories260k()
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ids = hf_dflash.generate_cli.encode(tokenizer, "Once upon a time", "cpu")["input_ids"][0].tolist()
+    assert ids == encode_prompt(tokenizer, "Once upon a time") and ids.count(tokenizer.bos_token_id) == 1
