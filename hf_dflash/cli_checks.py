@@ -12,7 +12,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -197,16 +197,20 @@ def check_model(option: str, spec: str | None, bundled: bool = True, config_only
     check_hub_model(option, spec, config_only)
 
 
-def drafter_block_size(spec: str) -> int:
-    """The block size in a drafter's config (any published layout), read without its weights."""
+def drafter_config(option: str, spec: str) -> Any:
+    """A drafter's config (any published layout) as a DFlashConfig, read without its weights; a config that is no
+    drafter's (a target's folder, say) is a bad argument."""
     path = Path(spec).expanduser()
-    if path.is_dir():
-        from .convert import config_from_layout
+    try:
+        if path.is_dir():
+            from .convert import config_from_layout
 
-        return config_from_layout(json.loads((path / "config.json").read_text())).block_size
-    from .modeling import DFlashConfig
+            return config_from_layout(json.loads((path / "config.json").read_text()))
+        from .modeling import DFlashConfig
 
-    return DFlashConfig.from_pretrained(spec).block_size
+        return DFlashConfig.from_pretrained(spec)
+    except (ValueError, OSError) as error:  # JSONDecodeError is a ValueError
+        raise BadArgument(f"{option} {spec}: {' '.join(str(error).split())}") from None
 
 
 def check_drafter(option: str, spec: str | None, verify_rows: int | None = None) -> None:
@@ -220,7 +224,7 @@ def check_drafter(option: str, spec: str | None, verify_rows: int | None = None)
     check_model(option, spec, bundled=False)
     if verify_rows is not None:
         at_least("--verify-rows", verify_rows, 1, " (the anchor row)")
-        block_size = drafter_block_size(spec)
+        block_size = drafter_config(option, spec).block_size
         if verify_rows > block_size:
             raise BadArgument(
                 f"--verify-rows {verify_rows} is more than the drafter's block size {block_size}; pass 1 .. "
@@ -274,8 +278,6 @@ def check_bench(args: argparse.Namespace) -> None:
 def init_from_block_size(args: argparse.Namespace) -> int:
     """`--init-from`'s drafter: a folder with a config.json, whose shape no option may change except deeper
     (`--num-layers` at least its depth). Returns its block size."""
-    from .convert import config_from_layout
-
     config_file = Path(args.init_from) / "config.json"
     if not config_file.is_file():
         raise BadArgument(f"--init-from {args.init_from}: no drafter there (no config.json); pass a drafter folder")
@@ -285,7 +287,7 @@ def init_from_block_size(args: argparse.Namespace) -> int:
                           ("--target-layer-ids", args.target_layer_ids)):
         if value is not None:
             raise BadArgument(f"--init-from keeps that drafter's {option[2:].replace('-', ' ')}: leave out {option}")
-    config = config_from_layout(json.loads(config_file.read_text()))
+    config = drafter_config("--init-from", args.init_from)
     if args.num_layers is not None and args.num_layers < config.num_hidden_layers:
         raise BadArgument(
             f"--num-layers {args.num_layers}: {args.init_from} has {config.num_hidden_layers} layers, and a drafter "

@@ -116,6 +116,15 @@ def test_verify_rows_above_the_block_size_reads_only_the_config(small_drafter, c
     assert "--verify-rows 99 is more than the drafter's block size 4; pass 1 .. 4" in err
 
 
+def test_a_target_folder_given_as_the_drafter_is_one_line(tmp_path, capsys, no_model_loads):
+    """--verify-rows and --init-from read the drafter's config in the checks: a folder of another model (its
+    config.json is no drafter's) is refused there in one line, not with a traceback."""
+    tiny_target("llama").config.save_pretrained(tmp_path / "target")
+    for argv in (["generate", "--target", "stories260k", "--drafter", str(tmp_path / "target"), "--verify-rows", "2"],
+                 ["train", "--target", "stories260k", "--out", "o", "--init-from", str(tmp_path / "target")]):
+        assert "(model_type 'llama') is not a DFlash drafter" in refused(argv, capsys)
+
+
 def test_default_drafter_block_size_bounds_verify_rows(capsys, no_model_loads):
     block_size = json.loads((hf_dflash.generate_cli.DEFAULT_DRAFTER / "config.json").read_text())["block_size"]
     err = refused(["generate", "--verify-rows", str(block_size + 1)], capsys)

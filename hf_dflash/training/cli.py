@@ -28,6 +28,7 @@ from .drafter import grow_drafter, new_drafter
 from .evaluate import measure_tau
 from .trainer import TrainingArguments, portable_command, portable_path, train
 
+
 def load_target(spec: str, device: torch.device | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A target by path or Hub id, or a bundled offline model by name (as `generate` loads it); bfloat16 on GPU,
     float32 on CPU."""
