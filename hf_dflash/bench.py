@@ -134,9 +134,10 @@ class Measurement:
     setting: str
     method: str
     prompts: int
+    batches: int  # generate calls timed, one per batch
     new_tokens: int
     seconds: float
-    ttft_s: float
+    ttft_s: float  # summed over the batches' first-token calls
     steps: int
     peak_memory_gb: float | None
     tau: float
@@ -228,7 +229,7 @@ def run_method(
             steps += sequences.shape[1] - prompt_len - 1
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     tau = committed / verified if verified else 1.0  # as `hf-dflash eval` reports it
-    measurement = Measurement(setting, method, len(outputs), new_tokens, seconds, ttft, steps, peak, tau)
+    measurement = Measurement(setting, method, len(outputs), len(batches), new_tokens, seconds, ttft, steps, peak, tau)
     return measurement, outputs
 
 
@@ -406,8 +407,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         prompts = [encode(tokenizer, text, "cpu")["input_ids"][0].tolist() for text in texts]
         for batch_size in args.batch_sizes or [1]:
-            settings.append((f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}", prompts,
-                             batch_size))
+            name = f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}"
+            settings.append((name, prompts, batch_size))
     target.eval()
     # plain first, so that every other method's tokens are compared with its tokens
     methods = [method for method in METHODS if method in args.methods]
@@ -490,7 +491,7 @@ def run_environment(device: str, **more_versions: str) -> dict[str, Any]:
 def _row(m: Measurement) -> str:
     return (
         f"{m.setting:32s} {m.method:13s} tau {m.tau:5.2f}  {m.tokens_per_s:8.1f} tok/s  {m.ms_per_step:7.2f} ms/step  "
-        f"ttft {1000 * m.ttft_s / m.prompts:7.1f} ms  identical {m.identical_to_plain}  "
+        f"ttft {1000 * m.ttft_s / m.batches:7.1f} ms  identical {m.identical_to_plain}  "
         + "  ".join(f"{k} {v:.2f}" for k, v in m.extra.items())
     )
 

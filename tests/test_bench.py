@@ -105,3 +105,12 @@ def test_new_tokens_run_to_the_first_eos_not_to_the_pad_id():
     text = target.generate(**batch, max_new_tokens=10, do_sample=False)[0, 6:].tolist()
     measurement, outputs = run_method("plain", target, tiny_drafter(target), [batch], 10, "tiny", text[2])
     assert outputs == [text] and measurement.new_tokens == 10
+
+
+def test_time_to_first_token_is_per_call_not_per_prompt():
+    """A batch of 4 prompts waits for its first tokens as long as one call takes, not a quarter of that."""
+    from hf_dflash.bench import Measurement, _row
+
+    batch_of_four = Measurement("s", "plain", prompts=4, batches=1, new_tokens=40, seconds=1.0, ttft_s=0.2, steps=9,
+                                peak_memory_gb=None, tau=1.0)
+    assert "ttft   200.0 ms" in _row(batch_of_four)
