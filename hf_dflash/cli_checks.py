@@ -261,7 +261,8 @@ def check_bench(args: argparse.Namespace) -> None:
         for option, value in (("--batch-size", args.batch_size), ("--context-lengths", args.context_lengths),
                               ("--experts-implementation", args.experts_implementation)):
             if value is not None:
-                raise BadArgument(f"{option} applies to --random-weights runs; a prompt set's batches are --batch-sizes")
+                raise BadArgument(f"{option} applies to --random-weights runs; a prompt set's batches are "
+                                  "--batch-sizes")
     elif args.batch_sizes is not None:
         raise BadArgument("--batch-sizes applies to prompt-set runs; a --random-weights run takes one --batch-size")
     elif args.drafter is not None:

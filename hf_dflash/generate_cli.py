@@ -2,8 +2,9 @@
 
 Decodes prompts with a target and a DFlash drafter, and with the target alone, side by side in one process; prints
 the text, tau (tokens committed per verify step), the speedup, and whether the two outputs are identical (in float32
-they must be; in bfloat16 they may part where two logits nearly tie). It says which path DFlash takes (the CUDA-graph fast path or the eager loop); on the eager loop the text streams as it is
-committed and plain generate shows a progress bar, and the time spent printing is left out of the figures.
+they must be; in bfloat16 they may part where two logits nearly tie). It says which path DFlash takes (the CUDA-graph
+fast path or the eager loop); on the eager loop the text streams as it is committed and plain generate shows a
+progress bar, and the time spent printing is left out of the figures.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def identity_verdict(plain: torch.Tensor, dflash: torch.Tensor, dtype: torch.dty
         return "[identical to plain greedy generate: True]"
     if dtype == torch.float32:
         raise SystemExit("DFlash output differs from plain greedy generate in float32: please report this as a bug")
-    return (f"[identical to plain greedy generate: False; expected now and then in {str(dtype).removeprefix('torch.')}, "
-            "where a near tie can round either way; --dtype float32 gives identical tokens]")
+    name = str(dtype).removeprefix("torch.")
+    return (f"[identical to plain greedy generate: False; expected now and then in {name}, where a near tie can round "
+            "either way; --dtype float32 gives identical tokens]")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,12 +183,13 @@ def run(args: argparse.Namespace) -> int:
             print(tokenizer.decode(out.sequences[0, prompt_length:], skip_special_tokens=True))
         print(identity_verdict(plain, out.sequences, dtype), flush=True)
     tau = sum(committed) / max(len(committed), 1)
+    plain_rate, dflash_rate = plain_tokens / plain_seconds, dflash_tokens / dflash_seconds
     excluded = f" (timings exclude {printing_seconds:.2f} s of printing)" if live else ""
     print(
         f"\ntarget {args.target} | drafter {drafter_name} | {device} {dtype_name} | DFlash on the {path}\n"
         f"tau (tokens per verify step): {tau:.2f}\n"
-        f"plain generate: {plain_tokens / plain_seconds:.1f} tok/s | DFlash: {dflash_tokens / dflash_seconds:.1f} tok/s | "
-        f"speedup {(dflash_tokens / dflash_seconds) / (plain_tokens / plain_seconds):.2f}x{excluded}"
+        f"plain generate: {plain_rate:.1f} tok/s | DFlash: {dflash_rate:.1f} tok/s | "
+        f"speedup {dflash_rate / plain_rate:.2f}x{excluded}"
     )
     return 0
 

@@ -204,7 +204,8 @@ def test_convert_to_speculators_needs_the_target(small_drafter, capsys, tmp_path
 
 
 def test_convert_refuses_a_target_it_would_not_read(small_drafter, capsys, tmp_path):
-    err = refused(["convert", str(small_drafter), str(tmp_path / "out"), "--to", "zlab", "--target", "org/model"], capsys)
+    argv = ["convert", str(small_drafter), str(tmp_path / "out"), "--to", "zlab", "--target", "org/model"]
+    err = refused(argv, capsys)
     assert "--to zlab reads nothing of the target" in err and not (tmp_path / "out").exists()
 
 

@@ -245,7 +245,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "drafter to this many: each new layer a copy of its last with the output projections of "
                    "attention and MLP zeroed, so it starts out computing exactly what the drafter did")
     p.add_argument("--block-size", type=int, default=None,
-                   help=f"block size B, anchor included (default {DEFAULT_BLOCK_SIZE}; with --init-from, that drafter's)")
+                   help=f"block size B, anchor included (default {DEFAULT_BLOCK_SIZE}; with --init-from, that "
+                   "drafter's)")
     p.add_argument("--mask-token-id", type=int,
                    help="embedding row for mask rows; default: the first row past the tokenizer, if there is one")
     p.add_argument("--target-layer-ids", type=_int_list, help="comma-separated target layers to capture")
