@@ -1,13 +1,30 @@
 """Many prompts through `generate` in batches: sorted by length (less padding), left-padded, each answer cut after its
-first eos. Used by `regenerate` (training data) and by `generate_data_parallel` (each process's share)."""
+first eos. Used by `regenerate` (training data) and by `generate_data_parallel` (each process's share); `bench` takes
+its pad id and its cut at the first eos."""
 
 from __future__ import annotations
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .modeling.dflash_devices import execution_device
+
+
+def left_pad_token_id(tokenizer: PreTrainedTokenizerBase | None, target: PreTrainedModel) -> int:
+    """Left padding needs an id; attention masks hide it, so eos serves when there is no pad token."""
+    config = target.generation_config
+    for candidate in (
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+        config.pad_token_id,
+        config.eos_token_id,
+    ):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError("no pad or eos token id to left-pad the batches with; pass pad_token_id=...")
 
 
 def eos_token_ids(target: PreTrainedModel, generate_kwargs: dict[str, object] | None = None) -> set[int]:
@@ -64,4 +81,4 @@ def generate_in_batches(
     return answers
 
 
-__all__ = ["eos_token_ids", "generate_in_batches", "up_to_first_eos"]
+__all__ = ["eos_token_ids", "generate_in_batches", "left_pad_token_id", "up_to_first_eos"]

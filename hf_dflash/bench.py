@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .batching import eos_token_ids, up_to_first_eos
+from .batching import eos_token_ids, left_pad_token_id, up_to_first_eos
 from .modeling import DFlashConfig, DFlashDraftModel
 from .generate_cli import timed
 from .modeling.dflash_fast_path import DFlashStaticStep, grouped_mm_stays_on_device, moe_experts, record_cuda_graph
@@ -404,7 +404,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         texts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
         target, tokenizer = load_target(args.target, dtype, device)
         drafter = DFlashDraftModel.from_pretrained(args.drafter or DEFAULT_DRAFTER, dtype=dtype).to(device).eval()
-        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_token_id = left_pad_token_id(tokenizer, target)
         prompts = [encode(tokenizer, text, "cpu")["input_ids"][0].tolist() for text in texts]
         for batch_size in args.batch_sizes or [1]:
             name = f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}"
