@@ -467,6 +467,15 @@ def test_data_without_two_answer_tokens_is_refused_before_training(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_sequences_left_out_of_training_are_counted(tmp_path, capsys):
+    target = tiny_target("llama")
+    drafter = new_drafter(target, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    data = RegeneratedData.from_sequences([([1, 2, 3], [4]), ([5, 6], [7, 8, 9])])  # the first has one answer token
+    train(target, drafter, data, TrainingArguments(out_dir=str(tmp_path), steps=1, progress=False))
+    assert "train: left out 1 of 2 sequences with fewer than two answer tokens within max_length 3072" in (
+        capsys.readouterr().out)
+
+
 def short_sequences(data: RegeneratedData) -> RegeneratedData:
     """Eight 40-token sequences (12 prompt, 28 answer): a few quick steps of training."""
     return RegeneratedData.from_sequences([(data[i][0][:12].tolist(), data[i][0][12:40].tolist()) for i in range(8)])

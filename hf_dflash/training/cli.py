@@ -259,7 +259,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts per regeneration batch")
     p.add_argument("--max-length", type=int, default=3072, help="training sequences are cut to this many tokens")
     p.add_argument("--max-anchors", type=int, default=512, help="anchors (blocks) per sequence")
-    p.add_argument("--gamma", type=float, help="loss decay over block rows (default: 7 for B=16, 5 for 10, 4 for 8)")
+    p.add_argument("--gamma", type=float, help="loss decay over block rows (default: 7 for B=16, 5 for 10, 4 for 8, "
+                   "linear between them, 4 below 8 and 7 above 16)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps (overrides --epochs)")
     length.add_argument("--epochs", type=float, default=6.0, help="passes over the data")

@@ -153,6 +153,9 @@ def train(
             f"none of the {len(data)} sequences has two answer tokens within max_length {args.max_length}: nothing to "
             "train on; raise max_length (--max-length) or regenerate longer answers (--max-new-tokens)"
         )
+    if len(dataset) < len(data) and accelerator.is_main_process:
+        print(f"train: left out {len(data) - len(dataset)} of {len(data)} sequences with fewer than two answer tokens "
+              f"within max_length {args.max_length}")
     order = dict(shuffle=True)
     if args.group_by_length:
         order = dict(sampler=LengthGroupedSampler(dataset.answer_lengths(), args.batch_size, args.seed))
