@@ -372,6 +372,7 @@ def check_eval(args: argparse.Namespace) -> None:
 def check_convert(args: argparse.Namespace) -> None:
     if not (Path(args.src) / "config.json").is_file():
         raise BadArgument(f"{args.src} is not a checkpoint folder (no config.json); pass a drafter folder")
+    drafter_config("source", args.src)  # before its weights are read: a target's folder would be read whole first
     check_empty_or_new_folder("out", args.out)
     if args.to == "speculators" and args.target is None:
         raise BadArgument("--to speculators stores the target's embedding and lm_head: pass --target PATH_OR_ID")

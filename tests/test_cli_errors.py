@@ -209,6 +209,15 @@ def test_convert_refuses_a_target_it_would_not_read(small_drafter, capsys, tmp_p
     assert "--to zlab reads nothing of the target" in err and not (tmp_path / "out").exists()
 
 
+def test_convert_refuses_a_folder_that_holds_no_drafter_before_reading_its_weights(tmp_path, capsys, monkeypatch):
+    import hf_dflash.convert
+
+    tiny_target("llama").config.save_pretrained(tmp_path / "target")
+    monkeypatch.setattr(hf_dflash.convert, "read_folder", lambda *a, **k: pytest.fail("weights read before the check"))
+    err = refused(["convert", str(tmp_path / "target"), str(tmp_path / "out"), "--to", "ours"], capsys)
+    assert "(model_type 'llama') is not a DFlash drafter in any known layout" in err
+
+
 def test_push_to_a_bad_repository_id(small_drafter, capsys):
     assert "not a Hub repository id" in refused(["push", str(small_drafter), "no slash here"], capsys)
 
