@@ -4,7 +4,8 @@ Methods:
 - `plain`: `target.generate` as it comes (eager, DynamicCache);
 - `plain-static`: transformers' fastest plain settings (`cache_implementation="static"`, which compiles the decode
   step on a GPU);
-- `native`: transformers' own DFlash loop with the same drafter (`speculation_type="dflash"`);
+- `native`: transformers' own DFlash loop with the same drafter (`speculation_type="dflash"`; batch 1 only, so a
+  setting of a larger batch skips it and the report says so);
 - `dflash`: ours (`assistant_model=drafter`: the CUDA-graph fast path on a GPU, the eager loop elsewhere).
 
 Reported per method: tau, tokens/s, ms per verify step (per token for plain methods), time to first token, peak GPU
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .batching import eos_token_ids, left_pad_token_id, up_to_first_eos
 from .modeling import DFlashConfig, DFlashDraftModel
 from .generate_cli import timed
 from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
@@ -133,9 +135,10 @@ class Measurement:
     setting: str
     method: str
     prompts: int
+    batches: int  # generate calls timed, one per batch
     new_tokens: int
     seconds: float
-    ttft_s: float
+    ttft_s: float  # summed over the batches' first-token calls
     steps: int
     peak_memory_gb: float | None
     tau: float
@@ -192,6 +195,7 @@ def run_method(
     """Warm up once on the first batch (compiles and graph captures happen there), then time every batch. Sampled
     calls are seeded, so a rerun draws the same tokens."""
     kwargs = dict(pad_token_id=pad_token_id, **SAMPLING[sampling], **_method_kwargs(method, drafter))
+    eos_ids = eos_token_ids(target)
     torch.manual_seed(0)
     target.generate(**batches[0], max_new_tokens=max_new_tokens, **kwargs)
     if torch.cuda.is_available():
@@ -209,7 +213,7 @@ def run_method(
         sequences = out.sequences if hasattr(out, "sequences") else out
         seconds += elapsed
         for row in sequences[:, prompt_len:].tolist():
-            row = row[: next((i + 1 for i, t in enumerate(row) if t == pad_token_id), len(row))]
+            row = up_to_first_eos(row, eos_ids)  # a finished row's padding is no new token
             outputs.append(row)
             new_tokens += len(row)
         # decode steps after the prefill's first token
@@ -218,13 +222,15 @@ def run_method(
             committed += sum(sum(lengths) for lengths in out.acceptance_lengths)
             verified += sum(len(lengths) for lengths in out.acceptance_lengths)
         elif method == "native":  # batch 1 only (transformers' limit)
-            steps += counter.count
-            committed, verified = committed + len(outputs[-1]) - 1, verified + counter.count
+            # Its first step verifies the first draft with the prefill, so every new token is committed by a verify
+            # step (tau counts them all), and the steps after the one the first-token call times are one fewer.
+            steps += counter.count - 1
+            committed, verified = committed + len(outputs[-1]), verified + counter.count
         else:
             steps += sequences.shape[1] - prompt_len - 1
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     tau = committed / verified if verified else 1.0  # as `hf-dflash eval` reports it
-    measurement = Measurement(setting, method, len(outputs), new_tokens, seconds, ttft, steps, peak, tau)
+    measurement = Measurement(setting, method, len(outputs), len(batches), new_tokens, seconds, ttft, steps, peak, tau)
     return measurement, outputs
 
 
@@ -380,7 +386,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.dtype == "auto":  # bf16 on a GPU; on a CPU float32, where our tokens equal plain greedy's
         args.dtype = "bf16" if device.startswith("cuda") else "fp32"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
-    settings: list[tuple[str, list[list[int]]]] = []
+    settings: list[tuple[str, list[list[int]], int]] = []  # (name, prompt ids, batch size)
     shape = None
     if args.random_weights:
         target, drafter = random_pair(args.random_weights, dtype, device, args.experts_implementation)
@@ -388,27 +394,35 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         pad_token_id = 0
         generator = torch.Generator().manual_seed(0)
         vocab = drafter.config.mask_token_id  # random ids below the mask token (near the end of the vocabulary)
-        for length in args.context_lengths:
-            prompts = torch.randint(0, vocab, (args.batch_size, length), generator=generator).tolist()
-            settings.append((f"{args.random_weights} ctx {length}{_label(args)} b{args.batch_size}", prompts))
+        batch_size = args.batch_size or 1
+        for length in args.context_lengths or [512]:
+            prompts = torch.randint(0, vocab, (batch_size, length), generator=generator).tolist()
+            settings.append((f"{args.random_weights} ctx {length}{_label(args)} b{batch_size}", prompts, batch_size))
     else:
         from .generate_cli import DEFAULT_DRAFTER, encode, load_target
         from .training.data import load_prompts
 
+        texts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
         target, tokenizer = load_target(args.target, dtype, device)
         drafter = DFlashDraftModel.from_pretrained(args.drafter or DEFAULT_DRAFTER, dtype=dtype).to(device).eval()
-        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        texts = load_prompts(args.prompts)[: args.limit]
+        pad_token_id = left_pad_token_id(tokenizer, target)
         prompts = [encode(tokenizer, text, "cpu")["input_ids"][0].tolist() for text in texts]
-        for batch_size in args.batch_sizes:
-            settings.append((f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}", prompts))
+        for batch_size in args.batch_sizes or [1]:
+            name = f"{Path(str(args.target)).name} {Path(args.prompts).stem}{_label(args)} b{batch_size}"
+            settings.append((name, prompts, batch_size))
     target.eval()
+    # plain first, so that every other method's tokens are compared with its tokens
+    methods = [method for method in METHODS if method in args.methods]
     results: list[Measurement] = []
-    for setting, prompts in settings:
-        batch_size = args.batch_size if args.random_weights else int(setting.rsplit("b", 1)[1])
+    skipped: list[str] = []
+    for setting, prompts, batch_size in settings:
         batches = _padded_batches(prompts, batch_size, pad_token_id, device, args.own_lengths)
         reference = None
-        for method in args.methods:
+        for method in methods:
+            if method == "native" and batch_size > 1:
+                skipped.append(f"{setting} native: transformers' DFlash loop runs batch 1 only")
+                print(f"{setting:32s} {method:13s} skipped: transformers' DFlash loop runs batch 1 only", flush=True)
+                continue
             measurement, outputs = run_method(
                 method, target, drafter, batches, args.max_new_tokens, setting, pad_token_id, args.sampling
             )
@@ -424,13 +438,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             results.append(measurement)
             print(_row(measurement), flush=True)
         _add_ratios([m for m in results if m.setting == setting])
+    from .training.trainer import portable_path  # reports are committed: no machine's own paths in them
+
+    words = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
     return {
         **run_environment(device),
-        "command": "hf-dflash bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "command": "hf-dflash bench " + " ".join(map(portable_path, words)),
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
-        "arguments": {k: v for k, v in vars(args).items() if k != "func"},
+        "arguments": {k: portable_path(v) if isinstance(v, str) else v for k, v in vars(args).items() if k != "func"},
         **({"random_weights_shape": shape} if shape is not None else {}),
+        **({"skipped": skipped} if skipped else {}),
         "target_1_token_graph_baseline": TARGET_1_TOKEN_BASELINE,
         "results": [
             {**asdict(m), "tokens_per_s": m.tokens_per_s, "ms_per_step": m.ms_per_step}
@@ -474,7 +492,7 @@ def run_environment(device: str, **more_versions: str) -> dict[str, Any]:
 def _row(m: Measurement) -> str:
     return (
         f"{m.setting:32s} {m.method:13s} tau {m.tau:5.2f}  {m.tokens_per_s:8.1f} tok/s  {m.ms_per_step:7.2f} ms/step  "
-        f"ttft {1000 * m.ttft_s / m.prompts:7.1f} ms  identical {m.identical_to_plain}  "
+        f"ttft {1000 * m.ttft_s / m.batches:7.1f} ms  identical {m.identical_to_plain}  "
         + "  ".join(f"{k} {v:.2f}" for k, v in m.extra.items())
     )
 
@@ -539,12 +557,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--experts-implementation", choices=["batched_mm", "grouped_mm"], default=None,
                         help="MoE experts of a --random-weights target (default: grouped_mm in bf16 on a compute "
                         "capability 9.x/10.x GPU, else batched_mm, as the fast path advises)")
-    parser.add_argument("--context-lengths", type=int, nargs="+", default=[512],
-                        help="prompt lengths of --random-weights runs")
+    parser.add_argument("--context-lengths", type=int, nargs="+", default=None,
+                        help="prompt lengths of --random-weights runs (default: 512)")
     parser.add_argument("--prompts", default="humaneval", help="humaneval, sharegpt:N or a .jsonl file")
     parser.add_argument("--limit", type=int, default=8, help="number of prompts")
-    parser.add_argument("--batch-size", type=int, default=1, help="batch size of --random-weights runs")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes of prompt-set runs")
+    parser.add_argument("--batch-size", type=int, default=None, help="batch size of --random-weights runs (default: 1)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="batch sizes of prompt-set runs (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",

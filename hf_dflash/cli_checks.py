@@ -12,7 +12,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -22,6 +22,7 @@ BUNDLED_TARGETS = {
     "stories260k": "stories260K, a 260K-parameter TinyStories Llama read from a GGUF file",
 }
 LOCAL_EXTRA = 'pip install "hf-dflash[local]"'
+DEFAULT_BLOCK_SIZE = 16  # `train`'s block size for a new drafter
 PROMPT_SOURCES = "a {\"prompt\": ...} .jsonl file, sharegpt:N, sharegpt-turns:N or humaneval"
 
 
@@ -196,16 +197,20 @@ def check_model(option: str, spec: str | None, bundled: bool = True, config_only
     check_hub_model(option, spec, config_only)
 
 
-def drafter_block_size(spec: str) -> int:
-    """The block size in a drafter's config (any published layout), read without its weights."""
+def drafter_config(option: str, spec: str) -> Any:
+    """A drafter's config (any published layout) as a DFlashConfig, read without its weights; a config that is no
+    drafter's (a target's folder, say) is a bad argument."""
     path = Path(spec).expanduser()
-    if path.is_dir():
-        from .convert import config_from_layout
+    try:
+        if path.is_dir():
+            from .convert import config_from_layout
 
-        return config_from_layout(json.loads((path / "config.json").read_text())).block_size
-    from .modeling import DFlashConfig
+            return config_from_layout(json.loads((path / "config.json").read_text()))
+        from .modeling import DFlashConfig
 
-    return DFlashConfig.from_pretrained(spec).block_size
+        return DFlashConfig.from_pretrained(spec)
+    except (ValueError, OSError) as error:  # JSONDecodeError is a ValueError
+        raise BadArgument(f"{option} {spec}: {' '.join(str(error).split())}") from None
 
 
 def check_drafter(option: str, spec: str | None, verify_rows: int | None = None) -> None:
@@ -219,7 +224,7 @@ def check_drafter(option: str, spec: str | None, verify_rows: int | None = None)
     check_model(option, spec, bundled=False)
     if verify_rows is not None:
         at_least("--verify-rows", verify_rows, 1, " (the anchor row)")
-        block_size = drafter_block_size(spec)
+        block_size = drafter_config(option, spec).block_size
         if verify_rows > block_size:
             raise BadArgument(
                 f"--verify-rows {verify_rows} is more than the drafter's block size {block_size}; pass 1 .. "
@@ -248,9 +253,21 @@ def check_bench(args: argparse.Namespace) -> None:
     each_at_least("--context-lengths", args.context_lengths, 1)
     each_at_least("--batch-sizes", args.batch_sizes, 1)
     check_device("--device", args.device)
-    if args.own_lengths and (args.random_weights or args.batch_sizes != [1]):
+    if args.own_lengths and (args.random_weights or (args.batch_sizes or [1]) != [1]):
         raise BadArgument("--own-lengths runs prompts one by one at their own lengths: use it with --batch-sizes 1 "
                           "and a prompt set, not --random-weights")
+    # Each kind of run has its own options; one given to the other kind would be left unread.
+    if args.random_weights is None:
+        for option, value in (("--batch-size", args.batch_size), ("--context-lengths", args.context_lengths),
+                              ("--experts-implementation", args.experts_implementation)):
+            if value is not None:
+                raise BadArgument(f"{option} applies to --random-weights runs; a prompt set's batches are "
+                                  "--batch-sizes")
+    elif args.batch_sizes is not None:
+        raise BadArgument("--batch-sizes applies to prompt-set runs; a --random-weights run takes one --batch-size")
+    elif args.drafter is not None:
+        raise BadArgument("a --random-weights run builds the published drafter of its shape with random weights; "
+                          "leave out --drafter")
     if Path(args.out).is_dir():
         raise BadArgument(f"--out {args.out} is a folder; pass the JSON file to write, e.g. {args.out}/bench.json")
     if args.random_weights is None:
@@ -259,16 +276,59 @@ def check_bench(args: argparse.Namespace) -> None:
         check_drafter("--drafter", args.drafter)
 
 
+def init_from_block_size(args: argparse.Namespace) -> int:
+    """`--init-from`'s drafter: a folder with a config.json, whose shape no option may change except deeper
+    (`--num-layers` at least its depth). Returns its block size."""
+    config_file = Path(args.init_from) / "config.json"
+    if not config_file.is_file():
+        raise BadArgument(f"--init-from {args.init_from}: no drafter there (no config.json); pass a drafter folder")
+    if args.init_from_target:
+        raise BadArgument("--init-from takes the drafter's weights: leave out --init-from-target")
+    for option, value in (("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id),
+                          ("--target-layer-ids", args.target_layer_ids)):
+        if value is not None:
+            raise BadArgument(f"--init-from keeps that drafter's {option[2:].replace('-', ' ')}: leave out {option}")
+    config = drafter_config("--init-from", args.init_from)
+    if args.num_layers is not None and args.num_layers < config.num_hidden_layers:
+        raise BadArgument(
+            f"--num-layers {args.num_layers}: {args.init_from} has {config.num_hidden_layers} layers, and a drafter "
+            f"can grow but not shrink; pass --num-layers {config.num_hidden_layers} or more, or leave it out"
+        )
+    return config.block_size
+
+
+def check_shard_size(option: str, size: str | None) -> None:
+    """A size save_pretrained reads (e.g. 15MB), checked now rather than at the first save, after training."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    if size is None:
+        return
+    try:
+        valid = convert_file_size_to_int(size) > 0
+    except ValueError:
+        valid = False
+    if not valid:
+        raise BadArgument(f"{option} {size!r} is not a size; pass a whole number and a unit, e.g. 15MB or 2GB")
+
+
 def check_train(args: argparse.Namespace) -> None:
     for spec in args.prompts:
         check_prompts("--prompts", spec)
     if args.export_prompts:
         return
     for option in ("num_layers", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "max_anchors", "steps",
-                   "batch_size", "eval_limit", "eval_max_new_tokens"):
+                   "batch_size", "eval_limit", "eval_max_new_tokens", "log_every"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     at_least("--block-size", args.block_size, 2, " (the anchor and one draft)")
-    at_least("--max-length", args.max_length, args.block_size, " (one block)")
+    block_size = init_from_block_size(args) if args.init_from else args.block_size or DEFAULT_BLOCK_SIZE
+    at_least("--max-length", args.max_length, block_size, " (one block)")
+    at_least("--distill-topk", args.distill_topk, 0)
+    if not 0 <= args.distill_weight <= 1:
+        raise BadArgument(f"--distill-weight must be in [0, 1], got {args.distill_weight:g}")
+    check_shard_size("--max-shard-size", args.max_shard_size)
+    if args.attention == "flex" and not torch.cuda.is_available():
+        raise BadArgument("--attention flex trains on a GPU only (FlexAttention has no backward on a CPU); pass "
+                          "--attention dense, or auto")
     at_least("--mask-token-id", args.mask_token_id, 0)
     at_least("--temperature", args.temperature, 0)
     at_least("--save-every", args.save_every, 0)
@@ -304,14 +364,21 @@ def check_eval(args: argparse.Namespace) -> None:
     check_prompts("--prompts", args.prompts)
     check_model("--target", args.target)
     check_drafter("--drafter", args.drafter)
+    if args.record and not (Path(args.drafter) / "training_args.json").is_file():
+        raise BadArgument(f"--record adds the measurement to the drafter's training_args.json, and {args.drafter} has "
+                          "none (only hf-dflash train writes one); leave out --record")
 
 
 def check_convert(args: argparse.Namespace) -> None:
     if not (Path(args.src) / "config.json").is_file():
         raise BadArgument(f"{args.src} is not a checkpoint folder (no config.json); pass a drafter folder")
+    drafter_config("source", args.src)  # before its weights are read: a target's folder would be read whole first
     check_empty_or_new_folder("out", args.out)
     if args.to == "speculators" and args.target is None:
         raise BadArgument("--to speculators stores the target's embedding and lm_head: pass --target PATH_OR_ID")
+    if args.to != "speculators" and args.target is not None:
+        raise BadArgument(f"--to {args.to} reads nothing of the target (only --to speculators copies its embedding "
+                          "and lm_head); leave out --target")
     check_model("--target", args.target)
 
 

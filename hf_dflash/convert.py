@@ -357,7 +357,10 @@ def _speculators_config(
             "algorithm": "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(target), "architectures": target_config.get("architectures", [])},
+            # The target the drafter records (a Hub id) over the path its embedding was read from, which may be a
+            # folder of this machine's.
+            "verifier": {"name_or_path": config.target_model or str(target),
+                         "architectures": target_config.get("architectures", [])},
         },
     }
 

@@ -24,7 +24,7 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .batching import generate_in_batches
+from .batching import generate_in_batches, left_pad_token_id
 from .training.data import encode_prompt
 
 
@@ -35,22 +35,6 @@ def distributed_state() -> PartialState:
     only when asked for a CPU state; otherwise every process would believe it is alone and decode every prompt.
     """
     return PartialState(cpu=not torch.cuda.is_available())
-
-
-def _pad_token_id(tokenizer: PreTrainedTokenizerBase | None, target: PreTrainedModel) -> int:
-    """Left padding needs an id; attention masks hide it, so eos serves when there is no pad token."""
-    config = target.generation_config
-    for candidate in (
-        getattr(tokenizer, "pad_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-        config.pad_token_id,
-        config.eos_token_id,
-    ):
-        if isinstance(candidate, list):
-            candidate = candidate[0] if candidate else None
-        if candidate is not None:
-            return int(candidate)
-    raise ValueError("no pad or eos token id to left-pad the batches with; pass pad_token_id=...")
 
 
 def generate_data_parallel(
@@ -86,7 +70,7 @@ def generate_data_parallel(
             "load the models with .to(distributed_state().device) so that every process uses its own device"
         )
     pad_token_id = generate_kwargs.pop("pad_token_id", None)
-    pad_token_id = _pad_token_id(tokenizer, target) if pad_token_id is None else int(pad_token_id)
+    pad_token_id = left_pad_token_id(tokenizer, target) if pad_token_id is None else int(pad_token_id)
     # Contiguous shares, so gathering them in process order gives the prompts' order back.
     with state.split_between_processes(list(range(len(prompts)))) as indices:
         token_ids = [encode_prompt(tokenizer, prompts[i]) if text_prompts else list(prompts[i]) for i in indices]

@@ -68,3 +68,49 @@ def test_bench_refuses_own_lengths_with_batches(tmp_path, capsys):
               "--out", str(tmp_path / "r.json")])
     assert exit_.value.code == 2
     assert "--own-lengths" in capsys.readouterr().err
+
+
+def test_native_tau_counts_every_token_and_larger_batches_skip_it(tmp_path, monkeypatch):
+    """transformers' DFlash loop verifies its first draft with the prefill, so each of its new tokens is committed by
+    one of its verify steps (a random drafter gives tau 1, not less); it runs batch 1 only, so a batch-2 setting skips
+    it and says so instead of failing after the batch-1 setting ran. Tokens are compared with plain's whatever the
+    order of --methods."""
+    monkeypatch.chdir(tmp_path)
+    drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
+    out = tmp_path / "report.json"
+    main([
+        "bench", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", "8",
+        "--batch-sizes", "1", "2", "--methods", "dflash", "native", "plain", "--out", str(out),
+    ])
+    assert str(tmp_path) not in out.read_text()  # paths under the working directory are written relative
+    report = json.loads(out.read_text())
+    rows = {(r["setting"].split()[-1], r["method"]): r for r in report["results"]}
+    assert set(rows) == {("b1", "plain"), ("b1", "native"), ("b1", "dflash"), ("b2", "plain"), ("b2", "dflash")}
+    assert report["skipped"] == ["stories260k prompts b2 native: transformers' DFlash loop runs batch 1 only"]
+    assert rows["b1", "native"]["tau"] >= 1
+    assert rows["b1", "native"]["steps"] <= rows["b1", "native"]["new_tokens"] - rows["b1", "native"]["prompts"]
+    for key, row in rows.items():
+        assert row["identical_to_plain"] == 1.0, key
+
+
+def test_new_tokens_run_to_the_first_eos_not_to_the_pad_id():
+    """A --random-weights run pads with id 0, which a random target may also write as text: a row's new tokens end
+    at its first eos (none here), not at the first token that equals the pad id."""
+    from hf_dflash.bench import run_method
+    from tests.conftest import random_prompt, tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = None
+    batch = {"input_ids": random_prompt(6), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    text = target.generate(**batch, max_new_tokens=10, do_sample=False)[0, 6:].tolist()
+    measurement, outputs = run_method("plain", target, tiny_drafter(target), [batch], 10, "tiny", text[2])
+    assert outputs == [text] and measurement.new_tokens == 10
+
+
+def test_time_to_first_token_is_per_call_not_per_prompt():
+    """A batch of 4 prompts waits for its first tokens as long as one call takes, not a quarter of that."""
+    from hf_dflash.bench import Measurement, _row
+
+    batch_of_four = Measurement("s", "plain", prompts=4, batches=1, new_tokens=40, seconds=1.0, ttft_s=0.2, steps=9,
+                                peak_memory_gb=None, tau=1.0)
+    assert "ttft   200.0 ms" in _row(batch_of_four)

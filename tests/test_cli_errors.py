@@ -81,6 +81,10 @@ def refused(argv, capsys) -> str:
         (["bench", "--batch-sizes", "1", "0"], "--batch-sizes must be at least 1, got 0"),
         (["bench", "--prompts", "missing.jsonl"], "--prompts missing.jsonl: no such file"),
         (["bench", "--out", "."], "--out . is a folder"),
+        (["bench", "--batch-size", "4"], "--batch-size applies to --random-weights runs"),
+        (["bench", "--context-lengths", "2048"], "--context-lengths applies to --random-weights runs"),
+        (["bench", "--random-weights", "qwen3-8b", "--batch-sizes", "4"], "--batch-sizes applies to prompt-set runs"),
+        (["bench", "--random-weights", "qwen3-8b", "--drafter", "d"], "leave out --drafter"),
         (["train", "--target", "smollm2", "--out", "o", "--lr", "-1"], "--lr must be at least 0"),
         (["train", "--target", "smollm2", "--out", "o", "--steps", "0"], "--steps must be at least 1"),
         (["train", "--target", "smollm2", "--out", "o", "--block-size", "1"], "--block-size must be at least 2"),
@@ -89,6 +93,10 @@ def refused(argv, capsys) -> str:
         (["train", "--target", "smollm2", "--out", "o", "--target-layer-ids", "1,1"], "--target-layer-ids must be"),
         (["train", "--target", "smollm2", "--out", "o", "--resume", "/nowhere"], "no such checkpoint folder"),
         (["train", "--target", "smollm2", "--out", "o", "--resume"], "no checkpoint under o/checkpoints yet"),
+        (["train", "--target", "smollm2", "--out", "o", "--log-every", "0"], "--log-every must be at least 1"),
+        (["train", "--target", "smollm2", "--out", "o", "--distill-weight", "2"], "--distill-weight must be in [0, 1]"),
+        (["train", "--target", "smollm2", "--out", "o", "--max-shard-size", "big"], "'big' is not a size"),
+        (["train", "--target", "smollm2", "--out", "o", "--init-from", "/nowhere"], "/nowhere: no drafter there"),
         (["eval", "--target", "smollm2", "--drafter", "/nonexistent"], "--drafter /nonexistent: no such folder"),
         (["eval", "--target", "smollm2", "--drafter", "x", "--limit", "0"], "--limit must be at least 1"),
         (["convert", "/nonexistent", "out", "--to", "ours"], "/nonexistent is not a checkpoint folder"),
@@ -108,6 +116,15 @@ def test_verify_rows_above_the_block_size_reads_only_the_config(small_drafter, c
     assert "--verify-rows 99 is more than the drafter's block size 4; pass 1 .. 4" in err
 
 
+def test_a_target_folder_given_as_the_drafter_is_one_line(tmp_path, capsys, no_model_loads):
+    """--verify-rows and --init-from read the drafter's config in the checks: a folder of another model (its
+    config.json is no drafter's) is refused there in one line, not with a traceback."""
+    tiny_target("llama").config.save_pretrained(tmp_path / "target")
+    for argv in (["generate", "--target", "stories260k", "--drafter", str(tmp_path / "target"), "--verify-rows", "2"],
+                 ["train", "--target", "stories260k", "--out", "o", "--init-from", str(tmp_path / "target")]):
+        assert "(model_type 'llama') is not a DFlash drafter" in refused(argv, capsys)
+
+
 def test_default_drafter_block_size_bounds_verify_rows(capsys, no_model_loads):
     block_size = json.loads((hf_dflash.generate_cli.DEFAULT_DRAFTER / "config.json").read_text())["block_size"]
     err = refused(["generate", "--verify-rows", str(block_size + 1)], capsys)
@@ -115,9 +132,45 @@ def test_default_drafter_block_size_bounds_verify_rows(capsys, no_model_loads):
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks the message of a CPU-only torch")
+def test_init_from_refuses_options_that_would_change_its_shape(small_drafter, capsys, no_model_loads):
+    """A drafter continued with --init-from keeps its block size, mask token and captured layers: an option that
+    asks for others was accepted and left unread."""
+    common = ["train", "--target", "stories260k", "--out", "o", "--init-from", str(small_drafter)]
+    assert "leave out --block-size" in refused([*common, "--block-size", "8"], capsys)
+    assert "leave out --target-layer-ids" in refused([*common, "--target-layer-ids", "0,1"], capsys)
+    assert "leave out --init-from-target" in refused([*common, "--init-from-target"], capsys)
+    # its block size 4 bounds --max-length, not the default 16 of a new drafter
+    assert "--max-length must be at least 4 (one block), got 3" in refused([*common, "--max-length", "3"], capsys)
+
+
+def test_eval_record_needs_a_training_record(small_drafter, capsys, no_model_loads):
+    """--record writes into training_args.json: a drafter without one is refused before the measurement runs."""
+    err = refused(["eval", "--target", "stories260k", "--drafter", str(small_drafter), "--record"], capsys)
+    assert "has none (only hf-dflash train writes one); leave out --record" in err
+
+
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_a_prompt_file_of_other_objects_fails_before_the_models_load(command, small_drafter, tmp_path, capsys,
+                                                                    no_model_loads, monkeypatch):
+    monkeypatch.delenv("HF_DFLASH_DEBUG", raising=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"text": "hello"}) + "\n")
+    extra = ["--out", str(tmp_path / "r.json")] if command == "bench" else []
+    assert main([command, "--target", "stories260k", "--drafter", str(small_drafter), "--prompts", str(prompts),
+                 *extra]) == 1
+    err = capsys.readouterr().err
+    assert f'{prompts} line 2 is not a {{"prompt": ...}} object' in err, err
+
+
 def test_cuda_on_a_cpu_only_torch(capsys, no_model_loads):
     err = refused(["generate", "--device", "cuda"], capsys)
     assert "CPU-only build" in err and "--device cpu" in err
+
+
+def test_flex_attention_training_without_a_gpu(capsys, no_model_loads, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = refused(["train", "--target", "stories260k", "--out", "o", "--attention", "flex"], capsys)
+    assert "--attention flex trains on a GPU only" in err
 
 
 def test_cuda_index_beyond_the_gpus(capsys, no_model_loads, monkeypatch):
@@ -148,6 +201,21 @@ def test_convert_to_speculators_needs_the_target(small_drafter, capsys, tmp_path
     err = refused(["convert", str(small_drafter), str(tmp_path / "out"), "--to", "speculators"], capsys)
     assert "pass --target" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_a_target_it_would_not_read(small_drafter, capsys, tmp_path):
+    argv = ["convert", str(small_drafter), str(tmp_path / "out"), "--to", "zlab", "--target", "org/model"]
+    err = refused(argv, capsys)
+    assert "--to zlab reads nothing of the target" in err and not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_a_folder_that_holds_no_drafter_before_reading_its_weights(tmp_path, capsys, monkeypatch):
+    import hf_dflash.convert
+
+    tiny_target("llama").config.save_pretrained(tmp_path / "target")
+    monkeypatch.setattr(hf_dflash.convert, "read_folder", lambda *a, **k: pytest.fail("weights read before the check"))
+    err = refused(["convert", str(tmp_path / "target"), str(tmp_path / "out"), "--to", "ours"], capsys)
+    assert "(model_type 'llama') is not a DFlash drafter in any known layout" in err
 
 
 def test_push_to_a_bad_repository_id(small_drafter, capsys):
@@ -246,3 +314,44 @@ def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
         "eager loop: dflash_verify_rows is set (drop it for the fast path)"
     )
     assert warm_up(target, drafter, None, "cpu", {}) == "eager loop (the CUDA-graph fast path runs on a GPU)"
+
+
+def test_a_bfloat16_difference_is_reported_and_a_float32_one_stops_the_job():
+    """bf16 rounds the block verify and the 1-token steps differently, so `generate` (bf16 by default on a GPU) may
+    part from plain greedy without a bug: it says so and carries on. In float32 a difference is a bug."""
+    verdict = hf_dflash.generate_cli.identity_verdict
+    same, other = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])
+    assert verdict(same, same.clone(), torch.bfloat16) == "[identical to plain greedy generate: True]"
+    line = verdict(same, other, torch.bfloat16)
+    assert line.startswith("[identical to plain greedy generate: False") and "--dtype float32" in line
+    with pytest.raises(SystemExit, match="please report this as a bug"):
+        verdict(same, other, torch.float32)
+
+
+def test_eval_fails_on_a_float32_difference_only(small_drafter, tmp_path, monkeypatch, capsys):
+    """eval's exit status says whether DFlash gave plain greedy's tokens where it must: in float32. On a GPU eval runs
+    bfloat16, where README measures outputs parting at near ties without a bug."""
+    import hf_dflash.training.cli as training_cli
+    from hf_dflash.training.evaluate import TauReport
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    monkeypatch.setattr(training_cli, "measure_tau", lambda *args: TauReport(2.0, [2.0], 3, matches_greedy=False))
+    argv = ["eval", "--target", "stories260k", "--drafter", str(small_drafter), "--prompts", str(prompts)]
+    for dtype, code in ((torch.float32, 1), (torch.bfloat16, 0)):
+        monkeypatch.setattr(training_cli, "load_target", lambda spec, device, dtype=dtype: (
+            tiny_target("llama").to(dtype), None))
+        assert main(argv) == code
+        assert '"matches_greedy": false' in capsys.readouterr().out
+
+
+def test_generate_and_bench_encode_a_chat_prompt_as_train_and_eval_do():
+    """A chat template that writes the BOS itself (Llama 3's does) gets no second one from the tokenizer: generate and
+    bench encode prompts as train and eval do (`encode_prompt`)."""
+    from hf_dflash.bundled_models import load_stories260k
+    from hf_dflash.training.data import encode_prompt
+
+    _, tokenizer = load_stories260k()
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ids = hf_dflash.generate_cli.encode(tokenizer, "Once upon a time", "cpu")["input_ids"][0].tolist()
+    assert ids == encode_prompt(tokenizer, "Once upon a time") and ids.count(tokenizer.bos_token_id) == 1

@@ -243,6 +243,21 @@ def test_tied_embedding_target_converts_to_speculators(tmp_path):
     assert_same_drafter(conversion.load(tmp_path / "ours"), conversion.load(tmp_path / "back"))
 
 
+def test_speculators_verifier_is_the_target_the_drafter_records(saved, tmp_path):
+    """--target is where the embedding and lm_head are read, often a local folder: the verifier written is the
+    target the drafter's config names (a Hub id) when it names one, and a conversion back keeps it."""
+    drafter = DFlashDraftModel.from_pretrained(saved / "plain")
+    drafter.config.target_model = "org/target-model"
+    drafter.save_pretrained(tmp_path / "ours")
+    conversion.convert(tmp_path / "ours", tmp_path / "spec", "speculators", target=saved / "target")
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/target-model"
+    assert conversion.load(tmp_path / "spec").config.target_model == "org/target-model"
+    conversion.convert(saved / "plain", tmp_path / "spec2", "speculators", target=saved / "target")  # none recorded
+    verifier = json.loads((tmp_path / "spec2" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(saved / "target")
+
+
 def test_drafter_narrower_than_its_target_is_refused(saved, tmp_path):
     """Block tokens enter the drafter through the target's embedding and drafts leave through its lm_head, so a drafter
     32 wide for a target 64 wide runs nowhere (ours, z-lab's, speculators' all size them by one hidden size): it is

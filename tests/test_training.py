@@ -384,7 +384,7 @@ def test_cli_registers_train_and_eval():
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["train", "--target", "stories260k", "--out", "o", "--steps", "3", "--resume"])
-    assert (args.steps, args.resume, args.block_size, args.max_anchors) == (3, "latest", 16, 512)
+    assert (args.steps, args.resume, args.block_size, args.max_anchors) == (3, "latest", None, 512)  # None: 16 new
     assert args.func.__name__ == "run"
     assert parser.parse_args(["eval", "--target", "t", "--drafter", "d"]).func.__name__ == "run_eval"
 
@@ -457,6 +457,25 @@ def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
     assert record["steps"] == result.steps == 600 and record["final_tau"] == pytest.approx(result.final_tau)
 
 
+def test_data_without_two_answer_tokens_is_refused_before_training(tmp_path):
+    target = tiny_target("llama")
+    drafter = new_drafter(target, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    data = RegeneratedData.from_sequences([([1, 2, 3], [4]), ([5, 6], [7, 8, 9])])  # the second's answer is cut off
+    args = TrainingArguments(out_dir=str(tmp_path / "out"), epochs=1, max_length=3, progress=False)
+    with pytest.raises(ValueError, match="none of the 2 sequences has two answer tokens within max_length 3"):
+        train(target, drafter, data, args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_sequences_left_out_of_training_are_counted(tmp_path, capsys):
+    target = tiny_target("llama")
+    drafter = new_drafter(target, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    data = RegeneratedData.from_sequences([([1, 2, 3], [4]), ([5, 6], [7, 8, 9])])  # the first has one answer token
+    train(target, drafter, data, TrainingArguments(out_dir=str(tmp_path), steps=1, progress=False))
+    assert "train: left out 1 of 2 sequences with fewer than two answer tokens within max_length 3072" in (
+        capsys.readouterr().out)
+
+
 def short_sequences(data: RegeneratedData) -> RegeneratedData:
     """Eight 40-token sequences (12 prompt, 28 answer): a few quick steps of training."""
     return RegeneratedData.from_sequences([(data[i][0][:12].tolist(), data[i][0][12:40].tolist()) for i in range(8)])
@@ -527,7 +546,7 @@ def test_checkpoints_write_the_drafter_and_the_curve(stories, tmp_path):
     assert record["anchor_blocks"] == result.anchor_blocks and len(record["history"]) == 1
 
 
-def test_init_from_continues_a_drafter_and_keeps_its_history(tmp_path, monkeypatch):
+def test_init_from_continues_a_drafter_and_keeps_its_history(tmp_path, monkeypatch, capsys):
     """`train --init-from` starts from a drafter's weights; training_args.json lists every run and the tau measured
     after each; the recorded command re-runs from the repository root (no machine paths)."""
     monkeypatch.chdir(tmp_path)
@@ -547,6 +566,7 @@ def test_init_from_continues_a_drafter_and_keeps_its_history(tmp_path, monkeypat
     first = DFlashDraftModel.from_pretrained(tmp_path / "first")
     assert cli([*common, "--out", str(tmp_path / "second"), "--init-from", str(tmp_path / "first"),
                 "--steps", "2", "--lr", "0"]) == 0  # lr 0: the weights stay the first drafter's
+    assert f"reusing {tmp_path / 'data.safetensors'}: " in capsys.readouterr().out  # answered by the first run
     second = DFlashDraftModel.from_pretrained(tmp_path / "second")
     for name, tensor in first.state_dict().items():
         torch.testing.assert_close(second.state_dict()[name], tensor, msg=name)
@@ -558,5 +578,6 @@ def test_init_from_continues_a_drafter_and_keeps_its_history(tmp_path, monkeypat
     assert runs[1]["data"]["prompt_sources"] == {"made up here": len(prompts)}
     assert record["command"].startswith("hf-dflash train --target stories260k --prompts p.jsonl.gz")
     assert str(tmp_path) not in json.dumps(record)
-    with pytest.raises(SystemExit, match="no drafter there"):
+    with pytest.raises(SystemExit) as refused:  # a bad argument: one line on stderr, exit status 2
         cli([*common, "--out", str(tmp_path / "third"), "--init-from", str(tmp_path / "missing")])
+    assert refused.value.code == 2 and "no drafter there" in capsys.readouterr().err

@@ -18,27 +18,22 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .. import generate_cli
+from ..cli_checks import BUNDLED_TARGETS, DEFAULT_BLOCK_SIZE
 from ..modeling import DFlashConfig, DFlashDraftModel
 from .data import RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
 from .drafter import grow_drafter, new_drafter
 from .evaluate import measure_tau
 from .trainer import TrainingArguments, portable_command, portable_path, train
 
-BUNDLED_TARGETS = ("smollm2", "stories260k")
-
 
 def load_target(spec: str, device: torch.device | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A target by path or Hub id, or a bundled offline model by name; bfloat16 on GPU, float32 on CPU."""
+    """A target by path or Hub id, or a bundled offline model by name (as `generate` loads it); bfloat16 on GPU,
+    float32 on CPU."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if spec in BUNDLED_TARGETS:
-        from .. import bundled_models
-
-        loader = bundled_models.load_smollm2 if spec == "smollm2" else bundled_models.load_stories260k
-        return loader(dtype=dtype, device=device)
-    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(spec)
+    return generate_cli.load_target(spec, dtype, str(device))
 
 
 def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: PartialState) -> RegeneratedData:
@@ -57,7 +52,11 @@ def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: Partia
 def _regenerated_set(spec: str, path: Path, args: argparse.Namespace, target, tokenizer, state: PartialState):
     """Reuse `path` if it exists; otherwise every process answers its share of the prompts of `spec`."""
     if path.is_file():
-        return RegeneratedData.load(path)
+        data = RegeneratedData.load(path)
+        if state.is_main_process:  # the regeneration options were for that file's run, not this one
+            print(f"reusing {path}: {len(data)} sequences, {data.num_response_tokens} answer tokens, answered before "
+                  "(--max-new-tokens, --max-prompt-tokens and --temperature do not apply to it)")
+        return data
     prompts = load_prompts(spec)
     part = path.with_suffix(f".part{state.process_index}.safetensors")
     regenerate(
@@ -104,14 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.export_prompts:
         write_jsonl_prompts([p for spec in args.prompts for p in load_prompts(spec)], args.export_prompts)
         return 0
-    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
-        raise SystemExit(f"--init-from {args.init_from}: no drafter there (no config.json); give a drafter directory")
-    if args.init_from and args.init_from_target:
-        raise SystemExit("--init-from takes the drafter's weights: leave out --init-from-target")
+    # cli_checks.check_train has checked --init-from against the options that would change its shape
     depth = DFlashConfig.from_pretrained(args.init_from).num_hidden_layers if args.init_from else 0
-    if args.init_from and args.num_layers is not None and args.num_layers < depth:
-        raise SystemExit(f"--num-layers {args.num_layers}: {args.init_from} has {depth} layers, and a drafter can "
-                         f"grow but not shrink; give --num-layers {depth} or more, or leave it out")
     grow = bool(args.init_from) and args.num_layers is not None and args.num_layers > depth
     started = time.perf_counter()
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -129,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         drafter = new_drafter(
             target,
             num_layers=args.num_layers or 1,
-            block_size=args.block_size,
+            block_size=args.block_size or DEFAULT_BLOCK_SIZE,
             mask_token_id=args.mask_token_id,
             tokenizer_size=len(tokenizer),
             target_layer_ids=args.target_layer_ids,
@@ -204,12 +197,14 @@ def record_tau(drafter_dir: str | Path, measurement: dict) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """`hf-dflash eval`: mean tau of a drafter on prompts, with a token-for-token check against plain greedy."""
+    """`hf-dflash eval`: mean tau of a drafter on prompts, with a token-for-token check against plain greedy (exit
+    status 1 when a float32 run differs; in bfloat16, a GPU's default here, a near tie may round either way)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
     target, tokenizer = load_target(args.target, device)
     drafter = DFlashDraftModel.from_pretrained(args.drafter).to(device, target.dtype)
     start = time.perf_counter()
-    report = measure_tau(target, drafter, load_prompts(args.prompts)[: args.limit], args.max_new_tokens, tokenizer)
+    report = measure_tau(target, drafter, prompts, args.max_new_tokens, tokenizer)
     result = {"mean_tau": report.mean_tau, "matches_greedy": report.matches_greedy,
               "verify_steps": report.verify_steps, "seconds": round(time.perf_counter() - start, 1)}
     print(json.dumps(result))
@@ -217,7 +212,7 @@ def run_eval(args: argparse.Namespace) -> int:
         record_tau(args.drafter, {"prompts": portable_path(args.prompts), "limit": args.limit,
                                   "max_new_tokens": args.max_new_tokens, "mean_tau": report.mean_tau,
                                   "matches_greedy": report.matches_greedy, **_where(target)})
-    return 0 if report.matches_greedy else 1
+    return 0 if report.matches_greedy or target.dtype != torch.float32 else 1
 
 
 def _int_list(text: str) -> list[int]:
@@ -249,7 +244,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="drafter decoder layers (default 1; published drafters: 5 or 8); with --init-from, grow that "
                    "drafter to this many: each new layer a copy of its last with the output projections of "
                    "attention and MLP zeroed, so it starts out computing exactly what the drafter did")
-    p.add_argument("--block-size", type=int, default=16, help="block size B, anchor included")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"block size B, anchor included (default {DEFAULT_BLOCK_SIZE}; with --init-from, that "
+                   "drafter's)")
     p.add_argument("--mask-token-id", type=int,
                    help="embedding row for mask rows; default: the first row past the tokenizer, if there is one")
     p.add_argument("--target-layer-ids", type=_int_list, help="comma-separated target layers to capture")
@@ -262,7 +259,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts per regeneration batch")
     p.add_argument("--max-length", type=int, default=3072, help="training sequences are cut to this many tokens")
     p.add_argument("--max-anchors", type=int, default=512, help="anchors (blocks) per sequence")
-    p.add_argument("--gamma", type=float, help="loss decay over block rows (default: 7 for B=16, 5 for 10, 4 for 8)")
+    p.add_argument("--gamma", type=float, help="loss decay over block rows (default: 7 for B=16, 5 for 10, 4 for 8, "
+                   "linear between them, 4 below 8 and 7 above 16)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps (overrides --epochs)")
     length.add_argument("--epochs", type=float, default=6.0, help="passes over the data")

