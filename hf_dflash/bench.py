@@ -402,6 +402,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from .generate_cli import DEFAULT_DRAFTER, encode, load_target
         from .training.data import load_prompts
 
+        args.target, args.prompts, args.limit = args.target or "smollm2", args.prompts or "humaneval", args.limit or 8
         texts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
         target, tokenizer = load_target(args.target, dtype, device)
         drafter = DFlashDraftModel.from_pretrained(args.drafter or DEFAULT_DRAFTER, dtype=dtype).to(device).eval()
@@ -549,7 +550,8 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--target", default="smollm2", help="smollm2, stories260k, or a from_pretrained path/id")
+    parser.add_argument("--target", default=None,
+                        help="smollm2 (default), stories260k, or a from_pretrained path/id")
     parser.add_argument("--drafter", default=None, help="drafter directory (default: our SmolLM2 drafter)")
     parser.add_argument("--random-weights", choices=list(RANDOM_SHAPES), default=None,
                         help="build target and drafter of this published shape with random weights (speed only; the "
@@ -559,8 +561,8 @@ def register(subparsers: Any) -> None:
                         "capability 9.x/10.x GPU, else batched_mm, as the fast path advises)")
     parser.add_argument("--context-lengths", type=int, nargs="+", default=None,
                         help="prompt lengths of --random-weights runs (default: 512)")
-    parser.add_argument("--prompts", default="humaneval", help="humaneval, sharegpt:N or a .jsonl file")
-    parser.add_argument("--limit", type=int, default=8, help="number of prompts")
+    parser.add_argument("--prompts", default=None, help="humaneval (default), sharegpt:N or a .jsonl file")
+    parser.add_argument("--limit", type=int, default=None, help="number of prompts (default: 8)")
     parser.add_argument("--batch-size", type=int, default=None, help="batch size of --random-weights runs (default: 1)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="batch sizes of prompt-set runs (default: 1)")

@@ -265,14 +265,17 @@ def check_bench(args: argparse.Namespace) -> None:
                                   "--batch-sizes")
     elif args.batch_sizes is not None:
         raise BadArgument("--batch-sizes applies to prompt-set runs; a --random-weights run takes one --batch-size")
-    elif args.drafter is not None:
-        raise BadArgument("a --random-weights run builds the published drafter of its shape with random weights; "
-                          "leave out --drafter")
+    elif args.drafter is not None or args.target is not None:
+        raise BadArgument("a --random-weights run builds the published target and drafter of its shape with random "
+                          "weights; leave out --target and --drafter")
+    elif args.prompts is not None or args.limit is not None:
+        raise BadArgument("a --random-weights run decodes random prompts of each --context-lengths; leave out "
+                          "--prompts and --limit")
     if Path(args.out).is_dir():
         raise BadArgument(f"--out {args.out} is a folder; pass the JSON file to write, e.g. {args.out}/bench.json")
     if args.random_weights is None:
-        check_prompts("--prompts", args.prompts)
-        check_model("--target", args.target)
+        check_prompts("--prompts", args.prompts or "humaneval")
+        check_model("--target", args.target or "smollm2")
         check_drafter("--drafter", args.drafter)
 
 
