@@ -62,10 +62,22 @@ def _read_drafter(name: str) -> tuple[DFlashConfig, str, str, dict[str, Any]]:
     from huggingface_hub import try_to_load_from_cache
 
     config = DFlashConfig.from_pretrained(name)
-    cached = try_to_load_from_cache(name, "model.safetensors")
-    weights = "cached" if isinstance(cached, str) else "not on this machine (from_pretrained downloads them from the Hub)"
+    weights = "cached" if _weights_cached(name) else "not on this machine (from_pretrained downloads them from the Hub)"
     record = try_to_load_from_cache(name, "training_args.json")
     return config, "Hub", weights, json.loads(Path(record).read_text()) if isinstance(record, str) else {}
+
+
+def _weights_cached(name: str) -> bool:
+    """Whether the Hub cache holds every weights file of `name`: model.safetensors, or each shard its index lists."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "model.safetensors"), str):
+        return True
+    index = try_to_load_from_cache(name, "model.safetensors.index.json")
+    if not isinstance(index, str):
+        return False
+    shards = set(json.loads(Path(index).read_text())["weight_map"].values())
+    return all(isinstance(try_to_load_from_cache(name, shard), str) for shard in shards)
 
 
 def recorded_target(config: DFlashConfig, training_args: dict[str, Any]) -> str:

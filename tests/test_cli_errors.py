@@ -358,3 +358,18 @@ def test_generate_and_bench_encode_a_chat_prompt_as_train_and_eval_do():
     tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     ids = hf_dflash.generate_cli.encode(tokenizer, "Once upon a time", "cpu")["input_ids"][0].tolist()
     assert ids == encode_prompt(tokenizer, "Once upon a time") and ids.count(tokenizer.bos_token_id) == 1
+
+
+def test_info_counts_sharded_weights_in_the_hub_cache(unreachable_hub, tmp_path):
+    """A drafter saved in shards is cached once its index and every shard it lists are; one shard missing is not."""
+    from hf_dflash.hub_cli import _weights_cached
+    from tests.test_hub import _populate_cache
+
+    index = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    files = {"model.safetensors.index.json": index.encode(), "model-00001-of-00002.safetensors": b"x"}
+    _populate_cache(tmp_path / "hub", "org/sharded", files)
+    assert not _weights_cached("org/sharded")
+    _populate_cache(tmp_path / "hub", "org/sharded-all", {**files, "model-00002-of-00002.safetensors": b"y"})
+    assert _weights_cached("org/sharded-all")
+    _populate_cache(tmp_path / "hub", "org/single", {"model.safetensors": b"z"})
+    assert _weights_cached("org/single") and not _weights_cached("org/absent")
