@@ -175,8 +175,9 @@ def run(args: argparse.Namespace) -> int:
                               "max_new_tokens": args.eval_max_new_tokens, "mean_tau": report.mean_tau,
                               "matches_greedy": report.matches_greedy, **_where(target)})
         print(f"eval tau {report.mean_tau:.2f} (greedy-identical: {report.matches_greedy})")
-    print(f"saved {args.out}: {result.steps} steps, loss {result.final_loss:.3f}, tau {result.final_tau:.2f}, "
-          f"{result.wall_time_s:.0f} s")
+    if state.is_main_process:  # one line per run, not per process (the main process saves)
+        print(f"saved {args.out}: {result.steps} steps, loss {result.final_loss:.3f}, tau {result.final_tau:.2f}, "
+              f"{result.wall_time_s:.0f} s")
     return 0
 
 
