@@ -109,6 +109,28 @@ def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
     assert live_batch_sizes[0] == 2, "the finished sequence still cost drafter work"
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+def test_repetition_penalty_follows_each_sequence_after_another_leaves_the_batch(fast):
+    """Under a repetition penalty, the first sequence of a batch ends early: the others, now at other batch rows, are
+    still penalized for their own tokens, as plain generate penalizes them."""
+    target = tiny_target("llama", seed=12)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(n, seed=20 + n) for n in (5, 2, 7)]
+    batch = left_pad(prompts)
+    width = batch["input_ids"].shape[1]
+    settings = dict(max_new_tokens=24, do_sample=False, pad_token_id=PAD, repetition_penalty=1.3)
+    free_run = target.generate(**batch, **settings, eos_token_id=None)
+    eos = int(free_run[0, width + 2])  # the first sequence's third new token
+    others = free_run[1:, width : width + 12]
+    assert not (others == eos).any(), "the other sequences should run on well after the first ends"
+    plain = target.generate(**batch, **settings, eos_token_id=eos)
+    oracle = oracle_static_drafts(plain, 3, VOCAB) if fast else oracle_drafts(plain, 3)
+    with oracle:
+        out = target.generate(**batch, **settings, eos_token_id=eos, assistant_model=drafter, dflash_fast_path=fast)
+    release_fast_path(drafter)
+    assert torch.equal(out, plain)
+
+
 def test_padding_never_reaches_the_drafter_context():
     target = tiny_target("qwen3", seed=13)
     drafter = tiny_drafter(target)
