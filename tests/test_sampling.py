@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
-from hf_dflash.modeling.dflash_acceptance import exponential_race_sample, inverse_cdf_sample, sample
+from hf_dflash.modeling.dflash_acceptance import DecodingRule, exponential_race_sample, inverse_cdf_sample, sample
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
 from tests.test_fast_path import oracle_static_drafts
@@ -197,6 +198,19 @@ def test_a_token_after_an_accepted_draft_follows_the_target_distribution(rule, f
     assert together > SAMPLES // 10, together
     samples = torch.cat([out.sequences[:, prompt.shape[1] : prompt.shape[1] + 3] for out in outs])
     assert_tuples_follow(samples, triple, greedy[0, prompt.shape[1] : prompt.shape[1] + 3].tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.7])
+def test_rejection_sampling_drafts_at_the_calls_temperature(temperature):
+    """Drafts are sampled from the drafter's softmax at the call's temperature: any proposal keeps the output exact,
+    so only this keeps a drafter's proposals as sharp (or flat) as the target's and acceptance high; a rule that
+    dropped the temperature would pass every distribution test and lose speed."""
+    rule = DecodingRule.for_call(GenerationConfig(do_sample=True, temperature=temperature), "rejection")
+    logits = torch.randn(2, 3, SMALL_VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    torch.manual_seed(0)
+    drafts, probs = rule.propose(logits)
+    torch.testing.assert_close(probs, torch.softmax(logits / temperature, dim=-1))
+    assert drafts.shape == (2, 3) and bool((probs.gather(-1, drafts[..., None]) > 0).all())
 
 
 @pytest.mark.parametrize("fast", [False, True])
