@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from hf_dflash import DFlashCandidateGenerator
+from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import VOCAB, random_prompt, tiny_drafter, tiny_target
+from tests.test_fast_path import oracle_static_drafts
 from tests.test_greedy_identity import oracle_drafts
 
 PAD = 0
@@ -51,6 +53,29 @@ def test_batch_equals_each_sequence_alone(family, wrong_every):
         assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+def test_acceptance_lengths_count_what_each_step_commits_up_to_max_length(fast):
+    """A left-padded batch whose sequences reach max_length inside a block, each at its own step: every step reports
+    the tokens it committed, so that with the prefill's first token they add up to the new tokens, none past
+    max_length (a step whose room ignored the padding, or was one too large, reports drafts it never committed)."""
+    target = tiny_target("qwen3", seed=11)  # no eos: every sequence runs to max_length
+    drafter = tiny_drafter(target, block_size=5)
+    prompts = [random_prompt(n, seed=n) for n in (3, 9, 1, 6)]
+    batch = left_pad(prompts)
+    for new_tokens in (9, 10, 11, 12):  # the last step ends at every place of a block
+        plain = target.generate(**batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD)
+        oracle = oracle_static_drafts(plain, 7, VOCAB) if fast else oracle_drafts(plain, 7)
+        with oracle:
+            out = target.generate(
+                **batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
+                dflash_fast_path=fast, return_dict_in_generate=True,
+            )
+        assert torch.equal(out.sequences, plain)
+        assert [1 + sum(lengths) for lengths in out.acceptance_lengths] == [new_tokens] * len(prompts), new_tokens
+        assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1  # the sequences progressed unevenly
+    release_fast_path(drafter)
+
+
 def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
     target = tiny_target("llama", seed=12)
     drafter = tiny_drafter(target, block_size=4)
@@ -82,6 +107,28 @@ def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
         assert strip(row, width, prompt, eos) == single[0].tolist()
     assert torch.equal(out, plain)  # finished rows are padded exactly as plain generate pads them
     assert live_batch_sizes[0] == 2, "the finished sequence still cost drafter work"
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+def test_repetition_penalty_follows_each_sequence_after_another_leaves_the_batch(fast):
+    """Under a repetition penalty, the first sequence of a batch ends early: the others, now at other batch rows, are
+    still penalized for their own tokens, as plain generate penalizes them."""
+    target = tiny_target("llama", seed=12)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(n, seed=20 + n) for n in (5, 2, 7)]
+    batch = left_pad(prompts)
+    width = batch["input_ids"].shape[1]
+    settings = dict(max_new_tokens=24, do_sample=False, pad_token_id=PAD, repetition_penalty=1.3)
+    free_run = target.generate(**batch, **settings, eos_token_id=None)
+    eos = int(free_run[0, width + 2])  # the first sequence's third new token
+    others = free_run[1:, width : width + 12]
+    assert not (others == eos).any(), "the other sequences should run on well after the first ends"
+    plain = target.generate(**batch, **settings, eos_token_id=eos)
+    oracle = oracle_static_drafts(plain, 3, VOCAB) if fast else oracle_drafts(plain, 3)
+    with oracle:
+        out = target.generate(**batch, **settings, eos_token_id=eos, assistant_model=drafter, dflash_fast_path=fast)
+    release_fast_path(drafter)
+    assert torch.equal(out, plain)
 
 
 def test_padding_never_reaches_the_drafter_context():

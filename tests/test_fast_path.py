@@ -84,10 +84,16 @@ def test_static_step_equals_plain_greedy_with_varied_acceptance(family, wrong_ev
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_static_drafts_equal_the_eager_paths_drafts(family):
     """The drafter inside the static step (context keys/values written in-step, every slot read under a mask) proposes
-    what the eager runtime proposes, step after step."""
+    what the eager runtime proposes, step after step, also once the first sequence has ended and the others moved up
+    to its rows (their drafter keys/values move with them)."""
     target = tiny_target(family, seed=3)
     drafter = tiny_drafter(target, seed=4, num_layers=2, block_size=6)
-    ids, mask = left_padded(2, 12, [0, 5], seed=2)
+    ids, mask = left_padded(3, 12, [0, 5, 2], seed=2)
+    free_run = target.generate(
+        ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    eos = int(free_run[0, 12 + 3])  # the first sequence ends with its fourth new token, the others run on
+    assert not (free_run[1:, 12:] == eos).any()
     draft_logits = {}
     original_init = DFlashCandidateGenerator.__init__
 
@@ -108,8 +114,8 @@ def test_static_drafts_equal_the_eager_paths_drafts(family):
     try:
         outputs = [
             target.generate(
-                ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=drafter,
-                dflash_fast_path=fast,
+                ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=eos,
+                assistant_model=drafter, dflash_fast_path=fast,
             )
             for fast in (False, True)
         ]
@@ -118,11 +124,12 @@ def test_static_drafts_equal_the_eager_paths_drafts(family):
         release_fast_path(drafter)
     assert torch.equal(outputs[0], outputs[1])
     eager, static = draft_logits[0], draft_logits[1]
-    # The eager loop drops finished rows from the batch; compare the steps where both rows still run.
-    steps = [i for i, logits in enumerate(eager) if logits.shape[0] == 2]
-    assert len(steps) > 5
-    for i in steps:
-        torch.testing.assert_close(static[i], eager[i], atol=1e-5, rtol=1e-5)
+    # Both loops drop a finished sequence from the batch at once (the static step runs at 2 rows once 2 sequences run),
+    # keeping the running ones in order: every step's rows are the same sequences in both.
+    assert len(eager) == len(static) and [logits.shape[0] for logits in eager] == [logits.shape[0] for logits in static]
+    assert sum(logits.shape[0] == 2 for logits in eager) > 3, "the first sequence should end steps before the others"
+    for eager_step, static_step in zip(eager, static):
+        torch.testing.assert_close(static_step, eager_step, atol=1e-5, rtol=1e-5)
 
 
 def test_static_step_stops_at_eos_and_max_length_like_plain_generate():

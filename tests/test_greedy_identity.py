@@ -96,9 +96,13 @@ def test_eos_stops_where_plain_generate_stops():
     drafter = tiny_drafter(target, block_size=5)
     prompt = random_prompt(6, seed=4)
     free_run = target.generate(prompt, max_new_tokens=30, do_sample=False)
-    eos = int(free_run[0, prompt.shape[1] + 7])  # a token the target emits mid-way
+    new_tokens = free_run[0, prompt.shape[1] :].tolist()
+    # a token the target emits once, mid-way: no other token of its block is eos, so a stop that looked anywhere but
+    # at each committed token in turn (the block's last, say) would run past it
+    at = next(i for i in range(2, len(new_tokens)) if new_tokens.count(new_tokens[i]) == 1 and i % 5)
+    eos = new_tokens[at]
     plain = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos)
-    assert plain.shape[1] < free_run.shape[1]
+    assert plain.shape[1] == prompt.shape[1] + at + 1
     with oracle_drafts(free_run, wrong_every=1000):  # eos arrives inside an accepted block
         dflash = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos, assistant_model=drafter)
     assert torch.equal(plain, dflash)

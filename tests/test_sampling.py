@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
-from hf_dflash.modeling.dflash_acceptance import exponential_race_sample, inverse_cdf_sample, sample
+from hf_dflash.modeling.dflash_acceptance import DecodingRule, exponential_race_sample, inverse_cdf_sample, sample
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
 from tests.test_fast_path import oracle_static_drafts
@@ -77,14 +78,33 @@ def pair_probabilities(target: torch.nn.Module, prompt: torch.LongTensor, settin
     return pair
 
 
-def assert_pairs_follow(samples: torch.LongTensor, pair: torch.Tensor, greedy_pair: list[int]) -> None:
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
-    for t1, t2 in samples.tolist():
-        counts[t1, t2] += 1
-    assert chi_square_p_value(counts.flatten(), pair.flatten()) > 1e-3
-    # The test has teeth: "accept the greedy draft whenever offered" would put far more mass on the greedy pair.
-    biased = pair.clone()
-    biased[greedy_pair[0], greedy_pair[1]] += 0.1
+def triple_probabilities(target: torch.nn.Module, prompt: torch.LongTensor) -> torch.Tensor:
+    """Exact probabilities (V, V, V) of the first three sampled tokens under temperature + top-k. The third token is
+    the first one a verify chooses after another token of the same verify (the pairs end at its first row)."""
+
+    def probs(prefix: list[int]) -> torch.Tensor:
+        return processed_probs(target(torch.tensor([prefix])).logits[0, -1])
+
+    start = prompt[0].tolist()
+    triple = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB)
+    with torch.no_grad():
+        first = probs(start)
+        for t1 in first.nonzero()[:, 0].tolist():
+            second = probs(start + [t1])
+            for t2 in second.nonzero()[:, 0].tolist():
+                triple[t1, t2] = first[t1] * second[t2] * probs(start + [t1, t2])
+    return triple
+
+
+def assert_tuples_follow(samples: torch.LongTensor, expected: torch.Tensor, greedy: list[int]) -> None:
+    """samples (N, k) follow `expected` (V, ..., V) over k-tuples of tokens; `greedy` is the greedy k-tuple."""
+    counts = torch.zeros_like(expected)
+    for tokens in samples.tolist():
+        counts[tuple(tokens)] += 1
+    assert chi_square_p_value(counts.flatten(), expected.flatten()) > 1e-3
+    # The test has teeth: "accept the greedy draft whenever offered" would put far more mass on the greedy tuple.
+    biased = expected.clone()
+    biased[tuple(greedy)] += 0.1
     biased /= biased.sum()
     assert chi_square_p_value(counts.flatten(), biased.flatten()) < 1e-3
 
@@ -109,7 +129,7 @@ def test_sampled_pairs_follow_the_target_distribution(rule):
         )
     assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
     samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
-    assert_pairs_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
+    assert_tuples_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
 
 
 @pytest.mark.parametrize("setting", ["top_k", *SETTINGS])
@@ -138,7 +158,59 @@ def test_the_static_step_samples_the_target_distribution(rule, setting):
     release_fast_path(drafter)
     assert max(max(lengths) for out in outs for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
     samples = torch.cat([out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2] for out in outs])
-    assert_pairs_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
+    assert_tuples_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("rule", ["point_mass", "rejection"])
+def test_a_token_after_an_accepted_draft_follows_the_target_distribution(rule, fast):
+    """The first three sampled tokens against their exact distribution. The third is drawn at a verify's second row,
+    after the first row's draft was accepted: it must follow the target given the token committed at the first row.
+    Point mass catches an acceptance that compares the draft with anything but that committed token (the target's
+    argmax, say): the pairs alone cannot, since the first row's token is the target's own sample either way."""
+    target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
+    prompt = torch.tensor([[3, 7, 1, 4]])
+    triple = triple_probabilities(target, prompt)
+    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
+    torch.manual_seed(2)
+    if fast:  # five calls of 600 reuse one held step, as above
+        batch = SAMPLES // 5
+        with oracle_static_drafts(greedy.repeat(batch, 1), wrong_every=10**6, vocab=SMALL_VOCAB):
+            outs = [
+                target.generate(
+                    prompt.repeat(batch, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
+                    dflash_fast_path=True, **SAMPLED,
+                )
+                for _ in range(5)
+            ]
+        release_fast_path(drafter)
+    else:
+        with oracle_drafts(greedy.repeat(SAMPLES, 1), wrong_every=10**6):
+            outs = [
+                target.generate(
+                    prompt.repeat(SAMPLES, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
+                    dflash_fast_path=False, **SAMPLED,
+                )
+            ]
+    # the second and third tokens came from one verify, its first draft accepted, for many of the sequences
+    together = sum(lengths[0] > 1 for out in outs for lengths in out.acceptance_lengths)
+    assert together > SAMPLES // 10, together
+    samples = torch.cat([out.sequences[:, prompt.shape[1] : prompt.shape[1] + 3] for out in outs])
+    assert_tuples_follow(samples, triple, greedy[0, prompt.shape[1] : prompt.shape[1] + 3].tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.7])
+def test_rejection_sampling_drafts_at_the_calls_temperature(temperature):
+    """Drafts are sampled from the drafter's softmax at the call's temperature: any proposal keeps the output exact,
+    so only this keeps a drafter's proposals as sharp (or flat) as the target's and acceptance high; a rule that
+    dropped the temperature would pass every distribution test and lose speed."""
+    rule = DecodingRule.for_call(GenerationConfig(do_sample=True, temperature=temperature), "rejection")
+    logits = torch.randn(2, 3, SMALL_VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    torch.manual_seed(0)
+    drafts, probs = rule.propose(logits)
+    torch.testing.assert_close(probs, torch.softmax(logits / temperature, dim=-1))
+    assert drafts.shape == (2, 3) and bool((probs.gather(-1, drafts[..., None]) > 0).all())
 
 
 @pytest.mark.parametrize("fast", [False, True])
