@@ -43,7 +43,8 @@ from .dflash_target_cache import TargetCacheRollback
 
 @dataclass
 class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
-    """generate's usual output plus, per sequence, the tokens committed at each verify step (accepted drafts + 1)."""
+    """generate's usual output plus, per sequence, the tokens committed at each verify step (accepted drafts + 1, up
+    to the first that ends the sequence)."""
 
     acceptance_lengths: list[list[int]] | None = None
 
@@ -56,11 +57,10 @@ def _cache_argument(model: torch.nn.Module) -> str:
 def _decode_static(
     step: DFlashStaticStep, input_ids: torch.LongTensor, attention_mask: torch.Tensor, processors: StepProcessors,
     host_hooks: HostHooks,
-) -> list[list[int]]:
+) -> None:
     """The fast path's host loop (dflash_fast_path.py): per step one replay and one read-back of [tokens, accepted]
     per running sequence, whose committed tokens then pass the call's host hooks (`host_hooks`, which keeps the
-    sequences). Returns each sequence's acceptance lengths."""
-    acceptance_lengths: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    sequences)."""
     first, scores, logits = step.prefill(input_ids, attention_mask, host_hooks.max_length, processors)
     running = []
     for i, token in enumerate(first):
@@ -74,13 +74,11 @@ def _decode_static(
         still = []
         for i in running:
             accepted = out[i][-1]
-            acceptance_lengths[i].append(accepted + 1)
-            if host_hooks.commit(i, out[i][: accepted + 1], *step.verified_rows(i)):
+            if host_hooks.commit_verified(i, out[i][: accepted + 1], *step.verified_rows(i)):
                 step.stop(i)
             else:
                 still.append(i)
         running = still
-    return acceptance_lengths
 
 
 @contextlib.contextmanager
@@ -112,7 +110,6 @@ class EagerDecoding:
         self.processors, self.rule, self.verify_rows = processors, rule, verify_rows
         self.host_hooks = host_hooks
         self.live = list(range(batch_size))
-        self.acceptance_lengths: list[list[int]] = [[] for _ in range(batch_size)]
         self.presence: torch.Tensor | None = None
         self.generator = DFlashCandidateGenerator(
             drafter, target, batch_size, host_hooks.max_length, max_rows=max(prompt_len, drafter.config.block_size)
@@ -196,19 +193,22 @@ class EagerDecoding:
         accepted = torch.minimum(accepted, torch.tensor(room, device=device) - 1).tolist()  # the step's host sync
         self.attention_mask = self.target_cache.rollback(self.attention_mask, num_rows, accepted)
         self.generator.update_candidate_strategy(block, scores, accepted)
-        for seq, taken in zip(live, accepted):
-            self.acceptance_lengths[seq].append(taken + 1)
         return self.commit(
-            [row_tokens[: taken + 1] for row_tokens, taken in zip(tokens.tolist(), accepted)], scores, logits
+            [row_tokens[: taken + 1] for row_tokens, taken in zip(tokens.tolist(), accepted)], scores, logits,
+            verified=True,
         )
 
-    def commit(self, row_tokens: list[list[int]], step_scores: torch.Tensor, step_logits: torch.Tensor) -> list[int]:
+    def commit(
+        self, row_tokens: list[list[int]], step_scores: torch.Tensor, step_logits: torch.Tensor, verified: bool = False
+    ) -> list[int]:
         """Each live sequence's new tokens pass the host hooks, which stop it at the first token that ends it, exactly
-        where plain generate would. step_scores / step_logits (b, n, V). Returns the batch rows still running."""
+        where plain generate would (`verified`: a verify step's, whose counts the hooks record). step_scores /
+        step_logits (b, n, V). Returns the batch rows still running."""
+        commit = self.host_hooks.commit_verified if verified else self.host_hooks.commit
         running = []
         for row, (seq, new) in enumerate(zip(self.live, row_tokens)):
             start = len(self.host_hooks.tokens[seq])
-            done = self.host_hooks.commit(seq, new, step_scores[row], step_logits[row])
+            done = commit(seq, new, step_scores[row], step_logits[row])
             if self.presence is not None:
                 self.presence[seq, self.host_hooks.tokens[seq][start:]] = True
             if not done:
@@ -216,9 +216,7 @@ class EagerDecoding:
         return running
 
 
-def _generate_output(
-    host_hooks: HostHooks, acceptance_lengths: list[list[int]], return_dict: bool, **cache: Any
-) -> torch.LongTensor | DFlashGenerateOutput:
+def _generate_output(host_hooks: HostHooks, return_dict: bool, **cache: Any) -> torch.LongTensor | DFlashGenerateOutput:
     """What generate returns: the sequences, or with return_dict_in_generate the output object (`cache`: the
     target's cache under its argument name, when the loop used transformers' own)."""
     sequences = host_hooks.output_sequences()
@@ -228,7 +226,7 @@ def _generate_output(
         sequences=sequences,
         scores=tuple(host_hooks.scores) if host_hooks.keep_scores else None,
         logits=tuple(host_hooks.raw_logits) if host_hooks.keep_logits else None,
-        acceptance_lengths=acceptance_lengths,
+        acceptance_lengths=host_hooks.acceptance_lengths,
         **cache,
     )
 
@@ -284,16 +282,16 @@ def dflash_generate(
         compile_drafter = step.use_graphs if dflash_compile is None else dflash_compile
         step.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
         with step.generator.capture:
-            acceptance_lengths = _decode_static(step, input_ids, attention_mask, processors, host_hooks)
+            _decode_static(step, input_ids, attention_mask, processors, host_hooks)
         host_hooks.end()
-        return _generate_output(host_hooks, acceptance_lengths, return_dict)
+        return _generate_output(host_hooks, return_dict)
     loop = EagerDecoding(
         target, drafter, input_ids, attention_mask, cache, processors, rule, host_hooks, verify_rows
     )
     loop.run()
     host_hooks.end()
     returned = {loop.cache_arg: loop.returned_cache()}
-    return _generate_output(host_hooks, loop.acceptance_lengths, return_dict, **returned)
+    return _generate_output(host_hooks, return_dict, **returned)
 
 
 __all__ = ["DFlashGenerateOutput", "EagerDecoding", "dflash_generate"]

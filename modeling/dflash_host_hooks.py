@@ -62,6 +62,9 @@ class HostHooks:
             self.sequences[:, : input_ids.shape[1]] = input_ids
         self.scores: list[torch.Tensor] = []  # per committed token (1, V) float32, as plain generate returns them
         self.raw_logits: list[torch.Tensor] = []
+        # Per sequence, the tokens each verify step committed: accepted drafts and the target's own token, up to the
+        # first that ends the sequence (so 1 + their sum is the sequence's new tokens).
+        self.acceptance_lengths: list[list[int]] = [[] for _ in self.tokens]
 
     def commit(
         self, sequence: int, new: list[int], scores: torch.Tensor | None = None, logits: torch.Tensor | None = None
@@ -90,6 +93,15 @@ class HostHooks:
             if done:
                 return True
         return False
+
+    def commit_verified(
+        self, sequence: int, new: list[int], scores: torch.Tensor | None = None, logits: torch.Tensor | None = None
+    ) -> bool:
+        """`commit` of the tokens one verify step gives `sequence`, recording how many it committed."""
+        start = len(self.tokens[sequence])
+        done = self.commit(sequence, new, scores, logits)
+        self.acceptance_lengths[sequence].append(len(self.tokens[sequence]) - start)
+        return done
 
     def end(self) -> None:
         """The call is over: the streamer is told once."""

@@ -76,6 +76,32 @@ def test_acceptance_lengths_count_what_each_step_commits_up_to_max_length(fast):
     release_fast_path(drafter)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+def test_acceptance_lengths_stop_at_the_eos_that_ends_a_sequence(fast):
+    """A sequence that meets eos inside a block commits the tokens up to it; the step's acceptance length counts those,
+    not the drafts it accepted after the eos, so 1 + their sum is the sequence's new tokens here too."""
+    target = tiny_target("qwen3", seed=11)
+    drafter = tiny_drafter(target, block_size=5)
+    batch = left_pad([random_prompt(n, seed=n) for n in (3, 9, 1, 6)])
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    prompt_len = batch["input_ids"].shape[1]
+    free = target.generate(**batch, **settings)  # without the eos: the drafts below go on past it, and are accepted
+    for position in range(2, 7):  # sequence 0 ends on its (position + 1)-th new token: at each place of a block
+        eos = int(free[0, prompt_len + position])
+        plain = target.generate(**batch, eos_token_id=eos, **settings)
+        with oracle_static_drafts(free, 7, VOCAB) if fast else oracle_drafts(free, 7):
+            out = target.generate(
+                **batch, eos_token_id=eos, assistant_model=drafter, dflash_fast_path=fast, return_dict_in_generate=True,
+                **settings,
+            )
+        assert torch.equal(out.sequences, plain)
+        new = [row.tolist() for row in plain[:, prompt_len:]]
+        committed = [row.index(eos) + 1 if eos in row else len(row) for row in new]
+        assert committed[0] <= position + 1 < 12
+        assert [1 + sum(lengths) for lengths in out.acceptance_lengths] == committed, position
+    release_fast_path(drafter)
+
+
 def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
     target = tiny_target("llama", seed=12)
     drafter = tiny_drafter(target, block_size=4)
