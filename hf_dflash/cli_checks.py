@@ -265,7 +265,7 @@ def check_train(args: argparse.Namespace) -> None:
     if args.export_prompts:
         return
     for option in ("num_layers", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "max_anchors", "steps",
-                   "batch_size", "eval_limit", "eval_max_new_tokens"):
+                   "batch_size", "eval_limit", "eval_max_new_tokens", "draft_vocab_size"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     at_least("--block-size", args.block_size, 2, " (the anchor and one draft)")
     at_least("--max-length", args.max_length, args.block_size, " (one block)")
