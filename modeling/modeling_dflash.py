@@ -403,7 +403,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if self.draft_vocabulary is None and self.config.draft_vocab_size is not None:
             raise ValueError(
                 f"the config records draft_vocab_size {self.config.draft_vocab_size} but the drafter holds no draft "
-                "vocabulary; give it one (drafter.set_draft_vocabulary(ids)) or none (drafter.set_draft_vocabulary(None))"
+                "vocabulary; give it one (drafter.set_draft_vocabulary(ids)) or none "
+                "(drafter.set_draft_vocabulary(None))"
             )
         super().save_pretrained(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True):

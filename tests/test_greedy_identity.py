@@ -228,7 +228,7 @@ def test_verify_rows_outside_the_block_is_refused(llama_pair):
 
 @contextlib.contextmanager
 def captured_eager_drafts():
-    """Record the drafts of every propose of the eager loop (b, B - 1 per step), as the candidate generator made them."""
+    """Record the drafts of every propose of the eager loop (b, B - 1 per step), as the generator made them."""
     drafts, original = [], DFlashCandidateGenerator.get_candidates
 
     def get_candidates(self, input_ids, **kwargs):

@@ -209,7 +209,8 @@ def test_inverse_cdf_at_the_top_of_the_line_draws_the_last_token_of_weight(monke
 @pytest.mark.parametrize("fast", [False, True])
 def test_a_draft_vocabulary_keeps_rejection_sampling_target_distributed(fast):
     """Drafts only from a draft vocabulary without the target's greedy pair: under rejection sampling the drafter's q
-    is 0 outside it and the target's residual alone gives those tokens, which the pair distribution puts most mass on."""
+    is 0 outside it and the target's residual alone gives those tokens, on which the pair distribution puts most
+    mass."""
     target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
     prompt = torch.tensor([[3, 7, 1, 4]])

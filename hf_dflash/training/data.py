@@ -210,7 +210,9 @@ class RegeneratedData:
         on this data (`DFlashDraftModel.set_draft_vocabulary`). Ties go to the lower id; ids never seen fill the set
         when the answers use fewer than k. Prompt tokens are not counted: the drafter never drafts them."""
         if not 1 <= k <= vocab_size:
-            raise ValueError(f"a draft vocabulary of {k} tokens does not fit a vocabulary of {vocab_size}; pick 1..{vocab_size}")
+            raise ValueError(
+                f"a draft vocabulary of {k} tokens does not fit a vocabulary of {vocab_size}; pick 1..{vocab_size}"
+            )
         counts = torch.bincount(self.input_ids[self.loss_mask.bool()].long(), minlength=vocab_size)  # (V,)
         return counts.sort(descending=True, stable=True).indices[:k].sort().values
 
