@@ -320,7 +320,7 @@ def check_train(args: argparse.Namespace) -> None:
     if args.export_prompts:
         return
     for option in ("num_layers", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "max_anchors", "steps",
-                   "batch_size", "eval_limit", "eval_max_new_tokens", "log_every"):
+                   "batch_size", "eval_limit", "eval_max_new_tokens", "log_every", "draft_vocab_size"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     at_least("--block-size", args.block_size, 2, " (the anchor and one draft)")
     block_size = init_from_block_size(args) if args.init_from else args.block_size or DEFAULT_BLOCK_SIZE

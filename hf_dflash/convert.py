@@ -13,8 +13,8 @@ Every layout holds the same drafter tensors (fc, hidden_norm, layers.*, norm); t
   and `t2d` (which target ids the draft vocabulary keeps).
 Our drafter borrows the target's embedding and lm_head, so writing `speculators` needs the target's weights
 (`target=`). A reduced draft vocabulary's maps are kept in our layout as `draft_vocab.safetensors` (the config records
-`draft_vocab_size`): our runtime drafts over the full vocabulary and does not read them, but a conversion back to
-speculators is then exact. A field a file leaves out takes the default of that layout's own reader (DFlashConfig
+`draft_vocab_size`): our runtime drafts over those tokens only, as vLLM does, and a conversion back to speculators is
+exact. A field a file leaves out takes the default of that layout's own reader (DFlashConfig
 resolves zlab and native; here speculators' DFlashSpeculatorConfig and the transformers config of its decoder's
 model_type).
 
@@ -48,9 +48,9 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from .modeling import DFlashConfig, DFlashDraftModel
+from .modeling.dflash_draft_vocabulary import DRAFT_VOCAB_FILE, draft_vocabulary_from_maps
 
 FORMATS = ("ours", "zlab", "native", "speculators")
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 # The config fields that define a drafter; two configs are equivalent when these agree.
 CORE_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -263,7 +263,7 @@ def to_drafter(
     layout = detect_format(config)
     ours = config_from_layout(config)
     if layout == "speculators":
-        if hasattr(ours, "draft_vocab_size"):
+        if ours.draft_vocab_size is not None:
             missing = [k for k in SPECULATORS_VOCAB_TENSORS if k not in tensors]
             if missing:
                 raise ValueError(f"draft_vocab_size is {ours.draft_vocab_size} but the checkpoint lacks {missing}")
@@ -400,6 +400,12 @@ def _write(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) 
     save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _draft_vocabulary(drafter: Drafter) -> torch.LongTensor:
+    """The sorted target ids of the drafter's draft vocabulary, after checking its d2t/t2d maps agree."""
+    config = drafter.config
+    return draft_vocabulary_from_maps(drafter.draft_vocab, config.vocab_size, config.draft_vocab_size, "d2t/t2d")
+
+
 def _check_new_folder(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not empty; write the converted drafter to a new folder")
@@ -432,9 +438,9 @@ def _write_layout(
         with torch.device("meta"):
             model = DFlashDraftModel(config)
         model.load_state_dict(drafter.tensors, strict=True, assign=True)
-        model.save_pretrained(folder)
         if drafter.draft_vocab is not None:
-            save_file(drafter.draft_vocab, str(folder / DRAFT_VOCAB_FILE), metadata={"format": "pt"})
+            model.set_draft_vocabulary(_draft_vocabulary(drafter))
+        model.save_pretrained(folder)  # writes the draft vocabulary's maps beside the weights
     elif layout == "zlab":
         _write(folder, _zlab_config(config), drafter.tensors)
     elif layout == "native":
@@ -474,6 +480,8 @@ def save(
         target_vocab = target_vocab_tensors(target, progress)
         _check_speculators_target(config, target_vocab[0], target_vocab[2])
     _check_exact(drafter)
+    if drafter.draft_vocab is not None:
+        _draft_vocabulary(drafter)  # the maps must describe one vocabulary, before anything is written
     with _staged_folder(out) as folder:
         _write_layout(drafter, folder, layout, target_vocab, target)
     return out

@@ -110,6 +110,9 @@ class DFlashConfig(PreTrainedConfig):
         sliding_window: window of sliding layers, in tokens.
         attention_bias: whether q/k/v/o projections carry a bias.
         target_model: Hub id or name of the target the drafter was trained for (model cards, `hf-dflash info`).
+        draft_vocab_size: number of target ids the drafter drafts over when it has a reduced draft vocabulary (their
+            ids are in `draft_vocab.safetensors` beside the weights; `DFlashDraftModel.set_draft_vocabulary`); None
+            drafts over the full vocabulary.
     """
 
     model_type = "dflash"
@@ -143,6 +146,7 @@ class DFlashConfig(PreTrainedConfig):
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
         target_model: str | None = None,
+        draft_vocab_size: int | None = None,
         **kwargs: Any,
     ):
         if "speculators_model_type" in kwargs or "transformer_layer_config" in kwargs:
@@ -224,6 +228,7 @@ class DFlashConfig(PreTrainedConfig):
         self.mask_token_id = mask_token_id
         self.initializer_range = initializer_range
         self.target_model = target_model
+        self.draft_vocab_size = draft_vocab_size
         self._validate_dflash_fields()  # before the base class, whose own checks give vaguer messages
         self._check_declared_causality(declared_causal)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -3,7 +3,7 @@
 Per verify step the decoding loop (dflash_decoding.py) calls:
 1. `get_candidates(input_ids)`: compute keys/values of the context rows appended since the last propose (and only
    those), then one drafter forward over the block [anchor, mask x (B - 1)] per sequence; drafts = argmax of the
-   target's lm_head on block rows 1..B-1.
+   target's lm_head on block rows 1..B-1 (over the drafter's draft vocabulary only, when it has one).
 2. the target verifies [anchor, drafts] while `capture` copies the chosen layers' rows into `scratch`;
 3. `update_candidate_strategy(input_ids, scores, num_matches)`: rows 0..a of the scratch (anchor and accepted
    drafts) become the next context slots, held in the accumulator until that propose; the block rows' page slots
@@ -22,6 +22,60 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from .dflash_capture import TargetHiddenCapture
 from .dflash_devices import check_drafter_device, execution_device
 from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedCacheView, PagedDrafterCache, PagedView
+
+
+def sliceable_head(lm_head: torch.nn.Module) -> bool:
+    """Whether the lm_head is a plain Linear over a readable floating-point weight, whose rows can be copied out. A
+    quantized one (integer or packed weights, a quantizer's tensor subclass) or an offloaded one (weights on the meta
+    device until its hook loads them) is not."""
+    weight = lm_head.weight
+    return (
+        type(lm_head) is torch.nn.Linear
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and weight.is_floating_point()
+        and weight.device.type != "meta"
+    )
+
+
+class DraftVocabularyHead:
+    """The target's lm_head restricted to a drafter's draft vocabulary: (b, n, H) -> full-vocabulary logits
+    (b, n, V), -inf at every token outside it, so greedy argmax, sampling and rejection sampling downstream run
+    unchanged (the drafter's q is 0 outside the set; the target's residual covers those tokens).
+
+    Computes only the kept rows: a contiguous copy of them (weight, and bias if any), made once, where and in the dtype
+    the lm_head computes (K x H elements, e.g. 16,384 x 576 for SmolLM2's 49,152-token head). A head whose rows cannot
+    be copied (`sliceable_head`: quantized, offloaded) computes full logits and masks them: the same drafts, no saving.
+    Fixed shapes and no host read, so the fast path's compiled step and CUDA graph run it as they run the lm_head.
+    """
+
+    def __init__(self, lm_head: torch.nn.Module, token_ids: torch.LongTensor, vocab_size: int, device: torch.device):
+        self.lm_head = lm_head
+        self.vocab_size = vocab_size
+        self.token_ids = token_ids.to(device)  # (K,) sorted target ids
+        self.weight = self.bias = self.outside = None
+        if sliceable_head(lm_head):
+            rows = self.token_ids.to(lm_head.weight.device)
+            self.weight = lm_head.weight.detach()[rows].to(device).contiguous()  # (K, H)
+            if lm_head.bias is not None:
+                self.bias = lm_head.bias.detach()[rows].to(device).contiguous()  # (K,)
+        else:
+            self.outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            self.outside[self.token_ids] = False
+
+    @classmethod
+    def for_drafter(
+        cls, drafter: torch.nn.Module, lm_head: torch.nn.Module, device: torch.device
+    ) -> "DraftVocabularyHead | None":
+        """The head for `drafter`'s draft vocabulary, or None when it drafts over the full vocabulary."""
+        token_ids = drafter.draft_vocabulary
+        return None if token_ids is None else cls(lm_head, token_ids, drafter.config.vocab_size, device)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self.lm_head(hidden).masked_fill(self.outside, float("-inf"))
+        kept = torch.nn.functional.linear(hidden, self.weight, self.bias)  # (b, n, K)
+        logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # (b, n, V)
+        return logits.index_copy_(-1, self.token_ids, kept)
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -56,6 +110,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # its own dtype; a quantized lm_head (integer weights) casts its input itself.
         self.head_device = execution_device(self.lm_head)
         self.head_dtype = self.lm_head.weight.dtype if self.lm_head.weight.is_floating_point() else None
+        # The draft vocabulary the head was built for: a held fast-path step is rebuilt when the drafter's changes.
+        self.draft_vocabulary = drafter.draft_vocabulary
+        self.draft_head = DraftVocabularyHead.for_drafter(drafter, self.lm_head, self.head_device)
         device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         self.device = device
         self.capture = TargetHiddenCapture(target, config.target_layer_ids, config.target_hidden_size)
@@ -146,7 +203,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
             noise_embeds=noise_embeds, position_ids=positions, attention_mask=attention_mask, cache=view
         ).last_hidden_state
         # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
-        return self.lm_head(hidden[:, 1:].to(self.head_device, self.head_dtype))
+        hidden = hidden[:, 1:].to(self.head_device, self.head_dtype)
+        return self.lm_head(hidden) if self.draft_head is None else self.draft_head(hidden)
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: object) -> tuple[torch.LongTensor, torch.Tensor]:

@@ -532,11 +532,17 @@ def static_step_for(
 ) -> DFlashStaticStep:
     """The drafter's fast-path step for this target and batch size, built (and on CUDA, graph-captured at its first
     use) once and kept on the drafter: one at a time, to bound the memory it holds. A held step serves any call that
-    fits its cache and needs at least a quarter of it (attention reads every slot, so a far larger one costs time)."""
+    fits its cache and needs at least a quarter of it (attention reads every slot, so a far larger one costs time),
+    while the drafter keeps the draft vocabulary it was built for."""
     num_slots = -(-(max_length + drafter.config.block_size) // SLOT_BUCKET) * SLOT_BUCKET
     key = (id(target), batch_size, target.dtype)
     held = getattr(drafter, "_dflash_static_step", None)
-    if held is None or held[0] != key or not num_slots <= held[1].num_slots <= 4 * num_slots:
+    if (
+        held is None
+        or held[0] != key
+        or not num_slots <= held[1].num_slots <= 4 * num_slots
+        or held[1].generator.draft_vocabulary is not drafter.draft_vocabulary  # its head copied the old one's rows
+    ):
         drafter._dflash_static_step = None  # let the old buffers go before allocating new ones
         drafter._dflash_static_step = (key, DFlashStaticStep(target, drafter, batch_size, num_slots, cache_argument))
     return drafter._dflash_static_step[1]

@@ -29,16 +29,24 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import cached_file
 from transformers.utils.hub import hf_api
 
 from .configuration_dflash import DFlashConfig
 from .dflash_dispatch import install_generate_dispatch
+from .dflash_draft_vocabulary import (
+    DRAFT_VOCAB_FILE,
+    checked_draft_vocabulary,
+    draft_vocabulary_from_maps,
+    draft_vocabulary_maps,
+)
 from .dflash_model_card import model_card
 
 # Weight names of transformers' native DFlash drafter (Muse Glimmer assistant) mapped onto ours; z-lab files
@@ -222,6 +230,8 @@ class DFlashDecoderLayer(nn.Module):
 
 
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# from_pretrained options that say where a drafter's files are, passed on to find its draft-vocabulary file.
+FILE_LOOKUP_OPTIONS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
 def _pickle_refusal(source: Any) -> str:
@@ -253,6 +263,19 @@ def _choose_weight_format(source: Any, allow_pickle: bool, kwargs: dict[str, Any
         raise ValueError(_pickle_refusal(source))
 
 
+def _read_draft_vocabulary(source: Any, config: DFlashConfig, kwargs: dict[str, Any]) -> torch.LongTensor:
+    """The draft vocabulary of the drafter at `source` (folder or Hub id), whose config records draft_vocab_size."""
+    options = {name: kwargs[name] for name in FILE_LOOKUP_OPTIONS if name in kwargs}
+    path = cached_file(source, DRAFT_VOCAB_FILE, _raise_exceptions_for_missing_entries=False, **options)
+    if path is None:
+        raise ValueError(
+            f"the config of {source} records draft_vocab_size {config.draft_vocab_size} but {DRAFT_VOCAB_FILE} is not "
+            "beside its weights; copy that file there, or delete draft_vocab_size from config.json to draft over the "
+            "full vocabulary"
+        )
+    return draft_vocabulary_from_maps(load_file(path), config.vocab_size, config.draft_vocab_size, path)
+
+
 class DFlashPreTrainedModel(PreTrainedModel):
     config_class = DFlashConfig
     config: DFlashConfig
@@ -280,6 +303,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     """A DFlash drafter. Pass it as `assistant_model=` to any causal LM's `generate` for lossless speculative decoding.
 
     Weights (no prefix): fc [H, k*H_target], hidden_norm, layers.{i}.*, norm. No embedding, no lm_head.
+
+    `draft_vocabulary`: the sorted target ids ((K,) int64) the drafter drafts over, or None for the full vocabulary
+    (`set_draft_vocabulary`; saved beside the weights as `draft_vocab.safetensors`, dflash_draft_vocabulary.py).
     """
 
     def __init__(self, config: DFlashConfig):
@@ -289,6 +315,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
+        # Filled by from_pretrained when the folder has one, or by set_draft_vocabulary; not a weight (its own file).
+        self.draft_vocabulary: torch.LongTensor | None = None
         self.post_init()
 
     @classmethod
@@ -337,7 +365,24 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 f"{problems or info['error_msgs']}. Check that the config (layers, hidden size, target_layer_ids) "
                 "belongs to these weights."
             )
+        if model.config.draft_vocab_size is not None:
+            model.draft_vocabulary = _read_draft_vocabulary(pretrained_model_name_or_path, model.config, kwargs)
         return (model, info) if wants_info else model
+
+    def set_draft_vocabulary(self, token_ids: torch.Tensor | list[int] | None) -> None:
+        """Draft over these target token ids only (any order, each once), or over the full vocabulary again (None).
+
+        Drafting then computes logits for those lm_head rows only and never proposes another token; the target still
+        verifies every draft, so the output is unchanged (greedy identical, sampling target-distributed) and only
+        acceptance can drop, when the target picks a token outside the set. The mask token need not be included (it
+        is the drafter's input, never a draft). `save_pretrained` writes it beside the weights, `from_pretrained`
+        reads it back, and `hf-dflash convert --to speculators` writes it as vLLM's d2t/t2d maps."""
+        if token_ids is None:
+            self.draft_vocabulary = None
+            self.config.draft_vocab_size = None
+            return
+        self.draft_vocabulary = checked_draft_vocabulary(token_ids, self.config.vocab_size)
+        self.config.draft_vocab_size = len(self.draft_vocabulary)
 
     def save_pretrained(
         self,
@@ -355,10 +400,21 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         repo_id: where the drafter will live (shown in the card's example); target_model: the target's Hub id when
         the config does not record it (`config.target_model`); tau: acceptance length you measured, for the card.
         """
+        if self.draft_vocabulary is None and self.config.draft_vocab_size is not None:
+            raise ValueError(
+                f"the config records draft_vocab_size {self.config.draft_vocab_size} but the drafter holds no draft "
+                "vocabulary; give it one (drafter.set_draft_vocabulary(ids)) or none "
+                "(drafter.set_draft_vocabulary(None))"
+            )
         super().save_pretrained(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True):
             return
         out = Path(save_directory)
+        if self.draft_vocabulary is None:
+            (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)  # an older save's, which would no longer match
+        else:
+            maps = draft_vocabulary_maps(self.draft_vocabulary, self.config.vocab_size)
+            save_file(maps, str(out / DRAFT_VOCAB_FILE), metadata={"format": "pt"})
         source = Path(str(self.name_or_path))
         training_args = None
         if (source / "training_args.json").is_file():

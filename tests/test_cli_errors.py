@@ -90,6 +90,8 @@ def refused(argv, capsys) -> str:
         (["bench", "--random-weights", "qwen3-8b", "--limit", "4"], "leave out --prompts and --limit"),
         (["train", "--target", "smollm2", "--out", "o", "--lr", "-1"], "--lr must be at least 0"),
         (["train", "--target", "smollm2", "--out", "o", "--steps", "0"], "--steps must be at least 1"),
+        (["train", "--target", "smollm2", "--out", "o", "--draft-vocab-size", "0"],
+         "--draft-vocab-size must be at least 1"),
         (["train", "--target", "smollm2", "--out", "o", "--block-size", "1"], "--block-size must be at least 2"),
         (["train", "--target", "smollm2", "--out", "o", "--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1)"),
         (["train", "--target", "smollm2", "--out", "o", "--prompts", "sharegpt:0"], "N in sharegpt:N must be"),

@@ -185,3 +185,15 @@ def test_a_process_compiles_more_drafter_shapes_than_dynamos_default_limit(trace
         shapes |= {(size, step.num_slots) for size in step.drafter_passes}
     assert len(shapes) > 8
     release_fast_path(drafter)
+
+
+def test_a_draft_vocabulary_compiles_into_the_drafter_pass_as_one_graph(traced_only):
+    target = tiny_target("qwen3", seed=7)
+    drafter = tiny_drafter(target, seed=8, block_size=4)
+    drafter.set_draft_vocabulary(torch.arange(1, 256, 2))
+    ids, mask = left_padded(2, 9, [0, 3], seed=7)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast_generate(target, drafter, ids, mask, dflash_compile=True).sequences, plain)
+    step = drafter._dflash_static_step[1]
+    assert step.compile_error is None and traced_only and step.draft not in step.drafter_passes.values()
+    release_fast_path(drafter)

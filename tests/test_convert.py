@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash import convert as conversion
@@ -126,6 +126,7 @@ def test_speculators_reduced_vocabulary_round_trip(saved, tmp_path):
     assert ours.config.target_layer_ids == drafter.config.target_layer_ids  # aux ids - 1
     assert ours.config.draft_vocab_size == 100 and ours.config.target_model == str(saved / "target")
     assert torch.equal(load_file(str(tmp_path / "ours" / conversion.DRAFT_VOCAB_FILE))["d2t"], tensors["d2t"])
+    assert torch.equal(ours.draft_vocabulary, torch.arange(100) + tensors["d2t"])  # what drafting runs over
 
     conversion.convert(tmp_path / "ours", tmp_path / "spec2", "speculators", target=saved / "target")
     again = load_file(str(tmp_path / "spec2" / "model.safetensors"))
@@ -135,6 +136,20 @@ def test_speculators_reduced_vocabulary_round_trip(saved, tmp_path):
     for key in ("draft_vocab_size", "aux_hidden_state_layer_ids", "block_size", "mask_token_id", "speculators_config"):
         assert written[key] == config[key], key
     assert_same_drafter(conversion.load(tmp_path / "spec"), conversion.load(tmp_path / "spec2"))
+
+
+def test_a_draft_vocabulary_set_here_converts_to_speculators_and_back(saved, tmp_path):
+    drafter = DFlashDraftModel.from_pretrained(saved / "plain")
+    drafter.set_draft_vocabulary([250, 7, 3, 64])
+    drafter.save_pretrained(tmp_path / "ours")
+    conversion.convert(tmp_path / "ours", tmp_path / "spec", "speculators", target=saved / "target")
+    written = load_file(str(tmp_path / "spec" / "model.safetensors"))
+    lm_head = AutoModelForCausalLM.from_pretrained(saved / "target").get_output_embeddings().weight
+    assert torch.equal(written["lm_head.weight"], lm_head[[3, 7, 64, 250]])  # vLLM's rows, draft id order
+    assert written["d2t"].tolist() == [3, 6, 62, 247]
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["draft_vocab_size"] == 4
+    conversion.convert(tmp_path / "spec", tmp_path / "back", "ours")
+    assert DFlashDraftModel.from_pretrained(tmp_path / "back").draft_vocabulary.tolist() == [3, 7, 64, 250]
 
 
 def test_bad_conversions_are_refused_before_writing(saved, tmp_path):

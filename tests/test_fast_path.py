@@ -390,3 +390,42 @@ def test_the_drafters_rotary_embedding_is_the_rotate_half_formula_bit_for_bit(dt
     expected = x * ref_cos + torch.cat((-x2, x1), dim=-1) * ref_sin
     assert torch.equal(apply_rotary(x, cos, signed_sin), expected)
     assert not torch.equal(apply_rotary(x, cos, signed_sin.abs()), expected)  # the sign matters, so this can fail
+
+
+@contextlib.contextmanager
+def captured_static_drafts():
+    """Record the drafts of every step of the fast path (rows, B - 1), as its propose wrote them."""
+    drafts, original = [], DFlashStaticStep.propose
+
+    def propose(self, rows):
+        draft_probs = original(self, rows)
+        drafts.append(rows.drafts.clone())
+        return draft_probs
+
+    DFlashStaticStep.propose = propose
+    try:
+        yield drafts
+    finally:
+        DFlashStaticStep.propose = original
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_static_step_drafts_inside_the_draft_vocabulary_and_keeps_greedy_output(batch):
+    target = tiny_target("llama", seed=7)
+    drafter = tiny_drafter(target, block_size=5)
+    ids, mask = left_padded(batch, 10, [0, 4, 7][:batch], seed=7)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    produced = plain[:, ids.shape[1] :].unique()
+    vocabularies = [torch.cat([produced[::2], torch.arange(100, 160)]).unique(), torch.arange(0, 256, 3)]
+    for vocabulary in vocabularies:
+        drafter.set_draft_vocabulary(vocabulary)
+        with captured_static_drafts() as drafts:
+            out = target.generate(
+                ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                assistant_model=drafter, dflash_fast_path=True,
+            )
+        assert torch.equal(out, plain)
+        assert drafts and torch.isin(torch.cat(drafts).flatten(), vocabulary).all()
+        # a new vocabulary gives a new step: the held one's head holds the old vocabulary's rows
+        assert drafter._dflash_static_step[1].generator.draft_vocabulary is drafter.draft_vocabulary
+    release_fast_path(drafter)

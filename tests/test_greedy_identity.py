@@ -9,7 +9,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from hf_dflash import DFlashCandidateGenerator, DFlashGenerateOutput
-from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
+from hf_dflash.modeling.dflash_candidate_generator import DraftVocabularyHead
+from tests.conftest import hook_count, left_padded, random_prompt, tiny_drafter, tiny_target
 
 
 @contextlib.contextmanager
@@ -227,3 +228,81 @@ def test_verify_rows_outside_the_block_is_refused(llama_pair):
     target, drafter = llama_pair
     with pytest.raises(ValueError, match="dflash_verify_rows"):
         target.generate(random_prompt(3), max_new_tokens=4, assistant_model=drafter, dflash_verify_rows=99)
+
+
+@contextlib.contextmanager
+def captured_eager_drafts():
+    """Record the drafts of every propose of the eager loop (b, B - 1 per step), as the generator made them."""
+    drafts, original = [], DFlashCandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, **kwargs):
+        candidates, logits = original(self, input_ids, **kwargs)
+        drafts.append(candidates[:, input_ids.shape[1] :].clone())
+        return candidates, logits
+
+    DFlashCandidateGenerator.get_candidates = get_candidates
+    try:
+        yield drafts
+    finally:
+        DFlashCandidateGenerator.get_candidates = original
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_draft_vocabulary_keeps_greedy_output_and_every_draft_inside_it(batch):
+    target = tiny_target("qwen3", seed=4)
+    drafter = tiny_drafter(target, block_size=5)
+    ids, mask = left_padded(batch, 9, [0, 3, 6][:batch], seed=4)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    generated = plain[:, ids.shape[1] :]
+    # Half of the tokens greedy produces, and other tokens: some drafts can be accepted, many cannot.
+    produced = generated.unique()
+    vocabulary = torch.cat([produced[::2], torch.arange(100, 160)]).unique()
+    drafter.set_draft_vocabulary(vocabulary)
+    with captured_eager_drafts() as drafts:
+        out = target.generate(
+            ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, assistant_model=drafter,
+            dflash_fast_path=False,
+        )
+    assert torch.equal(out, plain)
+    assert drafts and torch.isin(torch.cat(drafts).flatten(), vocabulary).all()
+
+
+def test_a_draft_vocabulary_without_the_targets_tokens_accepts_no_draft_and_changes_no_token():
+    target = tiny_target("llama", seed=5)
+    drafter = tiny_drafter(target, block_size=4)
+    prompt = random_prompt(6, seed=5)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    with oracle_drafts(plain, wrong_every=1000):  # the full-vocabulary baseline, with drafts that mostly land
+        full = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                               return_dict_in_generate=True, dflash_fast_path=False)
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[plain.unique()] = False
+    drafter.set_draft_vocabulary(outside.nonzero()[:, 0])  # no token the target will pick
+    out = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True, dflash_fast_path=False)
+    assert torch.equal(out.sequences, plain) and torch.equal(full.sequences, plain)
+    assert set(out.acceptance_lengths[0]) == {1} and max(full.acceptance_lengths[0]) > 1
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_draft_vocabulary_head_equals_the_full_head_on_its_tokens_sliced_or_masked(bias):
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(16, 40, bias=bias)
+    token_ids = torch.tensor([0, 3, 4, 17, 39])
+    hidden = torch.randn(2, 3, 16)
+    full = lm_head(hidden)
+
+    class WrappedHead(torch.nn.Linear):  # not a plain Linear: its rows are not copied, its logits are masked
+        pass
+
+    wrapped = WrappedHead(16, 40, bias=bias)
+    wrapped.load_state_dict(lm_head.state_dict())
+    for head, sliced in ((lm_head, True), (wrapped, False)):
+        draft_head = DraftVocabularyHead(head, token_ids, 40, torch.device("cpu"))
+        assert (draft_head.weight is not None) == sliced
+        logits = draft_head(hidden)
+        assert logits.shape == full.shape
+        torch.testing.assert_close(logits[..., token_ids], full[..., token_ids])
+        outside = torch.ones(40, dtype=torch.bool)
+        outside[token_ids] = False
+        assert torch.isneginf(logits[..., outside]).all()

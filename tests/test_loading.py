@@ -157,17 +157,21 @@ REMOTE_CODE_SCRIPT = textwrap.dedent(
                           return_dict_in_generate=True)
     assert torch.equal(plain, out.sequences)
     assert len(out.acceptance_lengths[0]) >= 1
-    print("remote-code drafter ok", out.acceptance_lengths)
+    vocabulary = None if drafter.draft_vocabulary is None else drafter.draft_vocabulary.tolist()
+    print("remote-code drafter ok", out.acceptance_lengths, "vocabulary", vocabulary)
     """
 )
 
 
-def test_remote_code_round_trip_without_hf_dflash(tmp_path):
+@pytest.mark.parametrize("vocabulary", [None, [250, 3, 17, 64, 128]])
+def test_remote_code_round_trip_without_hf_dflash(tmp_path, vocabulary):
     from tests.conftest import tiny_drafter, tiny_target
 
     target = tiny_target("qwen3")
     target.save_pretrained(tmp_path / "target")
-    tiny_drafter(target).save_pretrained(tmp_path / "drafter")
+    drafter = tiny_drafter(target)
+    drafter.set_draft_vocabulary(vocabulary)
+    drafter.save_pretrained(tmp_path / "drafter")
     result = subprocess.run(
         [sys.executable, "-c", REMOTE_CODE_SCRIPT, str(tmp_path / "target"), str(tmp_path / "drafter")],
         capture_output=True, text=True, timeout=300,
@@ -175,3 +179,70 @@ def test_remote_code_round_trip_without_hf_dflash(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote-code drafter ok" in result.stdout
+    assert f"vocabulary {None if vocabulary is None else sorted(vocabulary)}" in result.stdout
+
+
+def test_a_draft_vocabulary_survives_save_and_load_and_a_drafter_without_one_is_unchanged(tmp_path):
+    from tests.conftest import tiny_drafter, tiny_target
+
+    from hf_dflash.modeling.dflash_draft_vocabulary import DRAFT_VOCAB_FILE
+
+    drafter = tiny_drafter(tiny_target("llama"))
+    drafter.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / DRAFT_VOCAB_FILE).exists()
+    assert json.loads((tmp_path / "plain" / "config.json").read_text()).get("draft_vocab_size") is None
+    plain = DFlashDraftModel.from_pretrained(tmp_path / "plain")
+    assert plain.draft_vocabulary is None and plain.config.draft_vocab_size is None
+
+    drafter.set_draft_vocabulary(torch.tensor([200, 5, 17, 3]))
+    assert drafter.draft_vocabulary.tolist() == [3, 5, 17, 200] and drafter.config.draft_vocab_size == 4
+    drafter.save_pretrained(tmp_path / "reduced")
+    maps = load_file(str(tmp_path / "reduced" / DRAFT_VOCAB_FILE))
+    assert maps["d2t"].tolist() == [3, 4, 15, 197] and maps["t2d"].nonzero()[:, 0].tolist() == [3, 5, 17, 200]
+    loaded = DFlashDraftModel.from_pretrained(tmp_path / "reduced")
+    assert loaded.draft_vocabulary.tolist() == [3, 5, 17, 200] and loaded.config.draft_vocab_size == 4
+    # dropping it and saving over the folder leaves no file behind that a later load or conversion would read
+    loaded.set_draft_vocabulary(None)
+    loaded.save_pretrained(tmp_path / "reduced")
+    assert not (tmp_path / "reduced" / DRAFT_VOCAB_FILE).exists()
+    assert DFlashDraftModel.from_pretrained(tmp_path / "reduced").draft_vocabulary is None
+
+
+@pytest.mark.parametrize(
+    "token_ids, message",
+    [
+        ([3, 5, 3], "repeats token id 3; pass each id once"),
+        ([3, 256], r"token id 256 is outside the target vocabulary \(0..255\)"),
+        ([-1, 4], "token id -1 is outside the target vocabulary"),
+        ([], "non-empty 1-D list of integer target token ids"),
+        ([[1, 2]], "non-empty 1-D list"),
+        ([1.0, 2.0], "non-empty 1-D list"),
+    ],
+)
+def test_bad_draft_vocabulary_ids_are_refused_with_the_fix(token_ids, message):
+    from tests.conftest import tiny_drafter, tiny_target
+
+    drafter = tiny_drafter(tiny_target("llama"))
+    with pytest.raises(ValueError, match=message):
+        drafter.set_draft_vocabulary(token_ids)
+    assert drafter.draft_vocabulary is None and drafter.config.draft_vocab_size is None
+
+
+def test_a_missing_or_inconsistent_draft_vocabulary_file_is_refused(tmp_path):
+    from tests.conftest import tiny_drafter, tiny_target
+
+    from hf_dflash.modeling.dflash_draft_vocabulary import DRAFT_VOCAB_FILE
+
+    drafter = tiny_drafter(tiny_target("llama"))
+    drafter.set_draft_vocabulary([1, 2, 3])
+    drafter.save_pretrained(tmp_path)
+    maps = load_file(str(tmp_path / DRAFT_VOCAB_FILE))
+    save_file({"d2t": maps["d2t"], "t2d": maps["t2d"].roll(1)}, str(tmp_path / DRAFT_VOCAB_FILE))
+    with pytest.raises(ValueError, match="d2t and t2d disagree"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    (tmp_path / DRAFT_VOCAB_FILE).unlink()
+    with pytest.raises(ValueError, match="records draft_vocab_size 3 but draft_vocab.safetensors is not beside"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    drafter.draft_vocabulary = None  # a config that records one without the ids would save an unloadable folder
+    with pytest.raises(ValueError, match="set_draft_vocabulary"):
+        drafter.save_pretrained(tmp_path / "again")

@@ -276,3 +276,26 @@ def test_inverse_cdf_at_the_top_of_the_line_draws_the_last_token_of_weight(monke
     monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, 1.0))  # beyond any real draw
     assert inverse_cdf_sample(row).tolist() == [2]
     assert inverse_cdf_sample(torch.zeros(1, 5)).tolist() == [4]  # a row with no weight: a token of the row
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_draft_vocabulary_keeps_rejection_sampling_target_distributed(fast):
+    """Drafts only from a draft vocabulary without the target's greedy pair: under rejection sampling the drafter's q
+    is 0 outside it and the target's residual alone gives those tokens, on which the pair distribution puts most
+    mass."""
+    target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
+    prompt = torch.tensor([[3, 7, 1, 4]])
+    pair = pair_probabilities(target, prompt)
+    greedy_pair = target.generate(prompt, max_new_tokens=2, do_sample=False)[0, prompt.shape[1] :].tolist()
+    vocabulary = [t for t in range(SMALL_VOCAB) if t not in greedy_pair]
+    drafter.set_draft_vocabulary(vocabulary)
+    torch.manual_seed(2)
+    out = target.generate(
+        prompt.repeat(SAMPLES, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling="rejection",
+        dflash_fast_path=fast, **SAMPLED,
+    )
+    release_fast_path(drafter)
+    assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
+    samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
+    assert_pairs_follow(samples, pair, greedy_pair)

@@ -380,6 +380,17 @@ def test_regenerated_data_round_trip_and_batching(tmp_path):
     assert len(TrainingSequences(loaded, max_length=4)) == 1  # the first keeps a single answer token: dropped
 
 
+def test_the_most_frequent_response_tokens_make_a_draft_vocabulary():
+    # 9 is the prompts' most used token but never answers; 5 answers thrice, 4 and 8 twice, 7 once
+    data = RegeneratedData.from_sequences([([9, 9, 9, 1], [5, 4, 5, 8]), ([9, 9], [8, 5, 4, 7])])
+    assert data.most_frequent_response_tokens(3, 10).tolist() == [4, 5, 8]
+    assert data.most_frequent_response_tokens(4, 10).tolist() == [4, 5, 7, 8]
+    assert data.most_frequent_response_tokens(6, 10).tolist() == [0, 1, 4, 5, 7, 8]  # unseen ids fill, lowest first
+    for k in (0, 11):
+        with pytest.raises(ValueError, match="does not fit a vocabulary of 10"):
+            data.most_frequent_response_tokens(k, 10)
+
+
 def test_cli_registers_train_and_eval():
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -581,3 +592,17 @@ def test_init_from_continues_a_drafter_and_keeps_its_history(tmp_path, monkeypat
     with pytest.raises(SystemExit) as refused:  # a bad argument: one line on stderr, exit status 2
         cli([*common, "--out", str(tmp_path / "third"), "--init-from", str(tmp_path / "missing")])
     assert refused.value.code == 2 and "no drafter there" in capsys.readouterr().err
+
+
+def test_train_draft_vocab_size_attaches_the_answers_most_used_tokens(tmp_path):
+    prompts = [f"Once upon a time, {n} had {t}." for n in NAMES[:2] for t in THINGS[:2]]
+    write_jsonl_prompts(prompts, tmp_path / "p.jsonl.gz", sources=["made up here"] * len(prompts))
+    data_path = tmp_path / "data.safetensors"
+    assert cli_main(["train", "--target", "stories260k", "--prompts", str(tmp_path / "p.jsonl.gz"), "--max-new-tokens",
+                     "12", "--batch-size", "4", "--max-anchors", "4", "--regenerated", str(data_path), "--out",
+                     str(tmp_path / "drafter"), "--mask-token-id", "0", "--block-size", "4", "--steps", "1",
+                     "--draft-vocab-size", "40"]) == 0
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "drafter")
+    expected = RegeneratedData.load(data_path).most_frequent_response_tokens(40, drafter.config.vocab_size)
+    assert torch.equal(drafter.draft_vocabulary, expected)
+    assert json.loads((tmp_path / "drafter" / "training_args.json").read_text())["draft_vocab_size"] == 40

@@ -128,6 +128,13 @@ def run(args: argparse.Namespace) -> int:
             target_layer_ids=args.target_layer_ids,
             init_from_target=args.init_from_target,
         )
+    if args.draft_vocab_size is not None:
+        # The drafter is trained over the full vocabulary; the saved one drafts over the answers' most used tokens.
+        vocab_size = drafter.config.vocab_size
+        if args.draft_vocab_size > vocab_size:
+            raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: the target's vocabulary has {vocab_size} "
+                             "tokens; give at most that")
+        drafter.set_draft_vocabulary(data.most_frequent_response_tokens(args.draft_vocab_size, vocab_size))
     if state.is_main_process:
         # The size a shipped drafter's bf16 model.safetensors has (MB: 10^6 bytes); the budget is a shipping rule.
         parameters = sum(p.numel() for p in drafter.parameters())
@@ -164,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                                                    Counter()))},
                "regeneration_tokens_per_second": round(data.tokens_per_second, 1),
                "history": _history(args.init_from) if args.init_from else [],
+               **({"draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size else {}),
                **({"grown": {"from_layers": depth, "to_layers": args.num_layers}} if grow else {})},
     )
     result = train(target, drafter, data, training_args)
@@ -289,6 +297,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto",
                    help="block attention in training: FlexAttention BlockMask, a dense boolean mask, or auto "
                    "(flex on GPU, dense on CPU)")
+    p.add_argument("--draft-vocab-size", type=int, metavar="K",
+                   help="the saved drafter drafts over the K tokens its training answers use most (a reduced draft "
+                        "vocabulary: cheaper drafting, same output); default: the full vocabulary")
     p.add_argument("--eval-prompts", help="after training, measure tau on these prompts (same forms as --prompts)")
     p.add_argument("--eval-limit", type=int, default=20, help="how many eval prompts")
     p.add_argument("--eval-max-new-tokens", type=int, default=256, help="tokens generated per eval prompt")

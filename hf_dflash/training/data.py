@@ -214,6 +214,17 @@ class RegeneratedData:
     def num_response_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def most_frequent_response_tokens(self, k: int, vocab_size: int) -> torch.LongTensor:
+        """The k target ids that answers (loss_mask 1) use most, sorted by id: a draft vocabulary for a drafter trained
+        on this data (`DFlashDraftModel.set_draft_vocabulary`). Ties go to the lower id; ids never seen fill the set
+        when the answers use fewer than k. Prompt tokens are not counted: the drafter never drafts them."""
+        if not 1 <= k <= vocab_size:
+            raise ValueError(
+                f"a draft vocabulary of {k} tokens does not fit a vocabulary of {vocab_size}; pick 1..{vocab_size}"
+            )
+        counts = torch.bincount(self.input_ids[self.loss_mask.bool()].long(), minlength=vocab_size)  # (V,)
+        return counts.sort(descending=True, stable=True).indices[:k].sort().values
+
     @classmethod
     def from_sequences(cls, sequences: list[tuple[list[int], list[int]]], tokens_per_second: float = 0.0):
         """From (prompt ids, response ids) pairs."""

@@ -1,0 +1,75 @@
+"""A drafter's reduced draft vocabulary: the target token ids it drafts over, and their file beside the weights.
+
+In memory a draft vocabulary is one tensor, the sorted target ids it keeps ((K,) int64); drafting computes logits for
+those lm_head rows only and gives every other token -inf (dflash_candidate_generator.py), so drafts always lie inside
+it while the target's verification keeps the output exact. On disk it is `draft_vocab.safetensors`, in vLLM
+speculators' two maps (a folder converts to speculators without loss): `d2t` (K,) int64, target id = draft id +
+d2t[draft id], and `t2d` (V,) bool, the target ids kept.
+
+This file is part of the remote-code bundle: it imports only torch, transformers (and safetensors, which transformers
+requires) and its sibling files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def checked_draft_vocabulary(token_ids: torch.Tensor | Sequence[int], vocab_size: int) -> torch.LongTensor:
+    """token ids (any order) -> the sorted (K,) int64 draft vocabulary, or a ValueError naming the fix. Ids must be
+    target ids, each once. The mask token need not be among them: it is an input of the drafter, never a draft."""
+    ids = torch.as_tensor(token_ids)
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(
+            f"a draft vocabulary is a non-empty 1-D list of integer target token ids, got {ids.dtype} of shape "
+            f"{tuple(ids.shape)}; pass e.g. torch.tensor([ids...]) (or None to draft over the full vocabulary)"
+        )
+    ids = ids.to("cpu", torch.long).sort().values
+    repeated = ids[1:][ids[1:] == ids[:-1]]
+    if len(repeated):
+        raise ValueError(f"the draft vocabulary repeats token id {int(repeated[0])}; pass each id once (torch.unique)")
+    if ids[0] < 0 or ids[-1] >= vocab_size:
+        bad = int(ids[0]) if ids[0] < 0 else int(ids[-1])
+        raise ValueError(
+            f"draft vocabulary token id {bad} is outside the target vocabulary (0..{vocab_size - 1}); pass target ids"
+        )
+    return ids
+
+
+def draft_vocabulary_maps(draft_vocabulary: torch.LongTensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The sorted target ids (K,) -> speculators' {"d2t": (K,) int64, "t2d": (V,) bool}."""
+    ids = draft_vocabulary.cpu()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(len(ids)), "t2d": t2d}
+
+
+def draft_vocabulary_from_maps(
+    maps: dict[str, torch.Tensor], vocab_size: int, draft_vocab_size: int | None, source: object
+) -> torch.LongTensor:
+    """speculators' d2t/t2d -> the sorted target ids (K,), after checking the two maps describe one vocabulary of
+    `draft_vocab_size` ids (when given) among `vocab_size`."""
+    fix = f"write {DRAFT_VOCAB_FILE} again (DFlashDraftModel.set_draft_vocabulary, then save_pretrained)"
+    if set(maps) != {"d2t", "t2d"}:
+        raise ValueError(f"{source} holds {sorted(maps)}, not the draft-vocabulary maps d2t and t2d; {fix}")
+    d2t, t2d = maps["d2t"], maps["t2d"]
+    if d2t.dim() != 1 or t2d.shape != (vocab_size,) or d2t.is_floating_point():
+        raise ValueError(
+            f"{source}: d2t {tuple(d2t.shape)} and t2d {tuple(t2d.shape)} do not fit a target vocabulary of "
+            f"{vocab_size}; {fix}"
+        )
+    if draft_vocab_size is not None and len(d2t) != draft_vocab_size:
+        raise ValueError(
+            f"{source} holds {len(d2t)} draft ids but the config records draft_vocab_size {draft_vocab_size}; {fix}"
+        )
+    ids = torch.arange(len(d2t)) + d2t.long()
+    if not torch.equal(ids, t2d.bool().nonzero()[:, 0]):
+        raise ValueError(f"{source}: d2t and t2d disagree on which target ids the draft vocabulary keeps; {fix}")
+    return ids
+
+
+__all__ = ["DRAFT_VOCAB_FILE", "checked_draft_vocabulary", "draft_vocabulary_from_maps", "draft_vocabulary_maps"]
