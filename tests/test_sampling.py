@@ -298,4 +298,4 @@ def test_a_draft_vocabulary_keeps_rejection_sampling_target_distributed(fast):
     release_fast_path(drafter)
     assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
     samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
-    assert_pairs_follow(samples, pair, greedy_pair)
+    assert_tuples_follow(samples, pair, greedy_pair)
