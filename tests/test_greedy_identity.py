@@ -306,3 +306,25 @@ def test_the_draft_vocabulary_head_equals_the_full_head_on_its_tokens_sliced_or_
         outside = torch.ones(40, dtype=torch.bool)
         outside[token_ids] = False
         assert torch.isneginf(logits[..., outside]).all()
+
+
+def test_the_draft_vocabulary_head_is_copied_once_per_vocabulary_and_lm_head_weight():
+    """Eager calls reuse the head's copy of the kept rows; a new vocabulary, or a changed lm_head weight, makes a new
+    one, so drafts always come from the weights the target has now."""
+    from hf_dflash.modeling.dflash_candidate_generator import DraftVocabularyHead
+
+    target = tiny_target("qwen3", seed=4)
+    drafter = tiny_drafter(target, block_size=4)
+    lm_head, cpu = target.get_output_embeddings(), torch.device("cpu")
+    drafter.set_draft_vocabulary(torch.arange(0, 200, 2))
+    first = DraftVocabularyHead.for_drafter(drafter, lm_head, cpu)
+    assert DraftVocabularyHead.for_drafter(drafter, lm_head, cpu) is first
+    with torch.no_grad():
+        lm_head.weight.mul_(2.0)  # an in-place change of the target's weights
+    second = DraftVocabularyHead.for_drafter(drafter, lm_head, cpu)
+    assert second is not first and torch.equal(second.weight, lm_head.weight[torch.arange(0, 200, 2)])
+    drafter.set_draft_vocabulary(torch.arange(1, 200, 2))
+    third = DraftVocabularyHead.for_drafter(drafter, lm_head, cpu)
+    assert third is not second and torch.equal(third.token_ids, torch.arange(1, 200, 2))
+    drafter.set_draft_vocabulary(None)
+    assert DraftVocabularyHead.for_drafter(drafter, lm_head, cpu) is None and drafter._dflash_draft_head is None
