@@ -311,8 +311,6 @@ def test_the_draft_vocabulary_head_equals_the_full_head_on_its_tokens_sliced_or_
 def test_the_draft_vocabulary_head_is_copied_once_per_vocabulary_and_lm_head_weight():
     """Eager calls reuse the head's copy of the kept rows; a new vocabulary, or a changed lm_head weight, makes a new
     one, so drafts always come from the weights the target has now."""
-    from hf_dflash.modeling.dflash_candidate_generator import DraftVocabularyHead
-
     target = tiny_target("qwen3", seed=4)
     drafter = tiny_drafter(target, block_size=4)
     lm_head, cpu = target.get_output_embeddings(), torch.device("cpu")
