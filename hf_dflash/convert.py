@@ -25,7 +25,7 @@ that declares one causality for all its layers (`is_causal`, `dflash_config.caus
 What a layout cannot represent is refused before anything is written, with the reason: the target's last layer, a
 sliding window that can cut context (speculators measure it from the block's anchor, we from each row), sliding layers
 bidirectional inside a block (speculators' `sliding_window_non_causal: true`), a captured embedding output
-(speculators' aux layer 0; we capture decoder-layer outputs). Files are written to a temporary folder that becomes the
+(speculators' aux layer 0; we capture decoder-layer outputs), a reduced draft vocabulary in `zlab` or `native`. Files are written to a temporary folder that becomes the
 output folder only once complete.
 """
 
@@ -482,6 +482,12 @@ def save(
     _check_exact(drafter)
     if drafter.draft_vocab is not None:
         _draft_vocabulary(drafter)  # the maps must describe one vocabulary, before anything is written
+        if layout in ("zlab", "native"):
+            raise ValueError(
+                f"this drafter drafts over a reduced draft vocabulary of {config.draft_vocab_size} tokens, which the "
+                f"{layout} layout cannot hold (its readers draft over the full vocabulary); to convert it anyway, "
+                "load it, call drafter.set_draft_vocabulary(None), save it, and convert that copy"
+            )
     with _staged_folder(out) as folder:
         _write_layout(drafter, folder, layout, target_vocab, target)
     return out

@@ -136,6 +136,10 @@ def test_speculators_reduced_vocabulary_round_trip(saved, tmp_path):
     for key in ("draft_vocab_size", "aux_hidden_state_layer_ids", "block_size", "mask_token_id", "speculators_config"):
         assert written[key] == config[key], key
     assert_same_drafter(conversion.load(tmp_path / "spec"), conversion.load(tmp_path / "spec2"))
+    for layout in ("zlab", "native"):  # their readers draft over the full vocabulary: refused, not dropped
+        with pytest.raises(ValueError, match="reduced draft vocabulary of 100 tokens"):
+            conversion.convert(tmp_path / "spec", tmp_path / layout, layout)
+        assert not (tmp_path / layout).exists()
 
 
 def test_a_draft_vocabulary_set_here_converts_to_speculators_and_back(saved, tmp_path):
