@@ -106,13 +106,16 @@ def test_greedy_identity_alone(family, seed):
     drafter = tiny_drafter(target, seed=seed + 10, block_size=4 + seed)
     prompt = random_prompt(3 + 4 * seed, seed=seed)
     plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
-    # A random drafter is rejected almost always; the oracle's drafts are accepted up to each planted mistake.
+    # A random drafter is rejected almost always; the oracle's drafts are accepted up to each planted mistake. Without
+    # eos there, so that no sequence ends before its acceptance lengths can show that (a tiny target may say eos early).
     assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), plain)
-    with oracle_drafts(plain, wrong_every=3 + seed):
+    endless = target.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    with oracle_drafts(endless, wrong_every=3 + seed):
         out = target.generate(
-            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, return_dict_in_generate=True,
+            eos_token_id=None,
         )
-    assert torch.equal(out.sequences, plain)
+    assert torch.equal(out.sequences, endless)
     assert max(out.acceptance_lengths[0]) > 1 and min(out.acceptance_lengths[0]) < drafter.config.block_size
 
 
