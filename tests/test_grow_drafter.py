@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -138,7 +139,7 @@ def test_train_grows_an_initial_drafter_and_records_it(tmp_path, monkeypatch, ca
     assert [run["steps"] for run in record["history"]] == [60, 1] and "grown" not in record["history"][0]
 
 
-def test_grow_refusals_come_before_any_work(tmp_path, monkeypatch):
+def test_grow_refusals_come_before_any_work(tmp_path, monkeypatch, capsys):
     drafter = tiny_drafter(tiny_target(), num_layers=3)
     drafter.save_pretrained(tmp_path / "three")
 
@@ -148,9 +149,14 @@ def test_grow_refusals_come_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr("hf_dflash.training.cli.load_target", no_work)
     common = ["train", "--target", "stories260k", "--out", str(tmp_path / "out"),
               "--init-from", str(tmp_path / "three")]
-    with pytest.raises(SystemExit, match=r"^--num-layers 2: .*three has 3 layers, and a drafter can grow but not "
-                                         r"shrink; give --num-layers 3 or more, or leave it out$"):
-        cli_main([*common, "--num-layers", "2"])
-    with pytest.raises(SystemExit, match="^--init-from takes the drafter's weights: leave out --init-from-target$"):
-        cli_main([*common, "--num-layers", "4", "--init-from-target"])
+    # bad arguments: one line on stderr naming the fix, exit status 2
+    for extra, line in (
+        (["--num-layers", "2"], r"--num-layers 2: .*three has 3 layers, and a drafter can grow but not shrink; pass "
+                                r"--num-layers 3 or more, or leave it out"),
+        (["--num-layers", "4", "--init-from-target"], "--init-from takes the drafter's weights: leave out "
+                                                      "--init-from-target"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            cli_main([*common, *extra])
+        assert refused.value.code == 2 and re.search(line, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.generation import SynthIDTextWatermarkingConfig, WatermarkingConfig
 
-from hf_dflash.modeling import dflash_decoding
+from hf_dflash.modeling import dflash_checks
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_processors import StepProcessors
 from tests.conftest import VOCAB, random_prompt, tiny_drafter, tiny_target
@@ -69,7 +69,7 @@ def processors_generate_builds(target, drafter, ids, mask, monkeypatch, **kwargs
         raise BuiltProcessors(logits_processor)
 
     with monkeypatch.context() as patch:
-        patch.setattr(dflash_decoding, "check_logits_processors", spy)
+        patch.setattr(dflash_checks, "check_logits_processors", spy)
         with pytest.raises(BuiltProcessors) as built:
             target.generate(
                 ids, attention_mask=mask, assistant_model=drafter, eos_token_id=EOS, pad_token_id=0,
