@@ -10,6 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from hf_dflash import DFlashCandidateGenerator, DFlashGenerateOutput
 from hf_dflash.modeling.dflash_candidate_generator import DraftVocabularyHead
+from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
 from tests.conftest import hook_count, left_padded, random_prompt, tiny_drafter, tiny_target
 
 
@@ -231,40 +232,51 @@ def test_verify_rows_outside_the_block_is_refused(llama_pair):
 
 
 @contextlib.contextmanager
-def captured_eager_drafts():
-    """Record the drafts of every propose of the eager loop (b, B - 1 per step), as the generator made them."""
-    drafts, original = [], DFlashCandidateGenerator.get_candidates
+def captured_drafts(fast: bool):
+    """Record the drafts of every step, (b, B - 1) each, as the eager loop's generator or the fast path's propose
+    made them."""
+    drafts = []
+    owner, name = (DFlashStaticStep, "propose") if fast else (DFlashCandidateGenerator, "get_candidates")
+    original = getattr(owner, name)
+
+    def propose(self, rows):
+        draft_probs = original(self, rows)
+        drafts.append(rows.drafts.clone())
+        return draft_probs
 
     def get_candidates(self, input_ids, **kwargs):
         candidates, logits = original(self, input_ids, **kwargs)
         drafts.append(candidates[:, input_ids.shape[1] :].clone())
         return candidates, logits
 
-    DFlashCandidateGenerator.get_candidates = get_candidates
+    setattr(owner, name, propose if fast else get_candidates)
     try:
         yield drafts
     finally:
-        DFlashCandidateGenerator.get_candidates = original
+        setattr(owner, name, original)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_draft_vocabulary_keeps_greedy_output_and_every_draft_inside_it(batch):
+def test_a_draft_vocabulary_keeps_greedy_output_and_every_draft_inside_it(batch, fast):
     target = tiny_target("qwen3", seed=4)
     drafter = tiny_drafter(target, block_size=5)
     ids, mask = left_padded(batch, 9, [0, 3, 6][:batch], seed=4)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    generated = plain[:, ids.shape[1] :]
-    # Half of the tokens greedy produces, and other tokens: some drafts can be accepted, many cannot.
-    produced = generated.unique()
-    vocabulary = torch.cat([produced[::2], torch.arange(100, 160)]).unique()
-    drafter.set_draft_vocabulary(vocabulary)
-    with captured_eager_drafts() as drafts:
-        out = target.generate(
-            ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, assistant_model=drafter,
-            dflash_fast_path=False,
-        )
-    assert torch.equal(out, plain)
-    assert drafts and torch.isin(torch.cat(drafts).flatten(), vocabulary).all()
+    # Half of the tokens greedy produces and other tokens (some drafts can be accepted, many cannot); then another.
+    produced = plain[:, ids.shape[1] :].unique()
+    for vocabulary in (torch.cat([produced[::2], torch.arange(100, 160)]).unique(), torch.arange(0, 256, 3)):
+        drafter.set_draft_vocabulary(vocabulary)
+        with captured_drafts(fast) as drafts:
+            out = target.generate(
+                ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                assistant_model=drafter, dflash_fast_path=fast,
+            )
+        assert torch.equal(out, plain)
+        assert drafts and torch.isin(torch.cat(drafts).flatten(), vocabulary).all()
+        if fast:  # a new vocabulary gives a new step: the held one's head holds the old vocabulary's rows
+            assert drafter._dflash_static_step[1].generator.draft_vocabulary is drafter.draft_vocabulary
+    release_fast_path(drafter)
 
 
 def test_a_draft_vocabulary_without_the_targets_tokens_accepts_no_draft_and_changes_no_token():
