@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from hf_dflash.modeling.dflash_candidate_generator import DraftVocabularyHead
+from hf_dflash.modeling.dflash_draft_vocabulary import DraftVocabularyHead
 
 VOCAB, HIDDEN, ROWS = 49_152, 576, 15
 

@@ -21,71 +21,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .dflash_capture import TargetHiddenCapture
 from .dflash_devices import check_drafter_device, execution_device
+from .dflash_draft_vocabulary import DraftVocabularyHead
 from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedCacheView, PagedDrafterCache, PagedView
-
-
-def sliceable_head(lm_head: torch.nn.Module) -> bool:
-    """Whether the lm_head is a plain Linear over a readable floating-point weight, whose rows can be copied out. A
-    quantized one (integer or packed weights, a quantizer's tensor subclass) or an offloaded one (weights on the meta
-    device until its hook loads them) is not."""
-    weight = lm_head.weight
-    return (
-        type(lm_head) is torch.nn.Linear
-        and type(weight) in (torch.Tensor, torch.nn.Parameter)
-        and weight.is_floating_point()
-        and weight.device.type != "meta"
-    )
-
-
-class DraftVocabularyHead:
-    """The target's lm_head restricted to a drafter's draft vocabulary: (b, n, H) -> full-vocabulary logits
-    (b, n, V), -inf at every token outside it, so greedy argmax, sampling and rejection sampling downstream run
-    unchanged (the drafter's q is 0 outside the set; the target's residual covers those tokens).
-
-    Computes only the kept rows: a contiguous copy of them (weight, and bias if any), made once, where and in the dtype
-    the lm_head computes (K x H elements, e.g. 16,384 x 576 for SmolLM2's 49,152-token head). A head whose rows cannot
-    be copied (`sliceable_head`: quantized, offloaded) computes full logits and masks them: the same drafts, no saving.
-    Fixed shapes and no host read, so the fast path's compiled step and CUDA graph run it as they run the lm_head.
-    """
-
-    def __init__(self, lm_head: torch.nn.Module, token_ids: torch.LongTensor, vocab_size: int, device: torch.device):
-        self.lm_head = lm_head
-        self.vocab_size = vocab_size
-        self.token_ids = token_ids.to(device)  # (K,) sorted target ids
-        self.weight = self.bias = self.outside = None
-        if sliceable_head(lm_head):
-            rows = self.token_ids.to(lm_head.weight.device)
-            self.weight = lm_head.weight.detach()[rows].to(device).contiguous()  # (K, H)
-            if lm_head.bias is not None:
-                self.bias = lm_head.bias.detach()[rows].to(device).contiguous()  # (K,)
-        else:
-            self.outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
-            self.outside[self.token_ids] = False
-
-    @classmethod
-    def for_drafter(
-        cls, drafter: torch.nn.Module, lm_head: torch.nn.Module, device: torch.device
-    ) -> "DraftVocabularyHead | None":
-        """The head for `drafter`'s draft vocabulary, or None when it drafts over the full vocabulary. Kept on the
-        drafter while its vocabulary and the lm_head's weight stay as they were, so that each eager generate call
-        does not copy the rows again (about one step's saving)."""
-        token_ids = drafter.draft_vocabulary
-        if token_ids is None:
-            return None
-        weight = lm_head.weight
-        key = (id(lm_head), weight.data_ptr(), weight._version, weight.dtype, str(device), id(token_ids))
-        held = getattr(drafter, "_dflash_draft_head", None)
-        if held is None or held[0] != key:
-            drafter._dflash_draft_head = None  # let the old copy go first
-            drafter._dflash_draft_head = (key, cls(lm_head, token_ids, drafter.config.vocab_size, device))
-        return drafter._dflash_draft_head[1]
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            return self.lm_head(hidden).masked_fill(self.outside, float("-inf"))
-        kept = torch.nn.functional.linear(hidden, self.weight, self.bias)  # (b, n, K)
-        logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # (b, n, V)
-        return logits.index_copy_(-1, self.token_ids, kept)
 
 
 class DFlashCandidateGenerator(CandidateGenerator):

@@ -9,7 +9,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from hf_dflash import DFlashCandidateGenerator, DFlashGenerateOutput
-from hf_dflash.modeling.dflash_candidate_generator import DraftVocabularyHead
+from hf_dflash.modeling.dflash_draft_vocabulary import DraftVocabularyHead
 from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
 from tests.conftest import hook_count, left_padded, random_prompt, tiny_drafter, tiny_target
 
