@@ -74,6 +74,8 @@ def model_card(
         ("block size (anchor + mask rows)", str(config.block_size)),
         ("mask token id", str(config.mask_token_id)),
         ("target vocabulary / hidden size", f"{config.vocab_size} / {config.target_hidden_size}"),
+        ("draft vocabulary", f"{config.draft_vocab_size} tokens (`draft_vocab.safetensors`)" if config.draft_vocab_size
+         else "the target's whole vocabulary"),
         (
             "drafter",
             f"{config.num_hidden_layers} layers ({attention}), hidden {config.hidden_size}, "

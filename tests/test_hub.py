@@ -134,6 +134,16 @@ def test_card_shows_the_target_the_trainer_recorded(tmp_path):
     assert "| target model | `smollm2` (as given to the trainer) |" in card and "base_model" not in card
 
 
+def test_card_says_which_vocabulary_the_drafter_drafts_over(tmp_path):
+    drafter = tiny_drafter(tiny_target("qwen3"))
+    drafter.save_pretrained(tmp_path / "full")
+    assert "| draft vocabulary | the target's whole vocabulary |" in (tmp_path / "full" / "README.md").read_text()
+    drafter.set_draft_vocabulary(range(0, 100, 4))
+    drafter.save_pretrained(tmp_path / "reduced")
+    card = (tmp_path / "reduced" / "README.md").read_text()
+    assert "| draft vocabulary | 25 tokens (`draft_vocab.safetensors`) |" in card
+
+
 def test_pull_from_a_populated_cache_offline(tmp_path, uploads):
     target = tiny_target("qwen3")
     target.save_pretrained(tmp_path / "target")
