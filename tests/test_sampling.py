@@ -112,6 +112,25 @@ def assert_tuples_follow(samples: torch.LongTensor, expected: torch.Tensor, gree
 SAMPLED = dict(do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, return_dict_in_generate=True, pad_token_id=0)
 
 
+def sample_with_greedy_drafts(target, drafter, prompt, greedy, rule: str, fast: bool, settings: dict) -> list:
+    """The outputs of SAMPLES sampled sequences of 3 new tokens, with the drafter proposing the target's greedy
+    continuation `greedy` (1, L). The fast path runs five calls of SAMPLES / 5 on one held step (its buffers hold every
+    sequence's whole cache); the eager loop one call."""
+    calls, batch = (5, SAMPLES // 5) if fast else (1, SAMPLES)
+    drafts = greedy.repeat(batch, 1)
+    oracle = oracle_static_drafts(drafts, 10**6, vocab=SMALL_VOCAB) if fast else oracle_drafts(drafts, 10**6)
+    with oracle:
+        outs = [
+            target.generate(
+                prompt.repeat(batch, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
+                dflash_fast_path=fast, **settings,
+            )
+            for _ in range(calls)
+        ]
+    release_fast_path(drafter)
+    return outs
+
+
 @pytest.mark.parametrize("rule", ["point_mass", "rejection"])
 def test_sampled_pairs_follow_the_target_distribution(rule):
     target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
@@ -120,13 +139,9 @@ def test_sampled_pairs_follow_the_target_distribution(rule):
     pair = pair_probabilities(target, prompt)
     # Point mass: drafts are the target's greedy continuation, accepted exactly when the sample equals it (often).
     # Rejection: drafts are sampled from the random drafter's distribution over 12 tokens, which overlaps p.
-    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False).repeat(SAMPLES, 1)
+    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
     torch.manual_seed(0)
-    with oracle_drafts(greedy, wrong_every=10**6):
-        out = target.generate(
-            prompt.repeat(SAMPLES, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
-            dflash_fast_path=False, **SAMPLED,
-        )
+    (out,) = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, False, SAMPLED)
     assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
     samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
     assert_tuples_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
@@ -143,19 +158,9 @@ def test_the_static_step_samples_the_target_distribution(rule, setting):
     prompt = torch.tensor([[3, 7, 1, 4]])
     pair = pair_probabilities(target, prompt, setting)
     settings = {**SAMPLED, **({"top_k": None, **SETTINGS[setting][0]} if setting in SETTINGS else {})}
-    batch = SAMPLES // 5
     greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
     torch.manual_seed(1)
-    # Five calls of 600 reuse one held step (the fast path's buffers hold every sequence's whole cache).
-    with oracle_static_drafts(greedy.repeat(batch, 1), wrong_every=10**6, vocab=SMALL_VOCAB):
-        outs = [
-            target.generate(
-                prompt.repeat(batch, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
-                dflash_fast_path=True, **settings,
-            )
-            for _ in range(5)
-        ]
-    release_fast_path(drafter)
+    outs = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, True, settings)
     assert max(max(lengths) for out in outs for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
     samples = torch.cat([out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2] for out in outs])
     assert_tuples_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
@@ -174,25 +179,7 @@ def test_a_token_after_an_accepted_draft_follows_the_target_distribution(rule, f
     triple = triple_probabilities(target, prompt)
     greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
     torch.manual_seed(2)
-    if fast:  # five calls of 600 reuse one held step, as above
-        batch = SAMPLES // 5
-        with oracle_static_drafts(greedy.repeat(batch, 1), wrong_every=10**6, vocab=SMALL_VOCAB):
-            outs = [
-                target.generate(
-                    prompt.repeat(batch, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
-                    dflash_fast_path=True, **SAMPLED,
-                )
-                for _ in range(5)
-            ]
-        release_fast_path(drafter)
-    else:
-        with oracle_drafts(greedy.repeat(SAMPLES, 1), wrong_every=10**6):
-            outs = [
-                target.generate(
-                    prompt.repeat(SAMPLES, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
-                    dflash_fast_path=False, **SAMPLED,
-                )
-            ]
+    outs = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, fast, SAMPLED)
     # the second and third tokens came from one verify, its first draft accepted, for many of the sequences
     together = sum(lengths[0] > 1 for out in outs for lengths in out.acceptance_lengths)
     assert together > SAMPLES // 10, together
