@@ -109,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     state = PartialState(cpu=not torch.cuda.is_available())
     target, tokenizer = load_target(args.target, state.device)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    if args.draft_vocab_size is not None and args.draft_vocab_size > vocab_size:  # before the data, which takes long
+        raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: the target's vocabulary has {vocab_size} "
+                         "tokens; give at most that")
     data = _regenerated_data(args, target, tokenizer, state)
     if args.regenerate_only:
         return 0
@@ -130,11 +134,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.draft_vocab_size is not None:
         # The drafter is trained over the full vocabulary; the saved one drafts over the answers' most used tokens.
-        vocab_size = drafter.config.vocab_size
-        if args.draft_vocab_size > vocab_size:
-            raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: the target's vocabulary has {vocab_size} "
-                             "tokens; give at most that")
-        drafter.set_draft_vocabulary(data.most_frequent_response_tokens(args.draft_vocab_size, vocab_size))
+        vocabulary = data.most_frequent_response_tokens(args.draft_vocab_size, drafter.config.vocab_size)
+        drafter.set_draft_vocabulary(vocabulary)
     if state.is_main_process:
         # The size a shipped drafter's bf16 model.safetensors has (MB: 10^6 bytes); the budget is a shipping rule.
         parameters = sum(p.numel() for p in drafter.parameters())
