@@ -466,6 +466,7 @@ def test_training_lowers_loss_and_raises_tau(stories, tmp_path):
     assert after.mean_tau > before.mean_tau + 0.25  # seen: 1.00 -> 1.70
     record = json.loads((tmp_path / "training_args.json").read_text())
     assert record["steps"] == result.steps == 600 and record["final_tau"] == pytest.approx(result.final_tau)
+    assert record["gamma"] == default_gamma(drafter.config.block_size)  # the default's value, not null
 
 
 def test_data_without_two_answer_tokens_is_refused_before_training(tmp_path):

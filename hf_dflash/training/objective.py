@@ -320,7 +320,8 @@ class DFlashObjective:
         self.distill_topk = distill_topk
         self.distill_weight = distill_weight
         self.compile_loss = compile_loss
-        self.weights = row_weights(drafter_config.block_size, gamma or default_gamma(drafter_config.block_size))
+        self.gamma = gamma or default_gamma(drafter_config.block_size)
+        self.weights = row_weights(drafter_config.block_size, self.gamma)
         self.capture = TargetHiddenCapture(target, drafter_config.target_layer_ids, drafter_config.target_hidden_size)
 
     @torch.no_grad()

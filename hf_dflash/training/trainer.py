@@ -215,6 +215,8 @@ def train(
             **{k: v for k, v in asdict(args).items() if k != "extra"},
             "out_dir": portable_path(str(args.out_dir)),
             "resume": args.resume and portable_path(str(args.resume)),
+            # The decay the loss used: a run left at the default records the published value, not null.
+            "gamma": objective.gamma,
             "attention": attention,
             "mixed_precision": accelerator.mixed_precision,
             "planned_steps": total_steps,
