@@ -80,6 +80,8 @@ def use_offline_hub_when_unreachable() -> str | None:
         return "HF_HUB_OFFLINE is set"
     endpoint = urlparse(constants.ENDPOINT)
     proxy = urllib.request.getproxies().get(endpoint.scheme)
+    if proxy and "://" not in proxy:
+        proxy = "http://" + proxy  # `host:port`, as requests (which huggingface_hub uses) reads it
     reach = urlparse(proxy) if proxy and not urllib.request.proxy_bypass(endpoint.hostname or "") else endpoint
     port = reach.port or (443 if reach.scheme == "https" else 80)
     try:

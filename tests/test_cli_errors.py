@@ -5,6 +5,7 @@ loop."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
@@ -253,6 +254,17 @@ def test_a_hub_that_does_not_answer_switches_to_offline_mode(monkeypatch, unreac
     monkeypatch.setattr(hf_dflash.hub.socket, "create_connection", silent)
     assert hf_dflash.hub.use_offline_hub_when_unreachable() == "127.0.0.1:9 cannot be reached: timed out"
     assert constants.is_offline_mode()
+
+
+@pytest.mark.parametrize("proxy", ["http://proxy.example:3128", "proxy.example:3128"])
+def test_the_probe_goes_to_the_proxy_written_with_or_without_a_scheme(monkeypatch, unreachable_hub, proxy):
+    """Behind a proxy the Hub is reached through it: the probe connects to the proxy, not to the Hub's own host."""
+    probed = []
+    monkeypatch.setenv("http_proxy", proxy)
+    monkeypatch.setattr(hf_dflash.hub.socket, "create_connection", lambda address, timeout: probed.append(address)
+                        or socket.socket())
+    assert hf_dflash.hub.use_offline_hub_when_unreachable() is None
+    assert probed == [("proxy.example", 3128)]
 
 
 def test_info_on_a_published_drafter_answers_at_once_offline(capsys, unreachable_hub):
