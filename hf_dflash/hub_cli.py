@@ -38,7 +38,12 @@ def run_push(args: argparse.Namespace) -> int:
     card = dict(target_model=args.target_model, tau=args.tau)
     if args.dry_run:
         drafter.save_pretrained(args.dry_run, repo_id=args.repo_id, **card)
-        print(f"wrote the folder that would be pushed to {args.repo_id} into {args.dry_run}")
+        how = [word for word, on in (("a new private repository if it does not exist", args.private),
+                                     (f"branch {args.revision}", args.revision),
+                                     ("as a pull request", args.create_pr),
+                                     (f"message {args.commit_message!r}", args.commit_message)) if on]
+        print(f"wrote the folder that would be pushed to {args.repo_id} into {args.dry_run}"
+              + (f" ({', '.join(how)})" if how else ""))
         return 0
     commit = drafter.push_to_hub(
         args.repo_id, private=args.private, revision=args.revision, create_pr=args.create_pr,

@@ -201,6 +201,13 @@ def test_cli_push_dry_run_writes_the_upload_folder(saved, tmp_path):
     assert json.loads((tmp_path / "up" / "config.json").read_text())["auto_map"]
 
 
+def test_cli_push_dry_run_says_how_it_would_push(saved, tmp_path, capsys):
+    assert main(["push", str(saved / "plain"), "org/d", "--private", "--revision", "v2", "--create-pr",
+                 "--commit-message", "drafter v2", "--dry-run", str(tmp_path / "up")]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        "(a new private repository if it does not exist, branch v2, as a pull request, message 'drafter v2')")
+
+
 def speculators_load_problems(folder) -> list[str]:
     """What vLLM speculators (0.9.0) would reject, or read differently from us, in a DFlash checkpoint folder: its
     loading rules restated (speculators pins transformers <= 5.19 and pulls datasets, openai and torchvision, too heavy
