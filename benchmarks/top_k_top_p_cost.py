@@ -106,7 +106,12 @@ def measure(top_k: int, top_p: float, rows: int, vocab: int, device: str) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    device = parser.parse_args().device
+    parser.add_argument("--shapes", nargs="+", metavar="ROWSxVOCAB", default=None,
+                        help="rows x vocabulary sizes to measure, e.g. 64x49152 (default: the device's SHAPES)")
+    parser.add_argument("--out", default=None, help="report file (default: results/top_k_top_p_cost_DEVICE.json)")
+    args = parser.parse_args()
+    device = args.device
+    shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes] if args.shapes else SHAPES[device]
     if device == "cpu":
         torch.set_num_threads(2)
     report = {
@@ -116,12 +121,12 @@ def main() -> None:
             f"{rows} x {vocab}": {
                 name: measure(top_k, top_p, rows, vocab, device) for name, (top_k, top_p) in SETTINGS.items()
             }
-            for rows, vocab in SHAPES[device]
+            for rows, vocab in shapes
         },
     }
     if device == "cpu":
         report["threads"] = 2
-    result = RESULTS / f"top_k_top_p_cost_{device}.json"
+    result = Path(args.out) if args.out else RESULTS / f"top_k_top_p_cost_{device}.json"
     result.parent.mkdir(exist_ok=True)
     result.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["shapes"], indent=2))
