@@ -8,7 +8,7 @@ the fast path's CUDA graph, for all rows together:
 - row processors read only their row's scores (temperature, top-k, top-p, top-h, min-p, typical-p, epsilon, eta,
   suppress-tokens, inf/nan removal, renormalization, single-token sequence bias / bad words): called as they are on
   the (b * B, V) rows, except that a top-k followed by a top-p (generate's order) runs as one `TopKTopP`, which gives
-  the pair's scores without sorting the whole vocabulary;
+  the pair's scores without sorting the whole vocabulary, wherever that is the faster of the two (`merged_pays`);
 - length-gated processors act only at some prefix lengths (min-length, min-new-tokens, begin-suppress, forced
   BOS/EOS): each is called once as if its condition held, and each row takes that result where its own length meets
   the condition;
@@ -186,6 +186,20 @@ class TopKTopP:
         return torch.where(keep, scores, -float("inf"))
 
 
+# On a CUDA device TopKTopP's twenty-odd small kernels cost more than the pair's one sort of a few rows. Measured on an
+# H200, both recorded as CUDA graphs (benchmarks/NOTES.md, 2026-12-05): 0.76 ms merged against 0.60 ms for the pair at
+# 16 x 151,936 scores (Qwen3-8B, batch 1), 1.10 against 1.56 ms at 256 x 49,152 (SmolLM2, batch 16). The line is
+# drawn where a straight line through each method's two points crosses the other's, about 5M scores; the shapes in
+# between were not measured. On a CPU the merged step was faster at every shape tried (2x or more, 16 to 256 rows).
+MERGED_TOP_K_TOP_P_FROM_CUDA = 5_000_000
+
+
+def merged_pays(scores: torch.Tensor) -> bool:
+    """Whether TopKTopP is the faster way to apply a top-k -> top-p pair to `scores` (rows, V); both give the
+    same scores where the pair's sort orders ties stably, as it does on a GPU."""
+    return not scores.is_cuda or scores.numel() >= MERGED_TOP_K_TOP_P_FROM_CUDA
+
+
 def _merge_top_k_top_p(processors: list[Any]) -> list[Any]:
     """The list with each exactly mergeable TopK -> TopP pair replaced by one TopKTopP."""
     merged = []
@@ -207,8 +221,9 @@ class StepProcessors:
 
     def __init__(self, logits_processor: Any):
         self.processors = list(logits_processor)
-        # What __call__ applies: the list with top-k -> top-p merged (exact, so `signature` still reads the list).
-        self.steps = _merge_top_k_top_p(self.processors)
+        # What __call__ applies where `merged_pays`: the list with top-k -> top-p merged (exact, so `signature` still
+        # reads the list).
+        self.merged_steps = _merge_top_k_top_p(self.processors)
         penalties = [p for p in self.processors if type(p) is lp.RepetitionPenaltyLogitsProcessor]
         host = [
             p for p in self.processors
@@ -269,8 +284,9 @@ class StepProcessors:
         scores = logits.to(dtype=torch.float32, copy=True).reshape(b * n, vocab)
         row_lengths = (lengths[:, None] + torch.arange(n, device=lengths.device)).reshape(b * n)
         no_prefix = torch.zeros((), dtype=torch.long, device=scores.device).expand(b * n, 0)
+        steps = self.merged_steps if merged_pays(scores) else self.processors  # a shape is fixed in a CUDA graph
         with _no_distribution_checks():
-            for processor in self.steps:
+            for processor in steps:
                 if processor is self.penalty:
                     every_token = torch.arange(vocab, device=scores.device).expand(b * n, vocab)
                     penalized = self._every_token_penalty(every_token, scores)

@@ -130,14 +130,31 @@ def test_the_merged_step_records_without_a_host_sync():
 def test_step_processors_merge_top_k_then_top_p_only():
     temperature, top_k, top_p = TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.95)
     merged_steps = StepProcessors([temperature, top_k, top_p])
-    assert [type(step) for step in merged_steps.steps] == [TemperatureLogitsWarper, TopKTopP]
+    assert [type(step) for step in merged_steps.merged_steps] == [TemperatureLogitsWarper, TopKTopP]
     assert merged_steps.processors == [temperature, top_k, top_p]  # what the signature and first token read
-    assert [type(step) for step in StepProcessors([top_p, top_k]).steps] == [TopPLogitsWarper, TopKLogitsWarper]
+    assert [type(step) for step in StepProcessors([top_p, top_k]).merged_steps] == [TopPLogitsWarper, TopKLogitsWarper]
     finite_filter = TopKLogitsWarper(20, filter_value=-1e4)
-    assert [type(s) for s in StepProcessors([finite_filter, top_p]).steps] == [TopKLogitsWarper, TopPLogitsWarper]
+    assert [type(s) for s in StepProcessors([finite_filter, top_p]).merged_steps] == [TopKLogitsWarper, TopPLogitsWarper]
     assert merged_steps.signature != StepProcessors([temperature, top_p, top_k]).signature
     # The verify rows come out as the pair gives them.
     logits = random_rows(21).bfloat16().float().view(2, ROWS // 2, VOCAB)
     got = merged_steps(logits, torch.tensor([5, 7]), None, torch.zeros(2, ROWS // 2 - 1, dtype=torch.long))
     expected = stable_pair(temperature(None, logits.reshape(ROWS, VOCAB).clone()), 20, 0.95)[0]
     assert torch.equal(got.reshape(ROWS, VOCAB), expected)
+
+
+def test_the_pair_runs_where_the_merged_step_does_not_pay(monkeypatch):
+    """Below the GPU's line the verify rows go through transformers' own pair, not TopKTopP; the scores are the
+    same (on a GPU the pair's sort orders ties stably, which these float32 rows, without ties, do not test)."""
+    import hf_dflash.modeling.dflash_processors as processors
+
+    assert processors.merged_pays(torch.zeros(16, 3))  # a CPU: always merged
+    assert processors.MERGED_TOP_K_TOP_P_FROM_CUDA > 16 * 151_936  # Qwen3-8B's batch-1 rows: the pair was faster
+    assert processors.MERGED_TOP_K_TOP_P_FROM_CUDA <= 256 * 49_152  # SmolLM2's batch-16 rows: the merged step was
+    step = StepProcessors([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.95)])
+    logits = random_rows(22).view(2, ROWS // 2, VOCAB)
+    args = (torch.tensor([5, 7]), None, torch.zeros(2, ROWS // 2 - 1, dtype=torch.long))
+    merged_scores = step(logits, *args)
+    monkeypatch.setattr(processors, "merged_pays", lambda scores: False)
+    monkeypatch.setattr(TopKTopP, "__call__", lambda *a: pytest.fail("the merged step ran below the line"))
+    assert torch.equal(step(logits, *args), merged_scores)
