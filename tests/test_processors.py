@@ -183,3 +183,23 @@ def test_a_batch_bound_processor_is_refused_for_a_batch():
             random_prompt(5, batch=2), max_new_tokens=4, assistant_model=drafter,
             prefix_allowed_tokens_fn=lambda batch_id, ids: [1, 2, 3],
         )
+
+
+
+@pytest.mark.parametrize("gate", [dict(min_new_tokens=5), dict(min_length=PROMPT_LEN + 5)])
+def test_a_length_gate_decides_where_the_output_ends(gate):
+    """The greedy test above passes its length gates whether or not they act (a random target seldom emits eos that
+    early). Here a sequence bias makes eos win every row where it is allowed, so the gate alone decides where the
+    output ends: five new tokens, then eos, which a verify row (not the prefill) emits. A gate off by one row in
+    either loop ends it elsewhere."""
+    target = tiny_target("qwen3", seed=8)
+    drafter = tiny_drafter(target, block_size=4)
+    ids, mask = left_padded_batch(2)
+    call = dict(attention_mask=mask, do_sample=False, eos_token_id=EOS, pad_token_id=0, max_new_tokens=12,
+                sequence_bias=[[[EOS], 50.0]], **gate)
+    plain = target.generate(ids, **call)
+    assert [row.index(EOS) for row in plain[:, PROMPT_LEN:].tolist()] == [5, 5]
+    for fast in (False, True):
+        dflash = target.generate(ids, assistant_model=drafter, dflash_fast_path=fast, **call)
+        assert torch.equal(dflash, plain), f"fast path {fast}"
+    release_fast_path(drafter)
