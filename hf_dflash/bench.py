@@ -49,6 +49,7 @@ from .modeling import DFlashConfig, DFlashDraftModel
 from .generate_cli import timed
 from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
 from .modeling.dflash_fast_path_blockers import grouped_mm_stays_on_device, moe_experts
+from .run_record import device_name, portable_path  # reports are committed: no machine's own paths in them
 
 METHODS = ("plain", "plain-static", "native", "dflash")
 
@@ -439,8 +440,6 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             results.append(measurement)
             print(_row(measurement), flush=True)
         _add_ratios([m for m in results if m.setting == setting])
-    from .training.trainer import portable_path  # reports are committed: no machine's own paths in them
-
     words = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
     return {
         **run_environment(device),
@@ -484,7 +483,7 @@ def run_environment(device: str, **more_versions: str) -> dict[str, Any]:
 
     from . import __version__
 
-    machine = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{platform.machine()} CPU"
+    machine = device_name(device)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__, "hf_dflash": __version__,
                 "python": platform.python_version(), **more_versions}
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine, "versions": versions}

@@ -25,6 +25,7 @@ from hf_dflash.training import (
     write_jsonl_prompts,
 )
 from hf_dflash.cli import main as cli_main
+from hf_dflash.run_record import portable_command
 from hf_dflash.training.cli import register
 from hf_dflash.training.data import LengthGroupedSampler, TrainingSequences, collate_right_padded
 from hf_dflash.training.objective import (
@@ -38,7 +39,6 @@ from hf_dflash.training.objective import (
     sample_anchors,
     sparse_block_loss,
 )
-from hf_dflash.training.trainer import portable_command
 from tests.conftest import MASK_ID, tiny_target
 
 # --------------------------------------------------------------------------------------------------

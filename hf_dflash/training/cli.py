@@ -23,10 +23,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .. import generate_cli
 from ..cli_checks import BUNDLED_TARGETS, DEFAULT_BLOCK_SIZE
 from ..modeling import DFlashConfig, DFlashDraftModel
+from ..run_record import device_name, portable_command, portable_path
 from .data import RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
 from .drafter import grow_drafter, new_drafter
 from .evaluate import measure_tau
-from .trainer import TrainingArguments, portable_command, portable_path, train
+from .trainer import TrainingArguments, train
 
 
 def load_target(spec: str, device: torch.device | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -191,9 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _where(target: PreTrainedModel) -> dict[str, str]:
-    device = target.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    return {"device": name, "dtype": str(target.dtype).removeprefix("torch.")}
+    return {"device": device_name(target.device), "dtype": str(target.dtype).removeprefix("torch.")}
 
 
 def record_tau(drafter_dir: str | Path, measurement: dict) -> None:

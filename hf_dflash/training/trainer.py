@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
-import shlex
 import shutil
 import sys
 import time
@@ -29,6 +27,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
+from ..run_record import device_name, portable_command, portable_path
 from .data import LengthGroupedSampler, RegeneratedData, TrainingSequences, collate_right_padded
 from .objective import DFlashObjective
 
@@ -105,9 +104,7 @@ def _save_checkpoint(
 
 
 def _device_description(accelerator: Accelerator) -> str:
-    device = accelerator.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    return f"{accelerator.num_processes} x {name} ({device.type})"
+    return f"{accelerator.num_processes} x {device_name(accelerator.device)} ({accelerator.device.type})"
 
 
 def train(
@@ -305,24 +302,4 @@ def _means(rows) -> tuple[float, float]:
     return sum(r[0] for r in rows) / len(rows), sum(r[1] for r in rows) / len(rows)
 
 
-def portable_command(argv: list[str]) -> str:
-    """The command line as a user re-runs it from the repository root: `hf-dflash ...` for the CLI, paths under
-    the current directory made relative and the home directory written `~` (no machine's own paths)."""
-    program = Path(argv[0]).name if argv else ""
-    words = ["hf-dflash"] if program in ("cli.py", "hf-dflash", "__main__.py") else [program]
-    words += [portable_path(word) for word in argv[1:]]
-    # Quoted for a shell where needed; a leading ~ stays bare, so that the shell expands it.
-    return " ".join(w if re.fullmatch(r"~?[\w@%+=:,./-]*", w) else shlex.quote(w) for w in words)
-
-
-def portable_path(word: str) -> str:
-    """A path under the current directory made relative, one under the home directory written `~`."""
-    cwd, home = str(Path.cwd()) + "/", str(Path.home())
-    if word.startswith(cwd):
-        return word[len(cwd):]
-    if word == home or word.startswith(home + "/"):
-        return "~" + word[len(home):]
-    return word
-
-
-__all__ = ["TrainingArguments", "TrainingResult", "portable_command", "train"]
+__all__ = ["TrainingArguments", "TrainingResult", "train"]
