@@ -100,7 +100,8 @@ def accept(
       committed token is then exactly the target's own choice.
     - rejection sampling (`draft_probs` (b, n - 1, V), the distribution the drafts were sampled from): accept
       draft j with probability min(1, p_j(d) / q_j(d)); the first rejected one is replaced by a sample of
-      normalize(max(p_j - q_j, 0)); if none is rejected the bonus is a sample of p at the last row.
+      normalize(max(p_j - q_j, 0)); if none is rejected the bonus is a sample of p at the last row. Only that one
+      row per sequence is sampled: the residuals of rows after it are never read.
     """
     if draft_probs is None:
         tokens = sample(torch.softmax(scores, dim=-1)) if do_sample else scores.argmax(dim=-1)
@@ -109,15 +110,23 @@ def accept(
     p = probs[:, :-1].gather(-1, drafts[..., None])[..., 0]  # (b, n - 1)
     q = draft_probs.gather(-1, drafts[..., None])[..., 0]
     keep = torch.rand_like(p) * q < p  # u < p / q without dividing by a zero q
-    accepted = keep.long().cumprod(dim=1).sum(dim=1)
-    residual = (probs[:, :-1] - draft_probs).clamp(min=0)
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)  # (b,)
+    # Row `accepted` of each sequence: its target distribution, and its proposal, taken as 0 at the bonus row (after
+    # a whole block), where the residual max(p - 0, 0) is then p itself.
+    drafted = draft_probs.shape[1]
+    row = accepted[:, None, None].expand(-1, 1, probs.shape[-1])  # (b, 1, V)
+    target_row = probs.gather(1, row)[:, 0]  # (b, V)
+    if drafted:
+        draft_row = draft_probs.gather(1, row.clamp(max=drafted - 1))[:, 0] * (accepted < drafted)[:, None]
+    else:  # a block of no drafts (the last token before max_length): the bonus row alone
+        draft_row = torch.zeros_like(target_row)
+    residual = (target_row - draft_row).clamp_(min=0)
     # Where p <= q everywhere (possible only if p == q), rejection has probability 0; keep the sampler defined.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs[:, :-1])
-    corrections = torch.cat([sample(residual), sample(probs[:, -1:])], dim=1)  # (b, n)
-    # tokens[j] = drafts[j] for j < accepted, corrections[accepted] at accepted (later columns are never read)
-    columns = torch.arange(corrections.shape[1], device=corrections.device)
-    padded_drafts = torch.cat([drafts, corrections[:, -1:]], dim=1)
-    tokens = torch.where(columns == accepted[:, None], corrections, padded_drafts)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_row)
+    correction = sample(residual)[:, None]  # (b, 1)
+    # tokens[j] = drafts[j] for j < accepted, the correction at accepted (later columns are never read)
+    columns = torch.arange(drafted + 1, device=drafts.device)
+    tokens = torch.where(columns == accepted[:, None], correction, torch.cat([drafts, correction], dim=1))
     return tokens, accepted
 
 
