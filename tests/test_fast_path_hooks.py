@@ -242,10 +242,15 @@ def test_scores_and_logits_match_plain_generate(pair, loop, sampled):
     prompt = random_prompt(6, seed=7)
     settings = SAMPLED if sampled else dict(do_sample=False, repetition_penalty=1.3)
     kwargs = dict(max_new_tokens=14, return_dict_in_generate=True, output_scores=True, output_logits=True, **settings)
-    torch.manual_seed(3)
-    plain = target.generate(prompt, **kwargs)
-    torch.manual_seed(3)
-    out = dflash(loop, target, drafter, prompt, plain.sequences, **kwargs)
+    # Sampled, the oracle's drafts follow plain's draws only until a correction differs from plain's token; the
+    # first seed (of a fixed few) under which a step still commits several tokens is the one checked.
+    for seed in range(3, 13 if sampled else 4):
+        torch.manual_seed(seed)
+        plain = target.generate(prompt, **kwargs)
+        torch.manual_seed(seed)
+        out = dflash(loop, target, drafter, prompt, plain.sequences, **kwargs)
+        if max(out.acceptance_lengths[0]) > 1:
+            break
     if not sampled:
         assert torch.equal(out.sequences, plain.sequences)
         for mine, theirs in zip(out.scores + out.logits, plain.scores + plain.logits):
