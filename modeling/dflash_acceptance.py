@@ -113,11 +113,11 @@ def accept(
     accepted = keep.long().cumprod(dim=1).sum(dim=1)  # (b,)
     # Row `accepted` of each sequence: its target distribution, and its proposal, taken as 0 at the bonus row (after
     # a whole block), where the residual max(p - 0, 0) is then p itself.
-    drafted = draft_probs.shape[1]
-    row = accepted[:, None, None].expand(-1, 1, probs.shape[-1])  # (b, 1, V)
-    target_row = probs.gather(1, row)[:, 0]  # (b, V)
+    drafted, vocab = draft_probs.shape[1:]
+    target_row = probs.gather(1, accepted[:, None, None].expand(-1, 1, vocab))[:, 0]  # (b, V)
     if drafted:
-        draft_row = draft_probs.gather(1, row.clamp(max=drafted - 1))[:, 0] * (accepted < drafted)[:, None]
+        proposal = draft_probs.gather(1, accepted.clamp(max=drafted - 1)[:, None, None].expand(-1, 1, vocab))[:, 0]
+        draft_row = proposal * (accepted < drafted)[:, None]
     else:  # a block of no drafts (the last token before max_length): the bonus row alone
         draft_row = torch.zeros_like(target_row)
     residual = (target_row - draft_row).clamp_(min=0)
