@@ -185,7 +185,6 @@ def test_a_batch_bound_processor_is_refused_for_a_batch():
         )
 
 
-
 @pytest.mark.parametrize("gate", [dict(min_new_tokens=5), dict(min_length=PROMPT_LEN + 5)])
 def test_a_length_gate_decides_where_the_output_ends(gate):
     """The greedy test above passes its length gates whether or not they act (a random target seldom emits eos that
