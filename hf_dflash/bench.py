@@ -139,7 +139,7 @@ class Measurement:
     batches: int  # generate calls timed, one per batch
     new_tokens: int
     seconds: float
-    ttft_s: float  # summed over the batches' first-token calls
+    ttft_s: float  # summed over the batches' first-token calls, each timed after its batch's full call
     steps: int
     peak_memory_gb: float | None
     tau: float
@@ -207,10 +207,12 @@ def run_method(
     outputs: list[list[int]] = []
     for index, batch in enumerate(tqdm(batches, desc=f"{setting} {method}", leave=False)):
         prompt_len = batch["input_ids"].shape[1]
-        ttft += timed(lambda: target.generate(**batch, max_new_tokens=1, **kwargs))[1]
         torch.manual_seed(index)
         with StepCounter() as counter:
             out, elapsed = timed(lambda: target.generate(**batch, max_new_tokens=max_new_tokens, **kwargs))
+        # After the full call, so that a shape's one-time setup (a compile, buffers for a new prompt length under
+        # --own-lengths) lands in the call's time for every method, not in the first-token time of only some.
+        ttft += timed(lambda: target.generate(**batch, max_new_tokens=1, **kwargs))[1]
         sequences = out.sequences if hasattr(out, "sequences") else out
         seconds += elapsed
         for row in sequences[:, prompt_len:].tolist():

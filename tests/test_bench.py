@@ -114,3 +114,23 @@ def test_time_to_first_token_is_per_call_not_per_prompt():
     batch_of_four = Measurement("s", "plain", prompts=4, batches=1, new_tokens=40, seconds=1.0, ttft_s=0.2, steps=9,
                                 peak_memory_gb=None, tau=1.0)
     assert "ttft   200.0 ms" in _row(batch_of_four)
+
+
+def test_a_new_shapes_setup_lands_in_the_call_not_in_the_first_token_time(monkeypatch):
+    """Under --own-lengths each prompt is a new shape, and its one-time setup must count in the timed call of every
+    method: the first-token call of a batch is timed after its full call, on the shape that call has set up."""
+    from hf_dflash.bench import run_method
+    from tests.conftest import random_prompt, tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    generate, calls = target.generate, []
+
+    def recorded(**kwargs):
+        calls.append((kwargs["input_ids"].shape[1], kwargs["max_new_tokens"]))
+        return generate(**kwargs)
+
+    monkeypatch.setattr(target, "generate", recorded)
+    batches = [{"input_ids": random_prompt(n, seed=n), "attention_mask": torch.ones(1, n, dtype=torch.long)}
+               for n in (5, 7)]
+    run_method("plain", target, tiny_drafter(target), batches, 6, "tiny", 0)
+    assert calls == [(5, 6), (5, 6), (5, 1), (7, 6), (7, 1)]  # the warm-up, then each prompt: full call, first token
