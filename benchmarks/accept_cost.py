@@ -13,13 +13,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_dflash.bench import run_environment  # noqa: E402
+from hf_dflash.generate_cli import timed  # noqa: E402
 from hf_dflash.modeling import dflash_acceptance  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -40,17 +40,8 @@ def module_at(rev: str):
     return module
 
 
-def fastest_ms(call, device: str, repeats: int = 7) -> float:
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1000 * min(times)
+def fastest_ms(call, repeats: int = 7) -> float:
+    return 1000 * min(timed(call)[1] for _ in range(repeats))
 
 
 def main() -> None:
@@ -69,8 +60,8 @@ def main() -> None:
         drafts = dflash_acceptance.sample(draft_probs)
         ours, theirs = [], []
         for _ in range(2):  # alternated, so that drift of a shared machine shows in both
-            theirs.append(fastest_ms(lambda: baseline.accept(scores, drafts, True, draft_probs), args.device))
-            ours.append(fastest_ms(lambda: dflash_acceptance.accept(scores, drafts, True, draft_probs), args.device))
+            theirs.append(fastest_ms(lambda: baseline.accept(scores, drafts, True, draft_probs)))
+            ours.append(fastest_ms(lambda: dflash_acceptance.accept(scores, drafts, True, draft_probs)))
         rows[f"{b} x {n} x {vocab}"] = {"baseline_ms": round(min(theirs), 3), "now_ms": round(min(ours), 3)}
         print(f"{b} x {n} x {vocab}: {args.baseline} {min(theirs):.2f} ms, now {min(ours):.2f} ms", flush=True)
     report = {**run_environment(args.device), "command": " ".join(["python", *sys.argv]), "baseline": args.baseline,
