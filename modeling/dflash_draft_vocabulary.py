@@ -2,9 +2,9 @@
 
 In memory a draft vocabulary is one tensor, the sorted target ids it keeps ((K,) int64); drafting computes logits for
 those lm_head rows only and gives every other token -inf (`DraftVocabularyHead`, which the one propose forward of both
-loops calls), so drafts always lie inside it while the target's verification keeps the output exact. On disk it is `draft_vocab.safetensors`, in vLLM
-speculators' two maps (a folder converts to speculators without loss): `d2t` (K,) int64, target id = draft id +
-d2t[draft id], and `t2d` (V,) bool, the target ids kept.
+loops calls), so drafts always lie inside it while the target's verification keeps the output exact. On disk it is
+`draft_vocab.safetensors`, in vLLM speculators' two maps (a folder converts to speculators without loss): `d2t` (K,)
+int64, target id = draft id + d2t[draft id], and `t2d` (V,) bool, the target ids kept.
 
 This file is part of the remote-code bundle: it imports only torch, transformers (and safetensors, which transformers
 requires) and its sibling files.
@@ -72,7 +72,6 @@ def draft_vocabulary_from_maps(
     return ids
 
 
-
 def sliceable_head(lm_head: torch.nn.Module) -> bool:
     """Whether the lm_head is a plain Linear over a readable floating-point weight, whose rows can be copied out. A
     quantized one (integer or packed weights, a quantizer's tensor subclass) or an offloaded one (weights on the meta
@@ -135,6 +134,7 @@ class DraftVocabularyHead:
         kept = torch.nn.functional.linear(hidden, self.weight, self.bias)  # (b, n, K)
         logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # (b, n, V)
         return logits.index_copy_(-1, self.token_ids, kept)
+
 
 __all__ = [
     "DRAFT_VOCAB_FILE", "DraftVocabularyHead", "checked_draft_vocabulary", "draft_vocabulary_from_maps",
