@@ -59,6 +59,20 @@ def draft_distribution(draft_logits: torch.Tensor, temperature: float) -> torch.
     return torch.softmax(draft_logits.float() / temperature, dim=-1)
 
 
+@dataclass
+class Proposal:
+    """A drafter's proposal for the B - 1 rows after each anchor (`DFlashDraftModel.propose`)."""
+
+    drafts: torch.LongTensor
+    """(b, B - 1) the proposed tokens."""
+    probs: torch.Tensor | None
+    """(b, B - 1, V) float32: row j's distribution given the drafts before it, the one drafts[:, j] was drawn from
+    (rejection sampling reads it); None when the drafts are deterministic (greedy, point-mass sampling)."""
+    confidence: torch.Tensor
+    """(b, B - 1) float32: the drafter's probability of each draft given the drafts before it, which the engine's
+    policy reads to decide how many rows are worth verifying; it never changes which tokens are committed."""
+
+
 @dataclass(frozen=True)
 class DecodingRule:
     """How a call proposes and accepts: greedy, sampling with a point-mass proposal, or full rejection sampling."""
@@ -130,4 +144,4 @@ def accept(
     return tokens, accepted
 
 
-__all__ = ["DecodingRule", "accept", "draft_distribution", "exponential_race_sample", "inverse_cdf_sample", "sample"]
+__all__ = ["DecodingRule", "Proposal", "accept", "draft_distribution", "exponential_race_sample", "inverse_cdf_sample", "sample"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from transformers.utils import cached_file
 from transformers.utils.hub import hf_api
 
 from .configuration_dflash import DFlashConfig
+from .dflash_acceptance import DecodingRule, Proposal
 from .dflash_dispatch import install_generate_dispatch
 from .dflash_draft_vocabulary import (
     DRAFT_VOCAB_FILE,
@@ -469,6 +471,27 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 revision=revision,
                 commit_description=commit_description,
             )
+
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        rule: DecodingRule,
+    ) -> Proposal:
+        """Drafts for block rows 1..B-1 from the drafter's output there: the argmax of each row's logits, or under
+        rejection sampling a sample of each row's softmax at the rule's temperature (rows are independent here; a
+        drafter whose rows depend on the drafts before them overrides this).
+
+        hidden (b, B - 1, H) the final-norm rows; anchor_ids (b, 1) the tokens before them (unused here); head maps
+        rows to the target vocabulary's logits (b, B - 1, V), -inf outside a draft vocabulary."""
+        logits = head(hidden)
+        drafts, probs = rule.propose(logits)
+        if probs is None:
+            confidence = torch.softmax(logits.float(), dim=-1).gather(-1, drafts[..., None])[..., 0]
+        else:
+            confidence = probs.gather(-1, drafts[..., None])[..., 0]
+        return Proposal(drafts=drafts, probs=probs, confidence=confidence)
 
     def context_features(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """(b, c, k*H_target) captured target rows -> (b, c, H) drafter features: fc, then hidden_norm."""
