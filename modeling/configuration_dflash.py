@@ -1,16 +1,8 @@
 """Configuration of a DFlash drafter.
 
-One class reads every published layout of a DFlash drafter config:
-- z-lab (`model_type: "qwen3"`, `architectures: ["DFlashDraftModel"]`, `block_size` at the top level or inside
-  `dflash_config`, `dflash_config: {mask_token_id, target_layer_ids}`, `rope_theta` or `rope_parameters`);
-- transformers-native Muse Glimmer assistants (`block_size`, `mask_token_id`, `target_layer_ids` at the top level);
-- our own files, which keep the three DFlash fields at the top level.
-
-A field a file leaves out takes the default of the class that layout's own reader builds, so a drafter computes here
-what it computes there: z-lab's `DFlashDraftModel` (and vLLM speculators' `transformer_layer_config`) build the
-transformers config of the file's `model_type` (Qwen3Config: rope_theta 10000, head_dim 128, ...), transformers builds
-`MuseGlimmerAssistantConfig` for its assistant; only our own files (`model_type: "dflash"`, or a config built in code)
-take the defaults below.
+`DFlashConfig(**fields)` reads the three flat layouts of a drafter config (ours, z-lab's, transformers' Muse Glimmer
+assistant: transformers' from_pretrained calls it with a file's dict); dflash_layouts.py knows them, and says which
+defaults a field each leaves out takes.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -20,51 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from transformers import AutoConfig, PreTrainedConfig
+from transformers import PreTrainedConfig
 from transformers.utils import logging
 
+from .dflash_layouts import DFLASH_DEFAULTS, config_fields_layout
+
 logger = logging.get_logger(__name__)
-
-# Defaults of a drafter config of our own layout (model_type "dflash", or built in code).
-DFLASH_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": None,  # hidden_size // num_attention_heads
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960,
-    "rope_parameters": None,  # rope_theta DFlashConfig.default_theta
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "vocab_size": 151936,
-}
-# What the reference config class of another layout receives from a file, to resolve its defaults the way that
-# layout's reader does (rope_theta and rope_scaling into rope_parameters, with its own default theta). The attention
-# pattern stays out: only transformers' assistant takes its default from its class (see DFlashConfig.__init__).
-REFERENCE_INPUTS = (*DFLASH_DEFAULTS, "rope_theta", "rope_scaling")
-# The DFlash fields a reference class may define (transformers' Muse Glimmer assistant does; Qwen3Config does not).
-DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
-
-
-def reference_config(model_type: str, fields: dict[str, Any]) -> PreTrainedConfig:
-    """The transformers config that the reader of a `model_type` layout builds from `fields` (a config.json dict):
-    z-lab's DFlashDraftModel and speculators' `transformer_layer_config` use the config class of the file's model_type
-    (Qwen3Config for "qwen3"), transformers' assistant `MuseGlimmerAssistantConfig`. Its attributes are that reader's
-    values, defaults included."""
-    given = {k: v for k, v in fields.items() if k in REFERENCE_INPUTS and v is not None}
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # its own checks (token ids past a scaled-down vocabulary) would only be noise here
-    try:
-        return AutoConfig.for_model(model_type, **given)
-    except ValueError as error:
-        raise ValueError(
-            f"this drafter config has model_type {model_type!r}, which this transformers does not know: {error}"
-        ) from error
-    finally:
-        logging.set_verbosity(verbosity)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -92,7 +45,7 @@ class DFlashConfig(PreTrainedConfig):
     with the target's input embedding, and draft logits come from the target's lm_head.
 
     Args (a decoder field left None takes the default of the layout named by `model_type`: `DFLASH_DEFAULTS` for ours,
-    the reference class's for a published layout; see the module docstring):
+    the reference class's for a published layout; see dflash_layouts.py):
         hidden_size: width of the drafter's residual stream.
         intermediate_size: width of the SwiGLU MLP.
         num_hidden_layers: number of drafter decoder layers.
@@ -149,88 +102,50 @@ class DFlashConfig(PreTrainedConfig):
         draft_vocab_size: int | None = None,
         **kwargs: Any,
     ):
-        if "speculators_model_type" in kwargs or "transformer_layer_config" in kwargs:
-            raise ValueError(
-                "this is a vLLM speculators checkpoint config (its decoder fields sit in transformer_layer_config); "
-                "convert it first: `hf-dflash convert SRC OUT --to ours`"
-            )
-        # z-lab keeps the DFlash fields in a nested `dflash_config` (block_size moved there in newer drafters);
-        # fold them into top-level attributes so there is one place to read them.
-        nested = kwargs.pop("dflash_config", None) or {}
-        block_size = block_size if block_size is not None else nested.get("block_size")
-        mask_token_id = mask_token_id if mask_token_id is not None else nested.get("mask_token_id")
-        target_layer_ids = target_layer_ids if target_layer_ids is not None else nested.get("target_layer_ids")
-        # vLLM speculators spell the captured layers `aux_hidden_state_layer_ids` and count them in
-        # `hidden_states` indices, where index 0 is the embedding output: their id is ours + 1.
-        if target_layer_ids is None and "aux_hidden_state_layer_ids" in kwargs:
-            target_layer_ids = [i - 1 for i in kwargs.pop("aux_hidden_state_layer_ids")]
-        # A causality override for every layer: z-lab's newest reference, vLLM and SGLang read a top-level `is_causal`,
-        # vLLM also `dflash_config.causal` (the top-level one wins). Checked against the layer types below, not kept.
-        declared_causal = kwargs.pop("is_causal", None)
-        if declared_causal is None:
-            declared_causal = nested.get("causal")
-
-        # Fields the file left out take the defaults of its layout's reader (see the module docstring).
-        given = dict(
+        layout = config_fields_layout(kwargs)
+        gathered = layout.gather(dict(
             hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
             num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
             hidden_act=hidden_act, rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings,
             rope_parameters=rope_parameters, attention_bias=attention_bias, attention_dropout=attention_dropout,
-            vocab_size=vocab_size,
-        )
-        layout = kwargs.get("model_type") or self.model_type
-        if layout == self.model_type:
-            resolved = {k: v if v is not None else DFLASH_DEFAULTS[k] for k, v in given.items()}
-        else:
-            reference = reference_config(layout, {**kwargs, **given})
-            # rope_theta / rope_scaling are resolved into the reference's rope_parameters, with its default theta.
-            kwargs.pop("rope_theta", None)
-            kwargs.pop("rope_scaling", None)
-            resolved = {k: getattr(reference, k, DFLASH_DEFAULTS[k]) for k in given}
-            defaults = {name: getattr(reference, name, None) for name in DFLASH_FIELDS}
-            block_size = block_size if block_size is not None else defaults["block_size"]
-            mask_token_id = mask_token_id if mask_token_id is not None else defaults["mask_token_id"]
-            if target_layer_ids is None and num_target_layers is None:
-                target_layer_ids = defaults["target_layer_ids"]
-            if layout == "muse_glimmer_assistant":
-                # transformers' assistant applies its own attention pattern (sliding layers, window 2048) by default.
-                # z-lab's files state theirs when they have one; we read them as written.
-                layer_types = layer_types if layer_types is not None else reference.layer_types
-                sliding_window = sliding_window if sliding_window is not None else reference.sliding_window
-            if block_size is None:
-                raise ValueError(
-                    f"this {layout} drafter config has no block_size (top level or in dflash_config), and its reader has "
-                    "no default; add the drafter's block size to its config.json"
-                )
-        self.hidden_size = resolved["hidden_size"]
-        self.intermediate_size = resolved["intermediate_size"]
-        self.num_hidden_layers = resolved["num_hidden_layers"]
-        self.num_attention_heads = resolved["num_attention_heads"]
-        self.num_key_value_heads = resolved["num_key_value_heads"] or self.num_attention_heads
-        self.head_dim = resolved["head_dim"] or self.hidden_size // self.num_attention_heads
-        self.hidden_act = resolved["hidden_act"]
-        self.rms_norm_eps = resolved["rms_norm_eps"]
-        self.max_position_embeddings = resolved["max_position_embeddings"]
-        self.rope_parameters = dict(resolved["rope_parameters"]) if resolved["rope_parameters"] else None
-        self.attention_bias = resolved["attention_bias"]
-        self.attention_dropout = resolved["attention_dropout"]
+            layer_types=layer_types, sliding_window=sliding_window, vocab_size=vocab_size,
+            target_hidden_size=target_hidden_size, num_target_layers=num_target_layers,
+            target_layer_ids=target_layer_ids, block_size=block_size, mask_token_id=mask_token_id, **kwargs,
+        ))
+        # Fields the file left out take the defaults of its layout's reader (dflash_layouts.py).
+        fields, kwargs = layout.resolve(gathered)
+        self.hidden_size = fields["hidden_size"]
+        self.intermediate_size = fields["intermediate_size"]
+        self.num_hidden_layers = fields["num_hidden_layers"]
+        self.num_attention_heads = fields["num_attention_heads"]
+        self.num_key_value_heads = fields["num_key_value_heads"] or self.num_attention_heads
+        self.head_dim = fields["head_dim"] or self.hidden_size // self.num_attention_heads
+        self.hidden_act = fields["hidden_act"]
+        self.rms_norm_eps = fields["rms_norm_eps"]
+        self.max_position_embeddings = fields["max_position_embeddings"]
+        self.rope_parameters = dict(fields["rope_parameters"]) if fields["rope_parameters"] else None
+        self.attention_bias = fields["attention_bias"]
+        self.attention_dropout = fields["attention_dropout"]
+        layer_types = fields["layer_types"]
         self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * self.num_hidden_layers
-        self.sliding_window = sliding_window
-        self.vocab_size = resolved["vocab_size"]
+        self.sliding_window = fields["sliding_window"]
+        self.vocab_size = fields["vocab_size"]
+        target_hidden_size = fields["target_hidden_size"]
         self.target_hidden_size = target_hidden_size if target_hidden_size is not None else self.hidden_size
+        target_layer_ids, num_target_layers = fields["target_layer_ids"], fields["num_target_layers"]
         self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
         if num_target_layers is None and self.target_layer_ids:
             num_target_layers = max(self.target_layer_ids) + 1
         self.num_target_layers = num_target_layers
         if self.target_layer_ids is None and num_target_layers is not None:
             self.target_layer_ids = default_target_layer_ids(num_target_layers, self.num_hidden_layers)
-        self.block_size = block_size if block_size is not None else 16
-        self.mask_token_id = mask_token_id
+        self.block_size = fields["block_size"] if fields["block_size"] is not None else 16
+        self.mask_token_id = fields["mask_token_id"]
         self.initializer_range = initializer_range
         self.target_model = target_model
         self.draft_vocab_size = draft_vocab_size
         self._validate_dflash_fields()  # before the base class, whose own checks give vaguer messages
-        self._check_declared_causality(declared_causal)
+        self._check_declared_causality(gathered.declared_causal)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def _validate_dflash_fields(self) -> None:
@@ -366,4 +281,4 @@ class DFlashConfig(PreTrainedConfig):
 # save_pretrained copies this bundle next to the weights and writes `auto_map`, so AutoConfig/AutoModel find it.
 DFlashConfig.register_for_auto_class()
 
-__all__ = ["DFLASH_DEFAULTS", "DFlashConfig", "default_target_layer_ids", "reference_config"]
+__all__ = ["DFLASH_DEFAULTS", "DFlashConfig", "default_target_layer_ids"]
