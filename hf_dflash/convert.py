@@ -3,8 +3,9 @@
 Every layout holds the same drafter tensors (fc, hidden_norm, layers.*, norm); they differ in names and config:
 - `ours`: model_type "dflash", the DFlash fields at the top level, the remote-code bundle beside the weights;
 - `zlab`: model_type "qwen3" (the decoder family), `dflash_config: {mask_token_id, target_layer_ids}`, block_size at
-  the top, `rope_theta` / `rope_scaling` as transformers 4.57 (z-lab's remote code) reads them; no `auto_map`, since
-  z-lab's `dflash.py` is not ours to ship (SGLang and vLLM read this layout without remote code);
+  the top, `rope_theta` / `rope_scaling` as transformers 4.57 (z-lab's remote code) reads them, and
+  `use_sliding_window: true` when a layer slides (z-lab's Qwen3Config drops the window without it); no `auto_map`,
+  since z-lab's `dflash.py` is not ours to ship (SGLang and vLLM read this layout without remote code);
 - `native`: transformers' Muse Glimmer assistant (model_type "muse_glimmer_assistant"), `encoder.fc` and
   `encoder.output_norm_enc` for fc and hidden_norm;
 - `speculators`: vLLM speculators. Decoder fields nest in `transformer_layer_config`; captured layers are counted
@@ -19,10 +20,13 @@ exact. A field a file leaves out takes the default of that layout's own reader.
 Sliding-window layers are causal as we run them (a block row sees the window up to its own position, earlier block
 rows included), full layers bidirectional: speculators' `sliding_window_non_causal` is written false, and a zlab config
 that declares one causality for all its layers (`is_causal`, `dflash_config.causal`) is read only where that agrees.
+A zlab file that sets `sliding_window` and sliding `layer_types` is read windowed, with or without
+`use_sliding_window`, as vLLM and SGLang run the published Qwen3.5/3.6 drafters.
 
 What a layout cannot represent is refused before anything is written, with the reason: the target's last layer, a
 sliding window that can cut context (speculators measure it from the block's anchor, we from each row), sliding layers
-bidirectional inside a block (speculators' `sliding_window_non_causal: true`), a captured embedding output (speculators' aux layer 0; we capture decoder-layer outputs), a
+bidirectional inside a block (speculators' `sliding_window_non_causal: true`; transformers' Muse Glimmer assistant runs
+every sliding layer so), a captured embedding output (speculators' aux layer 0; we capture decoder-layer outputs), a
 reduced draft vocabulary in `zlab` or `native`. Files are written to a temporary folder that becomes the output folder
 only once complete. Each layout's reading and writing lives in hf_dflash.modeling.dflash_layouts; this module reads
 and writes the files.
@@ -206,7 +210,7 @@ def _write_layout(
 ) -> None:
     """The files of `layout` in `folder`; `target_vocab` is what target_vocab_tensors read, for speculators."""
     if issubclass(layout, OursLayout):
-        drafter.model().save_pretrained(folder)  # weights, config with auto_map, the bundle, card, draft vocabulary
+        layout.write(folder, drafter)
     else:
         _write(folder, layout.write_config(drafter, target_vocab), layout.write_tensors(drafter, target_vocab))
 

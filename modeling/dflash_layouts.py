@@ -24,7 +24,8 @@ reads the three flat layouts itself (transformers' from_pretrained calls it with
 
 Attention pattern. hf-dflash runs a sliding layer causal, a block row seeing the `sliding_window` positions up to its
 own (earlier block rows included), and a full layer bidirectional, as z-lab's newest reference, vLLM and SGLang do.
-Writing, each layout writes what its own reader needs to compute what we
+A file that sets `sliding_window` and sliding `layer_types` is read windowed whether or not it sets
+`use_sliding_window` (see `ZLabLayout`). Writing, each layout writes what its own reader needs to compute what we
 compute, and refuses before anything is written what it cannot represent (`check_writable`, `check_target`).
 
 Architectures. A layout class holds one drafter architecture: `architecture` (our config's model_type, "dflash"),
@@ -188,15 +189,6 @@ class Drafter:
         """The sorted target ids of the draft vocabulary, after checking its d2t/t2d maps describe one."""
         config = self.config
         return draft_vocabulary_from_maps(self.draft_vocab, config.vocab_size, config.draft_vocab_size, "d2t/t2d")
-
-    def model(self) -> DFlashDraftModel:
-        """Our model holding these tensors (their storage, not copies), with the draft vocabulary set."""
-        with torch.device("meta"):
-            model = layout_named(OursLayout.name, type(self.config).model_type).model_class()(self.config)
-        model.load_state_dict(self.tensors, strict=True, assign=True)
-        if self.draft_vocab is not None:
-            model.set_draft_vocabulary(self.draft_vocabulary())
-        return model
 
 
 @dataclass
@@ -379,6 +371,19 @@ class OursLayout(FlatLayout):
     def check_writable(cls, drafter: Drafter) -> None:
         """Every drafter we run is ours to write."""
 
+    @classmethod
+    def write(cls, folder: str | os.PathLike, drafter: Drafter) -> None:
+        """Our files are what `save_pretrained` writes: the weights, config.json with `auto_map`, the remote-code
+        bundle, model card, generation config, and the draft vocabulary's maps when there is one."""
+        with torch.device("meta"):
+            model = cls.model_class()(drafter.config)
+        # assign: the model takes the tensors themselves rather than copies; it is only saved, so its non-persistent
+        # buffers (the RoPE table), which stay on the meta device, are never needed.
+        model.load_state_dict(drafter.tensors, strict=True, assign=True)
+        if drafter.draft_vocab is not None:
+            model.set_draft_vocabulary(drafter.draft_vocabulary())
+        model.save_pretrained(folder)
+
 
 class ReferenceLayout(FlatLayout):
     """A flat layout published for another reader (z-lab's, transformers'): a field the file leaves out takes the
@@ -422,7 +427,17 @@ class ReferenceLayout(FlatLayout):
 
 
 class ZLabLayout(ReferenceLayout):
-    """z-lab's layout. Its reader builds the transformers config of the file's model_type (Qwen3Config for "qwen3")."""
+    """z-lab's layout. Its reader builds the transformers config of the file's model_type (Qwen3Config for "qwen3").
+
+    The window rule. Qwen2/Qwen3 configs keep `sliding_window` only when `use_sliding_window` is true, so z-lab's
+    class reads a file without it as "no window", and its sliding layers then attend causally to everything before
+    them. The published Qwen3.5/3.6 drafters set `sliding_window` and sliding `layer_types` but not
+    `use_sliding_window`; the engines they are published for, vLLM and SGLang, window those layers. We read them
+    windowed too: the file names the window and the layers it applies to, which is what a per-layer `layer_types`
+    exists to say, and reading it so computes what those engines compute (the two readings differ only once the
+    context outgrows the window). Writing, we set `use_sliding_window: true` whenever a layer slides, so that z-lab's
+    class keeps the window as well.
+    """
 
     name = "zlab"
 
@@ -436,10 +451,12 @@ class ZLabLayout(ReferenceLayout):
         config = drafter.config
         rope = dict(config.rope_parameters or {"rope_type": "default", "rope_theta": config.default_theta})
         theta = rope.pop("rope_theta")
+        sliding = SLIDING in config.layer_types
         return {
             "architectures": [cls.drafter_class],
             "model_type": "qwen3",
             **cls.decoder_fields(config),
+            **({"use_sliding_window": True} if sliding else {}),
             # As transformers 4.57 (z-lab's remote code) reads RoPE: rope_theta + rope_scaling.
             "rope_theta": theta,
             "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
@@ -452,7 +469,10 @@ class ZLabLayout(ReferenceLayout):
 
 class NativeLayout(ReferenceLayout):
     """transformers' Muse Glimmer assistant. Its reader is `MuseGlimmerAssistantConfig`, which also gives the attention
-    pattern a default (every layer sliding, window 2048)."""
+    pattern a default (every layer sliding, window 2048). Its sliding layers are bidirectional: a block row sees the
+    positions within `sliding_window` on both sides, the later block rows included, where ours see the window up to
+    their own row; so a drafter with sliding layers (the class default when `layer_types` is left out) has no
+    equivalent between the two, and is refused both ways."""
 
     name = "native"
     drafter_class = "MuseGlimmerAssistantModel"
@@ -465,10 +485,31 @@ class NativeLayout(ReferenceLayout):
         return config.get("model_type") == cls.model_type
 
     @classmethod
+    def check_file(cls, config: Mapping[str, Any]) -> None:
+        super().check_file(config)
+        layer_types = config.get("layer_types")
+        if layer_types is None or SLIDING in layer_types:
+            which = "every layer sliding (the class default when layer_types is left out)" if layer_types is None else (
+                f"sliding layers {[i for i, kind in enumerate(layer_types) if kind == SLIDING]}"
+            )
+            raise ValueError(
+                f"this Muse Glimmer assistant config has {which}; transformers runs its sliding layers bidirectional "
+                "(a block row sees the later block rows too) while hf-dflash runs sliding layers causal, so it would "
+                "draft differently here: this drafter has no hf-dflash equivalent"
+            )
+
+    @classmethod
     def check_writable(cls, drafter: Drafter) -> None:
         config = drafter.config
         if config.attention_bias:
             raise ValueError("transformers' Muse Glimmer assistant has no attention biases; this drafter has them")
+        sliding = [i for i, kind in enumerate(config.layer_types) if kind == SLIDING]
+        if sliding:
+            raise ValueError(
+                f"this drafter has sliding layers {sliding}, which hf-dflash runs causal; transformers' Muse Glimmer "
+                "assistant runs sliding layers bidirectional (a block row sees the later block rows too), so it has no "
+                "native equivalent"
+            )
         super().check_writable(drafter)
 
     @classmethod
