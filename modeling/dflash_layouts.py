@@ -100,17 +100,26 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 def reference_config(model_type: str, fields: Mapping[str, Any]) -> PreTrainedConfig:
     """The transformers config that the reader of a `model_type` layout builds from `fields` (a config.json dict):
-    z-lab's DFlashDraftModel and speculators' `transformer_layer_config` use the config class of the file's model_type
-    (Qwen3Config for "qwen3"), transformers' assistant `MuseGlimmerAssistantConfig`. Its attributes are that reader's
-    values, defaults included."""
-    given = {k: v for k, v in fields.items() if k in REFERENCE_INPUTS and v is not None}
+    z-lab's DFlashDraftModel uses the config class of the file's model_type (Qwen3Config for "qwen3"), transformers'
+    assistant `MuseGlimmerAssistantConfig`. Its attributes are that reader's values, defaults included."""
+    return reader_config(model_type, {k: v for k, v in fields.items() if k in REFERENCE_INPUTS and v is not None})
+
+
+def reader_config(model_type: str, fields: Mapping[str, Any]) -> PreTrainedConfig:
+    """transformers' config class of `model_type` built from `fields`, as a layout's reader builds it; a model_type
+    this transformers does not know, or fields the class's own validation refuses, are a ValueError naming the file."""
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its own checks (token ids past a scaled-down vocabulary) would only be noise here
     try:
-        return AutoConfig.for_model(model_type, **given)
-    except ValueError as error:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as error:  # AutoConfig's answer to a model_type it does not know
         raise ValueError(
             f"this drafter config has model_type {model_type!r}, which this transformers does not know: {error}"
+        ) from error
+    except Exception as error:  # the class's own validation (a strict dataclass error, which is no ValueError)
+        raise ValueError(
+            f"this drafter config's fields are not a valid {model_type} config, which its layout's reader builds: "
+            f"{' '.join(str(error).split())}; correct them in config.json"
         ) from error
     finally:
         logging.set_verbosity(verbosity)
@@ -336,8 +345,8 @@ class FlatLayout(DrafterLayout):
 
     @classmethod
     def file_fields(cls, config: Mapping[str, Any]) -> dict[str, Any]:
-        """The fields of a config.json dict that DFlashConfig takes."""
-        return {k: v for k, v in config.items() if k in DECODER_FIELDS + LAYOUT_FIELDS}
+        """The fields of a config.json dict that DFlashConfig takes (token ids, dtype, versions are not ours)."""
+        return {k: v for k, v in config.items() if k in LAYOUT_READ_FIELDS + LAYOUT_FIELDS}
 
     @classmethod
     def read_config(cls, config: Mapping[str, Any]) -> DFlashConfig:
@@ -582,7 +591,8 @@ class SpeculatorsLayout(DrafterLayout):
                 f"transformer_layer_config must be an object of decoder fields, got {layer!r}; fix the config.json"
             )
         layer = dict(layer)
-        return AutoConfig.for_model(layer.pop("model_type", "qwen3"), **layer)
+        cls.config_class().check_field_types(layer)  # before the transformers class, whose errors name no fix
+        return reader_config(layer.pop("model_type", "qwen3"), layer)
 
     @classmethod
     def read_config(cls, config: Mapping[str, Any]) -> DFlashConfig:
@@ -787,5 +797,6 @@ __all__ = [
     "layout_named",
     "loading_key_mapping",
     "read_config_file",
+    "reader_config",
     "reference_config",
 ]

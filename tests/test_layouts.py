@@ -202,6 +202,9 @@ def test_a_native_config_with_sliding_layers_is_refused_when_read(tmp_path):
               "target_layer_ids": [1], "mask_token_id": 3}
     with pytest.raises(ValueError, match="every layer sliding .*bidirectional"):
         conversion.config_from_layout(native)  # the class default: every layer sliding
+    (tmp_path / "config.json").write_text(json.dumps(native))
+    with pytest.raises(ValueError, match="every layer sliding .*bidirectional"):
+        DFlashConfig.from_pretrained(tmp_path)  # from_pretrained reads a file as convert does
     with pytest.raises(ValueError, match=r"sliding layers \[1\].*no hf-dflash equivalent"):
         conversion.config_from_layout({**native, "layer_types": [FULL, SLIDING], "sliding_window": 8})
     assert conversion.config_from_layout({**native, "layer_types": [FULL, FULL]}).layer_types == [FULL, FULL]
