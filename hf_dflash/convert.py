@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -97,11 +97,24 @@ def _weight_files(folder: Path) -> list[Path]:
     )
 
 
+@contextmanager
+def _safetensors_file(path: Path) -> Iterator[Any]:
+    """`safe_open` of one weights file; a truncated or corrupted one (an interrupted download leaves such a file) is
+    refused naming the fix instead of safetensors' bare error."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except SafetensorError as error:
+        raise ValueError(
+            f"{path} is truncated or corrupted ({error}); download it again, or save the checkpoint again"
+        ) from None
+
+
 def _read_tensors(files: list[Path], progress: bool, names: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Tensors of safetensors `files` (only `names` when given), with a progress bar over tensors."""
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
+        with _safetensors_file(path) as handle:
             keys = [k for k in handle.keys() if names is None or k in names]
             for key in tqdm(keys, desc=f"reading {path.name}", unit="tensor", disable=not progress, leave=False):
                 tensors[key] = handle.get_tensor(key)
@@ -130,7 +143,7 @@ def target_vocab_tensors(target: str | os.PathLike, progress: bool = False) -> T
     config = read_config_file(folder)
     names: set[str] = set()
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
+        with _safetensors_file(path) as handle:
             names |= {k for k in handle.keys() if k.endswith(("embed_tokens.weight", "lm_head.weight"))}
     embed = [k for k in names if k.endswith("embed_tokens.weight")]
     if len(embed) != 1:
@@ -191,10 +204,12 @@ def _check_new_folder(out: Path) -> None:
 @contextmanager
 def _staged_folder(out: Path) -> Iterator[Path]:
     """A temporary folder beside `out` that becomes `out` when the block completes and is removed when it raises, so
-    a failed conversion leaves no partial folder."""
+    a failed conversion leaves no partial folder. It is made as any new folder is, with the umask's permissions
+    (tempfile's folders are private to their owner, and would stay so once renamed)."""
     _check_new_folder(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
+    staging.mkdir()
     try:
         yield staging
         if out.exists():
