@@ -53,8 +53,8 @@ class FieldRule:
     even: bool = False
 
     def describe(self) -> str:
-        article = {"integer": "an even integer" if self.even else "an integer", "number": "a number", "boolean": "true or false", "string": "a string",
-                   "object": "an object ({...})"}[self.kind]
+        article = {"integer": "an even integer" if self.even else "an integer", "number": "a number",
+                   "boolean": "true or false", "string": "a string", "object": "an object ({...})"}[self.kind]
         if self.items:
             article = "a non-empty list of " + {"integer": "integers", "string": "strings"}[self.kind]
         bounds = []

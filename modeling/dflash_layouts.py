@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from transformers import AutoConfig, PreTrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
 from .dflash_draft_vocabulary import draft_vocabulary_from_maps
@@ -90,10 +90,10 @@ DECODER_FIELDS = (
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias", "attention_dropout", "layer_types",
     "sliding_window", "vocab_size",
 )
-# Fields of a zlab or native config besides the decoder ones: its layout (model_type), RoPE as written, DFlash fields.
-LAYOUT_FIELDS = (
-    "model_type", "rope_parameters", "rope_theta", "rope_scaling", "num_target_layers", "target_model", "dflash_config",
-    "block_size", "mask_token_id", "target_layer_ids", "is_causal",
+# The keys of a zlab or native config.json that DFlashConfig takes: our fields, the layout's spellings of some, and
+# target_model (token ids, dtype and versions are transformers' bookkeeping, not the drafter's).
+PUBLISHED_FILE_FIELDS = (
+    *LAYOUT_READ_FIELDS, "model_type", "rope_theta", "rope_scaling", "dflash_config", "is_causal", "target_model",
 )
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -106,17 +106,18 @@ def reference_config(model_type: str, fields: Mapping[str, Any]) -> PreTrainedCo
 
 
 def reader_config(model_type: str, fields: Mapping[str, Any]) -> PreTrainedConfig:
-    """transformers' config class of `model_type` built from `fields`, as a layout's reader builds it; a model_type
-    this transformers does not know, or fields the class's own validation refuses, are a ValueError naming the file."""
+    """transformers' config class of `model_type` built from `fields`, as a layout's reader builds it. A model_type
+    this transformers does not know, or fields the class's own validation refuses, are a ValueError saying so."""
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"this drafter config has model_type {model_type!r}, which this transformers does not know; its layout's "
+            "reader builds that model's config, so upgrade transformers or correct model_type"
+        )
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its own checks (token ids past a scaled-down vocabulary) would only be noise here
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except ValueError as error:  # AutoConfig's answer to a model_type it does not know
-        raise ValueError(
-            f"this drafter config has model_type {model_type!r}, which this transformers does not know: {error}"
-        ) from error
-    except Exception as error:  # the class's own validation (a strict dataclass error, which is no ValueError)
+    except Exception as error:  # the class's own validation: a strict dataclass error, which is no ValueError
         raise ValueError(
             f"this drafter config's fields are not a valid {model_type} config, which its layout's reader builds: "
             f"{' '.join(str(error).split())}; correct them in config.json"
@@ -311,7 +312,8 @@ class FlatLayout(DrafterLayout):
         vLLM also `dflash_config.causal`; the top-level one wins)."""
         other = dict(fields)
         model_type = other.pop("model_type", None)  # read here; the config built is ours, of our model_type
-        nested = other.pop("dflash_config", None) or {}
+        nested = other.pop("dflash_config", None)
+        nested = {} if nested is None else nested
         if not isinstance(nested, Mapping):
             raise ValueError(
                 f"dflash_config must be an object of DFlash fields ({{\"mask_token_id\": ..., \"target_layer_ids\": "
@@ -340,13 +342,10 @@ class FlatLayout(DrafterLayout):
         fields that remain for PreTrainedConfig)."""
         raise NotImplementedError
 
-    # Keys of a file that are no config field (ours ignores them; the others keep only the fields they define).
-    unread_keys: ClassVar[tuple[str, ...]] = ("architectures", "auto_map", "model_type")
-
     @classmethod
     def file_fields(cls, config: Mapping[str, Any]) -> dict[str, Any]:
         """The fields of a config.json dict that DFlashConfig takes (token ids, dtype, versions are not ours)."""
-        return {k: v for k, v in config.items() if k in LAYOUT_READ_FIELDS + LAYOUT_FIELDS}
+        return {k: v for k, v in config.items() if k in PUBLISHED_FILE_FIELDS}
 
     @classmethod
     def read_config(cls, config: Mapping[str, Any]) -> DFlashConfig:
@@ -374,7 +373,8 @@ class OursLayout(FlatLayout):
 
     @classmethod
     def file_fields(cls, config: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in config.items() if k not in cls.unread_keys}
+        """Every key but those that name the file's kind and code (our own fields, and PreTrainedConfig's, pass)."""
+        return {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type")}
 
     @classmethod
     def check_writable(cls, drafter: Drafter) -> None:

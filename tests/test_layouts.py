@@ -193,8 +193,9 @@ def test_transformers_assistant_runs_sliding_layers_bidirectional():
     noise = torch.randn(1, 4, 32)
     changed = noise.clone()
     changed[:, -1] += 1.0  # only the last block row
-    first = [model(noise_embeds=rows, context_hidden_states=context).last_hidden_state[0, 0] for rows in (noise, changed)]
-    assert not torch.allclose(first[0], first[1], atol=1e-5)
+    before, after = (model(noise_embeds=rows, context_hidden_states=context).last_hidden_state[0, 0]
+                     for rows in (noise, changed))
+    assert not torch.allclose(before, after, atol=1e-5)  # the first block row saw the last one
 
 
 def test_a_native_config_with_sliding_layers_is_refused_when_read(tmp_path):
