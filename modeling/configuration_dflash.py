@@ -209,7 +209,7 @@ class DFlashConfig(PreTrainedConfig):
         draft_vocab_size: int | None = None,
         **kwargs: Any,
     ):
-        layout = config_fields_layout(kwargs)
+        layout = config_fields_layout(kwargs, self.model_type)
         gathered = layout.gather(dict(
             hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
             num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,

@@ -20,7 +20,8 @@ computes here what it computes there: z-lab's DFlashDraftModel and speculators' 
 transformers config of the file's model_type (Qwen3Config: rope_theta 10000, head_dim 128, ...), transformers its
 `MuseGlimmerAssistantConfig`; our own files, and configs built in code, take `DFLASH_DEFAULTS`. `DFlashConfig(**fields)`
 reads the three flat layouts itself (transformers' from_pretrained calls it with a file's dict), through
-`config_fields_layout`, `FlatLayout.gather` and `resolve`; a whole file is read by `detect_layout(config).read_config`.
+`config_fields_layout`, `FlatLayout.gather` and `resolve`; a whole file is read by `detect_layout(config).read_config`,
+after the checks of its layout's `check_file` (which `DFlashConfig.from_dict`, and so from_pretrained, applies too).
 
 Attention pattern. hf-dflash runs a sliding layer causal, a block row seeing the `sliding_window` positions up to its
 own (earlier block rows included), and a full layer bidirectional, as z-lab's newest reference, vLLM and SGLang do.
@@ -174,7 +175,7 @@ class GatheredFields:
     """A flat layout's config dict in our field names, before defaults.
 
     model_type: the dict's model_type, which names the layout's reader (None: ours);
-    given: every field of LAYOUT_READ_FIELDS, as the dict sets it (None where it leaves it out), the DFlash fields
+    given: every field of the layout's `read_fields`, as the dict sets it (None where it leaves it out), the DFlash fields
         taken from `dflash_config` and captured layers from `aux_hidden_state_layer_ids` where those hold them;
     other: the rest (PreTrainedConfig's own fields, and `rope_theta` / `rope_scaling` as written);
     declared_causal: one causality the dict declares for every layer (`is_causal`, or `dflash_config.causal`), or None.
@@ -304,6 +305,11 @@ class FlatLayout(DrafterLayout):
     """A layout whose config keeps the decoder fields at the top level: ours, z-lab's, transformers' assistant.
     `DFlashConfig(**fields)` reads these itself, through `gather` and `resolve`."""
 
+    # Our fields such a config holds, and those of them `dflash_config` may hold instead (an architecture with more
+    # fields extends both).
+    read_fields: ClassVar[tuple[str, ...]] = LAYOUT_READ_FIELDS
+    nested_fields: ClassVar[tuple[str, ...]] = DFLASH_FIELDS
+
     @classmethod
     def gather(cls, fields: Mapping[str, Any]) -> GatheredFields:
         """Our field names for the dict's spellings (shared by the flat layouts): `dflash_config`'s DFlash fields
@@ -319,7 +325,7 @@ class FlatLayout(DrafterLayout):
                 f"dflash_config must be an object of DFlash fields ({{\"mask_token_id\": ..., \"target_layer_ids\": "
                 f"[...]}}), got {nested!r}; fix it in the drafter's config.json"
             )
-        for name in DFLASH_FIELDS:
+        for name in cls.nested_fields:
             if other.get(name) is None and nested.get(name) is not None:
                 other[name] = nested[name]
         aux_ids = other.pop("aux_hidden_state_layer_ids", None)
@@ -333,19 +339,19 @@ class FlatLayout(DrafterLayout):
                 f"is_causal (or dflash_config.causal) must be true or false, got {declared_causal!r}; fix it in the "
                 "drafter's config.json"
             )
-        given = {name: other.pop(name, None) for name in LAYOUT_READ_FIELDS}
+        given = {name: other.pop(name, None) for name in cls.read_fields}
         return GatheredFields(model_type, given, other, declared_causal)
 
     @classmethod
     def resolve(cls, gathered: GatheredFields) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(every LAYOUT_READ_FIELDS field, with this layout's reader's default where the dict left it out; the other
+        """(every field of `read_fields`, with this layout's reader's default where the dict left it out; the other
         fields that remain for PreTrainedConfig)."""
         raise NotImplementedError
 
     @classmethod
     def file_fields(cls, config: Mapping[str, Any]) -> dict[str, Any]:
         """The fields of a config.json dict that DFlashConfig takes (token ids, dtype, versions are not ours)."""
-        return {k: v for k, v in config.items() if k in PUBLISHED_FILE_FIELDS}
+        return {k: v for k, v in config.items() if k in cls.read_fields or k in PUBLISHED_FILE_FIELDS}
 
     @classmethod
     def read_config(cls, config: Mapping[str, Any]) -> DFlashConfig:
@@ -754,19 +760,20 @@ def layout_named(name: str, architecture: str = "dflash") -> type[DrafterLayout]
     raise ValueError(f"the {name} layout cannot hold a {architecture} drafter")
 
 
-def config_fields_layout(fields: Mapping[str, Any]) -> type[FlatLayout]:
-    """The flat layout whose reader `DFlashConfig(**fields)` applies: by model_type (none, or "dflash": ours; the
-    assistant's: transformers'; any other: z-lab's, whose reader builds that model_type's config). A speculators dict
-    is refused: its decoder fields need reading as a whole file."""
+def config_fields_layout(fields: Mapping[str, Any], architecture: str = "dflash") -> type[FlatLayout]:
+    """The flat layout whose reader the config class of `architecture` applies to its keyword `fields`, by their
+    model_type: none, or the architecture's own, is ours; the assistant's is transformers'; any other is z-lab's
+    (whose reader builds that model_type's config). A speculators dict is refused: its decoder fields need reading
+    as a whole file."""
     if SpeculatorsLayout.is_speculators_config(fields):
         raise ValueError(
             "this is a vLLM speculators checkpoint config (its decoder fields sit in transformer_layer_config); "
             "convert it first: `hf-dflash convert SRC OUT --to ours`"
         )
-    model_type = fields.get("model_type") or OursLayout.architecture
-    if model_type == OursLayout.architecture:
-        return OursLayout
-    return NativeLayout if model_type == NativeLayout.model_type else ZLabLayout
+    model_type = fields.get("model_type") or architecture
+    if model_type == architecture:
+        return layout_named(OursLayout.name, architecture)
+    return layout_named(NativeLayout.name if model_type == NativeLayout.model_type else ZLabLayout.name, architecture)
 
 
 def loading_key_mapping() -> dict[str, str]:
