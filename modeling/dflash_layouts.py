@@ -175,8 +175,8 @@ class GatheredFields:
     """A flat layout's config dict in our field names, before defaults.
 
     model_type: the dict's model_type, which names the layout's reader (None: ours);
-    given: every field of the layout's `read_fields`, as the dict sets it (None where it leaves it out), the DFlash fields
-        taken from `dflash_config` and captured layers from `aux_hidden_state_layer_ids` where those hold them;
+    given: every field of the layout's `read_fields`, as the dict sets it (None where it leaves it out), the DFlash
+        fields taken from `dflash_config` and captured layers from `aux_hidden_state_layer_ids` where those hold them;
     other: the rest (PreTrainedConfig's own fields, and `rope_theta` / `rope_scaling` as written);
     declared_causal: one causality the dict declares for every layer (`is_causal`, or `dflash_config.causal`), or None.
     """
