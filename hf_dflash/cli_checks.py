@@ -204,8 +204,9 @@ def drafter_config(option: str, spec: str) -> Any:
     try:
         if path.is_dir():
             from .convert import config_from_layout
+            from .modeling.dflash_layouts import read_config_file
 
-            return config_from_layout(json.loads((path / "config.json").read_text()))
+            return config_from_layout(read_config_file(path))
         from .modeling import DFlashConfig
 
         return DFlashConfig.from_pretrained(spec)
@@ -402,6 +403,8 @@ def check_push(args: argparse.Namespace) -> None:
 
 def check_info(args: argparse.Namespace) -> None:
     check_model("drafter", args.drafter, bundled=False, config_only=True)
+    if Path(args.drafter).expanduser().is_dir():
+        drafter_config("drafter", args.drafter)  # a config info would refuse is a bad argument, as for convert
     check_model("--target", args.target, config_only=True)
 
 

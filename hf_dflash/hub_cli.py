@@ -22,13 +22,14 @@ from .cli_checks import BUNDLED_TARGETS
 from .hub import published_drafters
 from .modeling import DFlashConfig, DFlashDraftModel
 from .modeling.dflash_checks import fit_problems
+from .modeling.dflash_layouts import read_config_file
 
 
 def run_convert(args: argparse.Namespace) -> int:
     """The arguments were checked by `cli_checks.check_convert`; a conversion error reaches the user as one line."""
     src, out = Path(args.src), Path(args.out)
     conversion.convert(src, out, args.to, target=args.target, progress=True)
-    source_layout = conversion.detect_format(json.loads((src / "config.json").read_text()))
+    source_layout = conversion.detect_format(read_config_file(src))
     print(f"{src} ({source_layout}) -> {out} ({args.to})")
     return 0
 
@@ -58,7 +59,7 @@ def _read_drafter(name: str) -> tuple[DFlashConfig, str, str, dict[str, Any]]:
     Hub id (offline: the Hub cache, else the published config in hub_configs/)."""
     folder = Path(name)
     if folder.is_dir():
-        config = json.loads((folder / "config.json").read_text())
+        config = read_config_file(folder)
         has_weights = any(folder.glob("*.safetensors"))
         record = folder / "training_args.json"
         return conversion.config_from_layout(config), conversion.detect_format(config), (

@@ -1,70 +1,130 @@
-"""Configuration of a DFlash drafter.
+"""Configuration of a DFlash drafter, and the checks every field passes where a config is built.
 
-One class reads every published layout of a DFlash drafter config:
-- z-lab (`model_type: "qwen3"`, `architectures: ["DFlashDraftModel"]`, `block_size` at the top level or inside
-  `dflash_config`, `dflash_config: {mask_token_id, target_layer_ids}`, `rope_theta` or `rope_parameters`);
-- transformers-native Muse Glimmer assistants (`block_size`, `mask_token_id`, `target_layer_ids` at the top level);
-- our own files, which keep the three DFlash fields at the top level.
-
-A field a file leaves out takes the default of the class that layout's own reader builds, so a drafter computes here
-what it computes there: z-lab's `DFlashDraftModel` (and vLLM speculators' `transformer_layer_config`) build the
-transformers config of the file's `model_type` (Qwen3Config: rope_theta 10000, head_dim 128, ...), transformers builds
-`MuseGlimmerAssistantConfig` for its assistant; only our own files (`model_type: "dflash"`, or a config built in code)
-take the defaults below.
+`DFlashConfig(**fields)` reads the three flat layouts of a drafter config (ours, z-lab's, transformers' Muse Glimmer
+assistant: transformers' from_pretrained calls it with a file's dict); dflash_layouts.py knows them, and says which
+defaults a field each leaves out takes. Every field is then checked for its type and range (`FIELD_RULES`) and against
+the others, so a bad config is refused with a ValueError that names the field and the fix before anything is built from
+it, by `from_pretrained`, `hf-dflash info` and `hf-dflash convert` alike.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from transformers import AutoConfig, PreTrainedConfig
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging
+
+from .dflash_layouts import DFLASH_DEFAULTS, LAYOUT_READ_FIELDS, config_fields_layout, detect_layout
 
 logger = logging.get_logger(__name__)
 
-# Defaults of a drafter config of our own layout (model_type "dflash", or built in code).
-DFLASH_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": None,  # hidden_size // num_attention_heads
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960,
-    "rope_parameters": None,  # rope_theta DFlashConfig.default_theta
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "vocab_size": 151936,
+# The largest block a drafter may draft. A block of B rows is drafted in one drafter forward and verified in one
+# target forward of B rows; published drafters use 8 to 16, and a step commits at most its accepted drafts plus one,
+# so past a few dozen rows a larger block only makes every step slower. 1024 leaves room for any experiment and
+# refuses the nonsense (a block of 100000 rows sizes every per-step buffer for 100000 rows). A block must also fit
+# the drafter's positions (max_position_embeddings).
+MAX_BLOCK_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What a config field must hold when it is set (None always passes: the field then takes its default).
+
+    kind: "integer", "number" (an integer or a float), "boolean", "string" or "object" (a dict); with `items`, a
+    non-empty list of those. low / high bound a number inclusively, above / below exclusively (each item of a list);
+    even: an even integer. meaning: what the field is, for the message.
+    """
+
+    kind: str
+    meaning: str
+    low: float | None = None
+    high: float | None = None
+    above: float | None = None
+    below: float | None = None
+    items: bool = False
+    even: bool = False
+
+    def describe(self) -> str:
+        article = {"integer": "an even integer" if self.even else "an integer", "number": "a number",
+                   "boolean": "true or false", "string": "a string", "object": "an object ({...})"}[self.kind]
+        if self.items:
+            article = "a non-empty list of " + {"integer": "integers", "string": "strings"}[self.kind]
+        bounds = []
+        if self.low is not None and self.high is not None:
+            bounds.append(f"from {self.low:g} to {self.high:g}")
+        elif self.low is not None:
+            bounds.append(f">= {self.low:g}")
+        elif self.high is not None:
+            bounds.append(f"<= {self.high:g}")
+        if self.above is not None:
+            bounds.append(f"> {self.above:g}")
+        if self.below is not None:
+            bounds.append(f"< {self.below:g}")
+        return " ".join([article, *bounds]) + (" each" if self.items and bounds else "")
+
+    def admits(self, value: Any) -> bool:
+        if self.items:
+            return isinstance(value, list) and bool(value) and all(self._admits_one(v) for v in value)
+        return self._admits_one(value)
+
+    def _admits_one(self, value: Any) -> bool:
+        if self.kind == "boolean":
+            return isinstance(value, bool)
+        if self.kind == "string":
+            return isinstance(value, str)
+        if self.kind == "object":
+            return isinstance(value, Mapping)
+        numeric = (int,) if self.kind == "integer" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, numeric) or not math.isfinite(value):
+            return False
+        return (
+            (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+            and (self.above is None or value > self.above) and (self.below is None or value < self.below)
+            and not (self.even and value % 2)
+        )
+
+
+FIELD_RULES: dict[str, FieldRule] = {
+    "hidden_size": FieldRule("integer", "the drafter's width, which is the target's hidden size", low=1),
+    "intermediate_size": FieldRule("integer", "the width of the drafter's MLP", low=1),
+    "num_hidden_layers": FieldRule("integer", "the number of drafter layers", low=1),
+    "num_attention_heads": FieldRule("integer", "the number of query heads", low=1),
+    "num_key_value_heads": FieldRule("integer", "the number of key/value heads", low=1),
+    "head_dim": FieldRule("integer", "the width of one attention head; RoPE rotates pairs of dimensions", low=2,
+                          even=True),
+    "hidden_act": FieldRule("string", "the MLP's activation, e.g. silu"),
+    "rms_norm_eps": FieldRule("number", "the RMSNorm epsilon", above=0),
+    "max_position_embeddings": FieldRule("integer", "the number of positions the drafter serves", low=1),
+    "rope_parameters": FieldRule("object", 'the RoPE settings ({"rope_type": ..., "rope_theta": ...})'),
+    "rope_theta": FieldRule("number", "the RoPE base", above=0),
+    "rope_scaling": FieldRule("object", "the RoPE scaling settings"),
+    "attention_bias": FieldRule("boolean", "whether the attention projections carry a bias"),
+    "attention_dropout": FieldRule("number", "the attention dropout probability", low=0, below=1),
+    "layer_types": FieldRule("string", "each layer's attention, full_attention or sliding_attention", items=True),
+    "sliding_window": FieldRule("integer", "the window of sliding layers, in tokens", low=1),
+    "vocab_size": FieldRule("integer", "the target's vocabulary size", low=1),
+    "target_hidden_size": FieldRule("integer", "the width of the target's hidden states", low=1),
+    "num_target_layers": FieldRule("integer", "the number of the target's decoder layers", low=1),
+    "target_layer_ids": FieldRule("integer", "the 0-based target layers whose outputs the drafter reads", low=0,
+                                  items=True),
+    "block_size": FieldRule(
+        "integer", "tokens per drafted block, the anchor included, verified in one target forward", low=2,
+        high=MAX_BLOCK_SIZE,
+    ),
+    "mask_token_id": FieldRule("integer", "the target's token id whose embedding fills the block's mask rows", low=0),
+    "initializer_range": FieldRule("number", "the standard deviation of fresh weights", low=0),
+    "tie_word_embeddings": FieldRule("boolean", "whether the model ties embeddings (a drafter has none)"),
+    "target_model": FieldRule("string", "the target's Hub id or name"),
+    "draft_vocab_size": FieldRule("integer", "the number of target ids the drafter drafts over", low=1),
 }
-# What the reference config class of another layout receives from a file, to resolve its defaults the way that
-# layout's reader does (rope_theta and rope_scaling into rope_parameters, with its own default theta). The attention
-# pattern stays out: only transformers' assistant takes its default from its class (see DFlashConfig.__init__).
-REFERENCE_INPUTS = (*DFLASH_DEFAULTS, "rope_theta", "rope_scaling")
-# The DFlash fields a reference class may define (transformers' Muse Glimmer assistant does; Qwen3Config does not).
-DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
-
-
-def reference_config(model_type: str, fields: dict[str, Any]) -> PreTrainedConfig:
-    """The transformers config that the reader of a `model_type` layout builds from `fields` (a config.json dict):
-    z-lab's DFlashDraftModel and speculators' `transformer_layer_config` use the config class of the file's model_type
-    (Qwen3Config for "qwen3"), transformers' assistant `MuseGlimmerAssistantConfig`. Its attributes are that reader's
-    values, defaults included."""
-    given = {k: v for k, v in fields.items() if k in REFERENCE_INPUTS and v is not None}
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # its own checks (token ids past a scaled-down vocabulary) would only be noise here
-    try:
-        return AutoConfig.for_model(model_type, **given)
-    except ValueError as error:
-        raise ValueError(
-            f"this drafter config has model_type {model_type!r}, which this transformers does not know: {error}"
-        ) from error
-    finally:
-        logging.set_verbosity(verbosity)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -92,7 +152,7 @@ class DFlashConfig(PreTrainedConfig):
     with the target's input embedding, and draft logits come from the target's lm_head.
 
     Args (a decoder field left None takes the default of the layout named by `model_type`: `DFLASH_DEFAULTS` for ours,
-    the reference class's for a published layout; see the module docstring):
+    the reference class's for a published layout; see dflash_layouts.py. Each is checked: `FIELD_RULES`):
         hidden_size: width of the drafter's residual stream.
         intermediate_size: width of the SwiGLU MLP.
         num_hidden_layers: number of drafter decoder layers.
@@ -149,89 +209,79 @@ class DFlashConfig(PreTrainedConfig):
         draft_vocab_size: int | None = None,
         **kwargs: Any,
     ):
-        if "speculators_model_type" in kwargs or "transformer_layer_config" in kwargs:
-            raise ValueError(
-                "this is a vLLM speculators checkpoint config (its decoder fields sit in transformer_layer_config); "
-                "convert it first: `hf-dflash convert SRC OUT --to ours`"
-            )
-        # z-lab keeps the DFlash fields in a nested `dflash_config` (block_size moved there in newer drafters);
-        # fold them into top-level attributes so there is one place to read them.
-        nested = kwargs.pop("dflash_config", None) or {}
-        block_size = block_size if block_size is not None else nested.get("block_size")
-        mask_token_id = mask_token_id if mask_token_id is not None else nested.get("mask_token_id")
-        target_layer_ids = target_layer_ids if target_layer_ids is not None else nested.get("target_layer_ids")
-        # vLLM speculators spell the captured layers `aux_hidden_state_layer_ids` and count them in
-        # `hidden_states` indices, where index 0 is the embedding output: their id is ours + 1.
-        if target_layer_ids is None and "aux_hidden_state_layer_ids" in kwargs:
-            target_layer_ids = [i - 1 for i in kwargs.pop("aux_hidden_state_layer_ids")]
-        # A causality override for every layer: z-lab's newest reference, vLLM and SGLang read a top-level `is_causal`,
-        # vLLM also `dflash_config.causal` (the top-level one wins). Checked against the layer types below, not kept.
-        declared_causal = kwargs.pop("is_causal", None)
-        if declared_causal is None:
-            declared_causal = nested.get("causal")
-
-        # Fields the file left out take the defaults of its layout's reader (see the module docstring).
-        given = dict(
+        layout = config_fields_layout(kwargs, self.model_type)
+        gathered = layout.gather(dict(
             hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
             num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
             hidden_act=hidden_act, rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings,
             rope_parameters=rope_parameters, attention_bias=attention_bias, attention_dropout=attention_dropout,
-            vocab_size=vocab_size,
-        )
-        layout = kwargs.get("model_type") or self.model_type
-        if layout == self.model_type:
-            resolved = {k: v if v is not None else DFLASH_DEFAULTS[k] for k, v in given.items()}
-        else:
-            reference = reference_config(layout, {**kwargs, **given})
-            # rope_theta / rope_scaling are resolved into the reference's rope_parameters, with its default theta.
-            kwargs.pop("rope_theta", None)
-            kwargs.pop("rope_scaling", None)
-            resolved = {k: getattr(reference, k, DFLASH_DEFAULTS[k]) for k in given}
-            defaults = {name: getattr(reference, name, None) for name in DFLASH_FIELDS}
-            block_size = block_size if block_size is not None else defaults["block_size"]
-            mask_token_id = mask_token_id if mask_token_id is not None else defaults["mask_token_id"]
-            if target_layer_ids is None and num_target_layers is None:
-                target_layer_ids = defaults["target_layer_ids"]
-            if layout == "muse_glimmer_assistant":
-                # transformers' assistant applies its own attention pattern (sliding layers, window 2048) by default.
-                # z-lab's files state theirs when they have one; we read them as written.
-                layer_types = layer_types if layer_types is not None else reference.layer_types
-                sliding_window = sliding_window if sliding_window is not None else reference.sliding_window
-            if block_size is None:
-                raise ValueError(
-                    f"this {layout} drafter config has no block_size (top level or in dflash_config), and its reader has "
-                    "no default; add the drafter's block size to its config.json"
-                )
-        self.hidden_size = resolved["hidden_size"]
-        self.intermediate_size = resolved["intermediate_size"]
-        self.num_hidden_layers = resolved["num_hidden_layers"]
-        self.num_attention_heads = resolved["num_attention_heads"]
-        self.num_key_value_heads = resolved["num_key_value_heads"] or self.num_attention_heads
-        self.head_dim = resolved["head_dim"] or self.hidden_size // self.num_attention_heads
-        self.hidden_act = resolved["hidden_act"]
-        self.rms_norm_eps = resolved["rms_norm_eps"]
-        self.max_position_embeddings = resolved["max_position_embeddings"]
-        self.rope_parameters = dict(resolved["rope_parameters"]) if resolved["rope_parameters"] else None
-        self.attention_bias = resolved["attention_bias"]
-        self.attention_dropout = resolved["attention_dropout"]
+            layer_types=layer_types, sliding_window=sliding_window, vocab_size=vocab_size,
+            target_hidden_size=target_hidden_size, num_target_layers=num_target_layers,
+            target_layer_ids=target_layer_ids, block_size=block_size, mask_token_id=mask_token_id, **kwargs,
+        ))
+        # Types first: the reference class of another layout (a transformers config) would refuse a mistyped value
+        # with its own message, which names no fix.
+        own = dict(initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings,
+                   target_model=target_model, draft_vocab_size=draft_vocab_size)
+        self.check_field_types({**gathered.other, **gathered.given, **own})
+        # Fields the file left out take the defaults of its layout's reader (dflash_layouts.py).
+        fields, kwargs = layout.resolve(gathered)
+        self.hidden_size = fields["hidden_size"]
+        self.intermediate_size = fields["intermediate_size"]
+        self.num_hidden_layers = fields["num_hidden_layers"]
+        self.num_attention_heads = fields["num_attention_heads"]
+        self.num_key_value_heads = fields["num_key_value_heads"] or self.num_attention_heads
+        self.head_dim = fields["head_dim"] or self._default_head_dim()
+        self.hidden_act = fields["hidden_act"]
+        self.rms_norm_eps = fields["rms_norm_eps"]
+        self.max_position_embeddings = fields["max_position_embeddings"]
+        self.rope_parameters = dict(fields["rope_parameters"]) if fields["rope_parameters"] else None
+        self.attention_bias = fields["attention_bias"]
+        self.attention_dropout = fields["attention_dropout"]
+        layer_types = fields["layer_types"]
         self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * self.num_hidden_layers
-        self.sliding_window = sliding_window
-        self.vocab_size = resolved["vocab_size"]
+        self.sliding_window = fields["sliding_window"]
+        self.vocab_size = fields["vocab_size"]
+        target_hidden_size = fields["target_hidden_size"]
         self.target_hidden_size = target_hidden_size if target_hidden_size is not None else self.hidden_size
+        target_layer_ids, num_target_layers = fields["target_layer_ids"], fields["num_target_layers"]
         self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
         if num_target_layers is None and self.target_layer_ids:
             num_target_layers = max(self.target_layer_ids) + 1
         self.num_target_layers = num_target_layers
         if self.target_layer_ids is None and num_target_layers is not None:
             self.target_layer_ids = default_target_layer_ids(num_target_layers, self.num_hidden_layers)
-        self.block_size = block_size if block_size is not None else 16
-        self.mask_token_id = mask_token_id
+        self.block_size = fields["block_size"] if fields["block_size"] is not None else 16
+        self.mask_token_id = fields["mask_token_id"]
         self.initializer_range = initializer_range
         self.target_model = target_model
         self.draft_vocab_size = draft_vocab_size
+        # Resolved defaults pass the same checks (a reader's default can be wrong for this drafter).
+        self.check_field_types({name: getattr(self, name) for name in LAYOUT_READ_FIELDS})
         self._validate_dflash_fields()  # before the base class, whose own checks give vaguer messages
-        self._check_declared_causality(declared_causal)
+        self._check_declared_causality(gathered.declared_causal)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @staticmethod
+    def check_field_types(fields: Mapping[str, Any]) -> None:
+        """Refuse a value of the wrong type or out of range for its field (`FIELD_RULES`; keys without a rule and
+        None values pass) with a ValueError that names the field and what it must be."""
+        for name, value in fields.items():
+            rule = FIELD_RULES.get(name)
+            if rule is None or value is None or rule.admits(value):
+                continue
+            raise ValueError(
+                f"{name} must be {rule.describe()} ({rule.meaning}), got {value!r}; correct it in the drafter's "
+                "config.json, or where the config is built"
+            )
+
+    def _default_head_dim(self) -> int:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}, "
+                "so the head width is not hidden_size / heads; set head_dim"
+            )
+        return self.hidden_size // self.num_attention_heads
 
     def _validate_dflash_fields(self) -> None:
         if self.target_hidden_size != self.hidden_size:
@@ -240,21 +290,34 @@ class DFlashConfig(PreTrainedConfig):
                 "embeds its block with the target's embedding and drafts through the target's lm_head, so it is as "
                 f"wide as its target; set hidden_size={self.target_hidden_size}"
             )
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be at least 2 (the anchor plus one mask row), got {self.block_size}")
+        if self.block_size > self.max_position_embeddings:
+            raise ValueError(
+                f"block_size {self.block_size} is more than max_position_embeddings {self.max_position_embeddings}: "
+                "every block row takes a position of its own; set the drafter's block size (published drafters use "
+                "8 to 16)"
+            )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but the drafter has {self.num_hidden_layers} layers"
+                f"layer_types has {len(self.layer_types)} entries but the drafter has {self.num_hidden_layers} layers; "
+                "give one entry per layer"
             )
         unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
             raise ValueError(f"unsupported layer_types {sorted(unknown)}; use full_attention or sliding_attention")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ValueError("layer_types contains sliding_attention but sliding_window is not set")
+            raise ValueError("layer_types contains sliding_attention but sliding_window is not set; set the window")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_key_value_heads})"
+                f"({self.num_key_value_heads}): each key/value head serves a whole group of query heads"
+            )
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not an activation transformers knows; use e.g. silu")
+        self._check_rope()
+        if self.mask_token_id is not None and self.mask_token_id >= self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the target vocabulary (0..{self.vocab_size - 1}): the "
+                "mask rows are embedded with the target's embedding; pass the id of a row real text never uses"
             )
         if self.target_layer_ids is not None and self.num_target_layers is not None:
             bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
@@ -262,6 +325,19 @@ class DFlashConfig(PreTrainedConfig):
                 raise ValueError(
                     f"target_layer_ids {bad} are outside the target's {self.num_target_layers} layers (0-based)"
                 )
+
+    def _check_rope(self) -> None:
+        if self.rope_parameters is None:
+            return
+        rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(
+                f"rope_parameters has rope_type {rope_type!r}, which transformers does not know; use default or one of "
+                f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}"
+            )
+        theta = self.rope_parameters.get("rope_theta")
+        if theta is not None:
+            self.check_field_types({"rope_theta": theta})
 
     def _check_declared_causality(self, declared_causal: bool | None) -> None:
         """What we run: a sliding layer is causal (a block row sees the `sliding_window` positions up to its own), a
@@ -283,6 +359,14 @@ class DFlashConfig(PreTrainedConfig):
             )
 
     @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """`PreTrainedConfig.from_dict`, which from_pretrained calls with a config.json's dict, after the checks of the
+        file's layout (dflash_layouts.py): a config of no drafter layout, or one its layout's reader would run
+        differently from us, is refused here as `hf-dflash convert` and `hf-dflash info` refuse it."""
+        detect_layout(config_dict).check_file(config_dict)
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
         """`PreTrainedConfig.from_pretrained`, plus: a published drafter's config is still found when the Hub is out of
         reach and nothing is cached (see `published_configs`). That gives the config only, never the weights."""
@@ -296,7 +380,7 @@ class DFlashConfig(PreTrainedConfig):
             f"{pretrained_model_name_or_path} is not reachable or cached here; using its published config from "
             "hf-dflash's hub_configs (config only: its weights are not on this machine)"
         )
-        config = cls(**fields)
+        config = cls.from_dict(fields)
         return (config, {}) if kwargs.get("return_unused_kwargs") else config
 
     @property
@@ -336,8 +420,6 @@ class DFlashConfig(PreTrainedConfig):
                     + "; pass mask_token_id=<an id real text never uses, such as an unused reserved special token>"
                     + ("" if tokenizer_size else ", or tokenizer_size=len(tokenizer) to take the first spare row")
                 )
-        if not 0 <= mask_token_id < vocab_size:
-            raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary (0..{vocab_size - 1})")
         num_heads = text.num_attention_heads
         fields: dict[str, Any] = dict(
             hidden_size=text.hidden_size,
@@ -366,4 +448,4 @@ class DFlashConfig(PreTrainedConfig):
 # save_pretrained copies this bundle next to the weights and writes `auto_map`, so AutoConfig/AutoModel find it.
 DFlashConfig.register_for_auto_class()
 
-__all__ = ["DFLASH_DEFAULTS", "DFlashConfig", "default_target_layer_ids", "reference_config"]
+__all__ = ["DFLASH_DEFAULTS", "FIELD_RULES", "MAX_BLOCK_SIZE", "DFlashConfig", "FieldRule", "default_target_layer_ids"]

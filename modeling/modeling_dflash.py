@@ -49,14 +49,8 @@ from .dflash_draft_vocabulary import (
     draft_vocabulary_from_maps,
     draft_vocabulary_maps,
 )
+from .dflash_layouts import SpeculatorsLayout, loading_key_mapping
 from .dflash_model_card import model_card
-
-# Weight names of transformers' native DFlash drafter (Muse Glimmer assistant) mapped onto ours; z-lab files
-# already use our names.
-NATIVE_KEY_MAPPING = {r"^encoder\.fc\.": "fc.", r"^encoder\.output_norm_enc\.": "hidden_norm."}
-# Tensors only a vLLM speculators checkpoint has next to the drafter (a copy of the target's embedding, the reduced
-# draft vocabulary's maps); seeing them means the checkpoint needs converting, not loading.
-SPECULATORS_ONLY_TENSORS = {"embed_tokens.weight", "d2t", "t2d"}
 
 
 class DFlashRMSNorm(nn.Module):
@@ -331,7 +325,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         Weights load from safetensors only. A pickled `pytorch_model.bin` can run code while it is read, so it is
         refused unless `allow_pickle=True`, and then read with `torch.load(weights_only=True)`."""
         wants_info = kwargs.pop("output_loading_info", False)
-        kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
+        kwargs.setdefault("key_mapping", loading_key_mapping())  # the layouts' names of fc and hidden_norm
         _choose_weight_format(pretrained_model_name_or_path, allow_pickle, kwargs)
         try:
             model, info = super().from_pretrained(
@@ -356,7 +350,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 f"where the Hub is reachable (`hf download {pretrained_model_name_or_path}`) and copy the cache here."
             ) from error
         problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
-        if set(problems.get("unexpected_keys", [])) & SPECULATORS_ONLY_TENSORS:
+        # A copy of the target's embedding or draft-vocabulary maps beside the drafter: a checkpoint to convert first.
+        if SpeculatorsLayout.detects_tensors(set(problems.get("unexpected_keys", []))):
             raise ValueError(
                 f"{pretrained_model_name_or_path} holds an embedding copy or draft-vocabulary maps (d2t/t2d): it is a "
                 "vLLM speculators checkpoint; convert it first: `hf-dflash convert SRC OUT --to ours`"

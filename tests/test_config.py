@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig, Qwen3Config
 
 from hf_dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from hf_dflash import convert as conversion
+from hf_dflash.cli import main
 from hf_dflash.modeling.configuration_dflash import DFLASH_DEFAULTS
 
 # z-lab/Qwen3-8B-DFlash-b16 as published (fields a loader must honour; see hub_configs/).
@@ -204,3 +213,132 @@ def test_zlab_config_without_block_size_is_refused():
     fields = {k: v for k, v in ZLAB_QWEN3_8B.items() if k != "block_size"}
     with pytest.raises(ValueError, match="no block_size"):
         DFlashConfig(**fields)
+
+
+# A published layout's config (z-lab's), scaled down: every bad value below is refused wherever a config is built.
+SMALL_ZLAB = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8, "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_hidden_layers": 2, "num_target_layers": 8, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+    "max_position_embeddings": 4096, "vocab_size": 512, "layer_types": ["full_attention"] * 2,
+    "dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 5]},
+}
+SLIDING_PAIR = ["sliding_attention", "full_attention"]
+BAD_FIELDS = [
+    ({"block_size": 8.5}, "block_size must be an integer from 2 to 1024"),
+    ({"block_size": 100000}, "block_size must be an integer from 2 to 1024"),
+    ({"block_size": "sixteen"}, "block_size must be an integer from 2 to 1024 .*got 'sixteen'"),
+    ({"block_size": True}, "block_size must be an integer"),
+    ({"block_size": 64, "max_position_embeddings": 32}, "block_size 64 is more than max_position_embeddings 32"),
+    ({"dflash_config": {"mask_token_id": 500, "target_layer_ids": "2"}}, "target_layer_ids must be a non-empty list"),
+    ({"dflash_config": {"mask_token_id": 500, "target_layer_ids": []}}, "target_layer_ids must be a non-empty list"),
+    ({"dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 2.0]}}, "target_layer_ids must be a non-empty"),
+    ({"dflash_config": {"mask_token_id": 512, "target_layer_ids": [1, 5]}},
+     r"mask_token_id 512 is outside the target vocabulary \(0..511\)"),
+    ({"dflash_config": {"mask_token_id": -1, "target_layer_ids": [1, 5]}}, "mask_token_id must be an integer >= 0"),
+    ({"dflash_config": "mask 500"}, "dflash_config must be an object"),
+    ({"target_hidden_size": "64"}, "target_hidden_size must be an integer >= 1"),
+    ({"hidden_size": -64}, "hidden_size must be an integer >= 1"),
+    ({"intermediate_size": 0}, "intermediate_size must be an integer >= 1"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1"),
+    ({"num_target_layers": -8}, "num_target_layers must be an integer >= 1"),
+    ({"num_attention_heads": 3}, r"num_attention_heads \(3\) must be a multiple of num_key_value_heads \(2\)"),
+    ({"head_dim": 15}, "head_dim must be an even integer >= 2"),
+    ({"model_type": "dflash", "head_dim": None, "hidden_size": 66}, "hidden_size 66 is not a multiple of num_attent"),
+    ({"model_type": "dflash", "head_dim": None, "hidden_size": 24, "num_attention_heads": 8},
+     "head_dim must be an even integer >= 2 .*got 3"),
+    ({"rope_theta": None, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+     "not a valid qwen3 config.*factor"),
+    ({"vocab_size": 0}, "vocab_size must be an integer >= 1"),
+    ({"layer_types": "full_attention"}, "layer_types must be a non-empty list of strings"),
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries but the drafter has 2 layers"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "unsupported layer_types"),
+    ({"layer_types": SLIDING_PAIR}, "sliding_window is not set"),
+    ({"layer_types": SLIDING_PAIR, "sliding_window": 0}, "sliding_window must be an integer >= 1"),
+    ({"layer_types": SLIDING_PAIR, "sliding_window": "4096"}, "sliding_window must be an integer >= 1"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps must be a number > 0"),
+    ({"rope_theta": "large"}, "rope_theta must be a number > 0"),
+    ({"rope_theta": None, "rope_parameters": {"rope_type": "spiral", "rope_theta": 1e4}}, "rope_type 'spiral'"),
+    ({"hidden_act": "no_such_activation"}, "hidden_act 'no_such_activation'"),
+    ({"attention_bias": "yes"}, "attention_bias must be true or false"),
+    ({"is_causal": "no"}, "is_causal .* must be true or false"),
+]
+
+
+def write_drafter_config(folder, fields: dict) -> str:
+    """A drafter folder holding only config.json: `fields` over SMALL_ZLAB, None meaning the field is left out."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in {**SMALL_ZLAB, **fields}.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_the_small_published_config_is_fine():
+    config = DFlashConfig(**SMALL_ZLAB)
+    assert (config.block_size, config.mask_token_id, config.target_layer_ids) == (8, 500, [1, 5])
+
+
+@pytest.mark.parametrize("fields, message", BAD_FIELDS)
+def test_every_field_is_checked_where_the_config_is_built(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DFlashConfig(**{**SMALL_ZLAB, **fields})
+
+
+@pytest.mark.parametrize("fields, message", [
+    *BAD_FIELDS,
+    ({"vocab_size": None}, "no vocab_size"),  # a file must say it: the fit checks against the target read it
+])
+def test_from_pretrained_info_and_convert_refuse_the_same_configs(tmp_path, capsys, fields, message):
+    """The library loads (config and model), `hf-dflash info` and `hf-dflash convert` refuse each, with the same
+    message: the commands as a bad argument (exit status 2, one line), before any weights are read."""
+    folder = write_drafter_config(tmp_path / "drafter", fields)
+    with pytest.raises(ValueError, match=message):
+        DFlashConfig.from_pretrained(folder)
+    with pytest.raises(ValueError, match=message):
+        DFlashDraftModel.from_pretrained(folder)
+    for command in (["info", folder], ["convert", folder, str(tmp_path / "out"), "--to", "ours"]):
+        with pytest.raises(SystemExit) as refused:
+            main(command)
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and re.search(message, err), err
+        assert err.startswith(f"hf-dflash {command[0]}: error: drafter " if command[0] == "info" else
+                              f"hf-dflash {command[0]}: error: source ") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{\"model_type\": \"qwen3\",", "is not valid JSON"),
+    ("[1, 2]", "holds a JSON list, not an object"),
+])
+def test_a_config_that_is_not_json_is_named(tmp_path, capsys, text, message):
+    (tmp_path / "drafter").mkdir()
+    path = tmp_path / "drafter" / "config.json"
+    path.write_text(text)
+    folder = str(tmp_path / "drafter")
+    named = re.escape(str(path))
+    with pytest.raises(ValueError, match=f"{named} {message}"):
+        conversion.convert(folder, tmp_path / "out", "ours")
+    for command in (["info", folder], ["convert", folder, str(tmp_path / "out"), "--to", "ours"]):
+        with pytest.raises(SystemExit) as refused:
+            main(command)
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and re.search(f"{named} {message}", err) and err.count("\n") == 1, err
+    if message == "is not valid JSON":  # transformers reads it for from_pretrained, and names the file too
+        for load in (DFlashConfig.from_pretrained, DFlashDraftModel.from_pretrained):
+            with pytest.raises(OSError, match=f"{named}.* is not a valid JSON file"):
+                load(folder)
+
+
+def test_the_installed_info_command_refuses_a_bad_config_in_one_line(tmp_path):
+    """As a user runs it: the venv's `hf-dflash info FOLDER`, exit status 2, one line on stderr naming the fix (the
+    other refusals above go through the same `main`)."""
+    command = pathlib.Path(sys.executable).parent / "hf-dflash"
+    folder = write_drafter_config(tmp_path / "bad", {"block_size": 8.5})
+    result = subprocess.run([str(command), "info", folder], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr == (
+        f"hf-dflash info: error: drafter {folder}: block_size must be an integer from 2 to 1024 (tokens per drafted "
+        "block, the anchor included, verified in one target forward), got 8.5; correct it in the drafter's "
+        "config.json, or where the config is built\n"
+    )

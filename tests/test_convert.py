@@ -4,6 +4,10 @@ trips (equal tensors, equivalent configs), a reduced draft vocabulary with its d
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import stat
 
 import pytest
 import torch
@@ -415,3 +419,39 @@ def test_a_failed_write_leaves_no_folder(saved, tmp_path, monkeypatch):
     (tmp_path / "full" / "keep.txt").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
         conversion.convert(saved / "plain", tmp_path / "full", "zlab")
+
+
+def test_a_converted_folder_has_the_usual_permissions(saved, tmp_path):
+    """The folder is staged under another name and renamed into place: it must be made as any new folder is (the
+    umask's permissions), not private to its owner as a tempfile folder is."""
+    umask = os.umask(0o022)
+    try:
+        for layout in ("zlab", "ours"):
+            out = conversion.convert(saved / "plain", tmp_path / layout, layout)
+            assert stat.S_IMODE(out.stat().st_mode) == 0o755, oct(out.stat().st_mode)
+            assert stat.S_IMODE((out / "config.json").stat().st_mode) == 0o644
+    finally:
+        os.umask(umask)
+
+
+@pytest.mark.parametrize("damage", ["half", "header"])
+def test_a_truncated_weights_file_is_refused_with_the_fix(saved, tmp_path, capsys, damage):
+    """An interrupted download leaves a truncated safetensors file: convert says to download it again (or save it
+    again), for the drafter's weights and for the target's that speculators copies, and writes nothing."""
+    shutil.copytree(saved / "plain", tmp_path / "drafter")
+    weights = tmp_path / "drafter" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "half" else data[:20])
+    fix = "is truncated or corrupted .*; download it again, or save the checkpoint again"
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))} {fix}"):
+        conversion.convert(tmp_path / "drafter", tmp_path / "out", "zlab")
+    assert main(["convert", str(tmp_path / "drafter"), str(tmp_path / "out"), "--to", "zlab"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hf-dflash convert: error: ") and re.search(fix, err) and err.count("\n") == 1, err
+
+    shutil.copytree(saved / "target", tmp_path / "target")
+    target_weights = tmp_path / "target" / "model.safetensors"
+    target_weights.write_bytes(target_weights.read_bytes()[:20])
+    with pytest.raises(ValueError, match=f"{re.escape(str(target_weights))} {fix}"):
+        conversion.convert(saved / "plain", tmp_path / "out", "speculators", target=tmp_path / "target")
+    assert not (tmp_path / "out").exists()
