@@ -328,7 +328,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         confidence = q_rows.gather(-1, picks_[..., None])[..., 0]
         probs = None
         if rule.rejection:
-            probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, candidates, q_rows)
+            probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+            probs.scatter_(-1, candidates, q_rows)  # (b, n, V): each row's q, 0 outside its candidates
         return Proposal(drafts=drafts, probs=probs, confidence=confidence)
 
 

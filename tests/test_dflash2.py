@@ -162,7 +162,8 @@ class Reference:
     def mlp(self, i, x):
         p = f"layers.{i}.mlp."
         gate = x @ self.w[p + "gate_proj.weight"].T
-        return (torch.nn.functional.silu(gate) * (x @ self.w[p + "up_proj.weight"].T)) @ self.w[p + "down_proj.weight"].T
+        up = x @ self.w[p + "up_proj.weight"].T
+        return (torch.nn.functional.silu(gate) * up) @ self.w[p + "down_proj.weight"].T
 
     def wrapped(self, i, name, normed, sublayer):
         """conv_after(sublayer(conv_before(normed))), both kernels projected from `normed`."""
@@ -253,7 +254,8 @@ def test_forward_with_context_equals_the_reference(name):
         ).last_hidden_state
     reference = Reference(model, shape, lm_head)
     for b in range(batch):
-        expected = reference.hidden(noise[b], context[b], range(context_len), list(range(context_len, context_len + shape.block)))
+        block_positions = list(range(context_len, context_len + shape.block))
+        expected = reference.hidden(noise[b], context[b], range(context_len), block_positions)
         assert (hidden[b].double() - expected).abs().max() <= 1e-5
         logits = model.unary_logits(hidden[b] @ lm_head.T)
         assert (logits.double() - reference.logits(expected)).abs().max() <= 1e-5
