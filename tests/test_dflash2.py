@@ -488,6 +488,29 @@ def test_a_draft_vocabulary_smaller_than_top_k_is_never_left(rejection):
         assert bool((proposal.probs[..., outside] == 0).all())
 
 
+@pytest.mark.parametrize("rejection", [False, True])
+def test_propose_traces_as_one_graph_without_a_host_sync(rejection):
+    """No .item(), no shape that depends on the data: dynamo traces the walk as one graph (what a CUDA graph needs),
+    and the traced walk drafts what the eager one does."""
+    model, hidden, lm_head, anchors = tiny_case(17, batch=3)
+    rule = DecodingRule(do_sample=True, rejection=rejection, temperature=0.7)
+
+    def propose(rows: torch.Tensor, anchor_ids: torch.Tensor):
+        proposal = model.propose(rows, anchor_ids, lambda h: h @ lm_head.T, rule)
+        return proposal.drafts, proposal.probs, proposal.confidence
+
+    traced = torch.compile(propose, fullgraph=True, backend="eager", dynamic=False)
+    with torch.no_grad():
+        torch.manual_seed(18)
+        drafts, probs, confidence = traced(hidden, anchors)
+        torch.manual_seed(18)
+        eager = propose(hidden, anchors)
+    assert torch.equal(drafts, eager[0])
+    torch.testing.assert_close(confidence, eager[2])
+    if rejection:
+        torch.testing.assert_close(probs, eager[1])
+
+
 # --------------------------------------------------------------------------------------------------
 # Config fields
 # --------------------------------------------------------------------------------------------------
