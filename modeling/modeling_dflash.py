@@ -304,11 +304,14 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     (`set_draft_vocabulary`; saved beside the weights as `draft_vocab.safetensors`, dflash_draft_vocabulary.py).
     """
 
+    # The layer a subclass swaps in (DFlash2's wraps attention and the MLP in convolutions), built once in __init__.
+    decoder_layer_class: type[nn.Module] = DFlashDecoderLayer
+
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
         self.fc = nn.Linear(config.num_context_features, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers)])
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
         # Filled by from_pretrained when the folder has one, or by set_draft_vocabulary; not a weight (its own file).

@@ -148,6 +148,15 @@ def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int):
 
 
 @dataclass
+class DraftRows:
+    """One drafter forward over a batch's anchor blocks."""
+
+    hidden: torch.Tensor  # (b, nA*B, H) the drafter's final-norm rows, differentiable
+    blocks: Blocks
+    final: torch.Tensor  # (b, L, H) the target decoder's final hidden states (its logits where needed)
+
+
+@dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar, differentiable
     tau: torch.Tensor  # scalar: simulated acceptance length, mean over blocks with a label
@@ -351,9 +360,10 @@ class DFlashObjective:
             probs.append(top.values.softmax(dim=-1))
         return torch.cat(ids), torch.cat(probs)
 
-    def __call__(
+    def draft_rows(
         self, drafter: nn.Module, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None
-    ) -> LossOutput:
+    ) -> DraftRows:
+        """Steps 1-4 of the recipe: the target's context, random anchors, their blocks, one drafter forward."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         seq_len, block_size = input_ids.shape[1], self.config.block_size
         context, final = self.context(input_ids, batch["attention_mask"])
@@ -371,6 +381,15 @@ class DFlashObjective:
             position_ids=blocks.position_ids,
             attention_mask={"full_attention": mask},
         ).last_hidden_state
+        return DraftRows(hidden=hidden, blocks=blocks, final=final)
+
+    def __call__(
+        self, drafter: nn.Module, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None
+    ) -> LossOutput:
+        input_ids = batch["input_ids"]
+        seq_len = input_ids.shape[1]
+        rows = self.draft_rows(drafter, batch, generator)
+        hidden, blocks, final = rows.hidden, rows.blocks, rows.final
         soft_targets = None
         if self.distill_topk:
             # Row k of anchor a predicts token a + k: the target's distribution for it is its output at a + k - 1.
@@ -389,6 +408,7 @@ class DFlashObjective:
 __all__ = [
     "Blocks",
     "DFlashObjective",
+    "DraftRows",
     "LossOutput",
     "SparseTargetCrossEntropy",
     "block_loss",

@@ -1,0 +1,209 @@
+"""The DFlash2 training objective: against a plain per-row reference, its gradient, its simulated tau against the real
+greedy walk, and its relation to DFlash's objective for a fresh drafter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_dflash.modeling import DFlashConfig, DFlashDraftModel
+from hf_dflash.modeling.dflash_acceptance import DecodingRule
+from hf_dflash.modeling.modeling_dflash2 import DFlash2DraftModel
+from hf_dflash.training.objective import IGNORE, DFlashObjective, row_weights
+from hf_dflash.training.objective_dflash2 import DFlash2Objective, dflash2_block_loss, predecessor_ids
+from tests.conftest import MASK_ID, VOCAB, tiny_target
+from tests.test_dflash2 import randomized
+from tests.test_training import random_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = 4
+
+
+def drafter_config(target: torch.nn.Module, **fields) -> DFlashConfig:
+    # 32 candidates of 256 tokens: random data puts enough labels among a random drafter's candidates
+    dflash2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=32)
+    dflash2.update(fields)
+    return DFlashConfig.for_target(target.config, num_hidden_layers=2, block_size=BLOCK, mask_token_id=MASK_ID,
+                                   **dflash2)
+
+
+def random_drafter(target: torch.nn.Module, seed: int = 0) -> DFlash2DraftModel:
+    config = drafter_config(target, output_multiplier=0.8, final_logit_softcapping=6.0, input_embedding_scale=1.2)
+    return randomized(DFlash2DraftModel(config), seed).train()
+
+
+def plain_loss(hidden, lm_head, labels, predecessors, weights, drafter, selector_weight):
+    """The objective row by row: unary CE, then CE over the row's top-k candidates scored after the true token."""
+    selector = drafter.candidate_selector
+    numerator = denominator = 0.0
+    for row, label, previous, weight in zip(hidden.flatten(0, 1), labels.flatten(), predecessors.flatten(),
+                                            weights.expand_as(labels).flatten()):
+        if label == IGNORE:
+            continue
+        unary = drafter.unary_logits(row @ lm_head.T)
+        numerator = numerator + weight * F.cross_entropy(unary[None], label[None])
+        denominator = denominator + weight
+        candidates = sorted(range(VOCAB), key=lambda v: -float(unary[v].detach()))[: selector.top_k]
+        if int(label) not in candidates:
+            continue
+        projected = selector.hidden_projection(row)
+        scores = torch.stack([
+            unary[c] + (selector.predecessor_codebook[previous] * projected) @ selector.successor_codebook[c]
+            for c in candidates
+        ])
+        numerator = numerator + selector_weight * weight * F.cross_entropy(
+            scores[None], torch.tensor([candidates.index(int(label))])
+        )
+    return numerator / denominator
+
+
+@pytest.mark.parametrize("selector_weight", [1.0, 0.3])
+def test_loss_and_gradient_equal_the_plain_reference_in_any_chunking(selector_weight):
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target)
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 3 * BLOCK, 64, generator=generator)
+    labels = torch.randint(0, VOCAB, (2, 3, BLOCK), generator=generator)
+    labels[..., 0] = IGNORE
+    labels[1, 2, 2:] = IGNORE
+    # make most labels reachable: the label of half the rows is one of its top candidates
+    lm_head = target.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        top = (hidden @ lm_head.T).topk(3, dim=-1).indices.view(2, 3, BLOCK, 3)
+    pick = torch.rand(labels.shape, generator=generator) < 0.5
+    labels = torch.where(pick & (labels != IGNORE), top[..., 1], labels)
+    predecessors = torch.randint(0, VOCAB, labels.shape, generator=generator)
+    weights = row_weights(BLOCK, 4.0)
+
+    expected_hidden = hidden.clone().requires_grad_(True)
+    expected = plain_loss(expected_hidden, lm_head, labels, predecessors, weights, drafter, selector_weight)
+    expected.backward()
+    expected_grad = expected_hidden.grad
+    for chunk_rows in (3, 4096):
+        drafter.zero_grad()
+        rows = hidden.clone().requires_grad_(True)
+        out = dflash2_block_loss(rows, lm_head, labels, predecessors, weights, drafter, selector_weight,
+                                 chunk_rows=chunk_rows)
+        out.loss.backward()
+        torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rows.grad, expected_grad, rtol=1e-4, atol=1e-6)
+        assert 0 < float(out.candidate_recall) < 1
+
+
+def test_gradient_reaches_every_dflash2_parameter():
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target, seed=2)
+    objective = DFlash2Objective(target, drafter.config, max_anchors=6)
+    out = objective(drafter, random_batch(3, batch=2, seq_len=32), torch.Generator().manual_seed(0))
+    assert math.isfinite(float(out.loss.detach())) and out.num_blocks > 0
+    out.loss.backward()
+    for name, param in drafter.named_parameters():
+        assert param.grad is not None and bool(torch.isfinite(param.grad).all()), name
+        assert float(param.grad.abs().max()) > 0, f"no gradient reaches {name}"
+    assert target.get_output_embeddings().weight.grad is None  # the target stays frozen
+
+
+def test_selector_stop_gradient_keeps_its_loss_out_of_the_backbone():
+    target = tiny_target("qwen3")
+    batch = random_batch(4, batch=2, seq_len=28)
+
+    def gradients(**options):
+        drafter = random_drafter(target, seed=3)
+        objective = DFlash2Objective(target, drafter.config, max_anchors=5, **options)
+        objective(drafter, batch, torch.Generator().manual_seed(0)).loss.backward()
+        return {name: p.grad.clone() for name, p in drafter.named_parameters()}
+
+    stopped, unary_only = gradients(selector_stop_gradient=True), gradients(selector_weight=0.0)
+    for name, grad in stopped.items():
+        if name.startswith("candidate_selector."):
+            assert float(grad.abs().max()) > 0 and float(unary_only[name].abs().max()) == 0, name
+        else:
+            torch.testing.assert_close(grad, unary_only[name], rtol=1e-5, atol=1e-7)
+
+
+def test_predecessors_are_the_tokens_before_the_labels():
+    input_ids = torch.arange(100, 130)[None].repeat(2, 1)
+    anchors = torch.tensor([[0, 5, 27], [3, 9, 12]])
+    previous = predecessor_ids(input_ids, anchors, BLOCK)
+    for b in range(2):
+        for i, a in enumerate(anchors[b].tolist()):
+            for k in range(1, BLOCK):
+                if a + k < 30:
+                    assert int(previous[b, i, k]) == 100 + a + k - 1
+
+
+def test_simulated_tau_is_the_acceptance_of_the_greedy_walk():
+    """Labels that follow the walk's drafts for a random number of rows, then leave them: the teacher-forced picks
+    (after the true previous token) find exactly the rows the decode-time walk would have had accepted."""
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target, seed=5).eval()
+    lm_head = target.get_output_embeddings().weight
+    generator = torch.Generator().manual_seed(6)
+    batch, anchors = 3, 5
+    hidden = torch.randn(batch, anchors * BLOCK, 64, generator=generator)
+    anchor_ids = torch.randint(0, VOCAB, (batch, anchors), generator=generator)
+    with torch.no_grad():
+        rows = hidden.view(batch, anchors, BLOCK, -1)[:, :, 1:].flatten(0, 1)
+        drafts = drafter.propose(rows, anchor_ids.flatten()[:, None], lambda h: h @ lm_head.T,
+                                 DecodingRule(do_sample=False, rejection=False)).drafts.view(batch, anchors, -1)
+    followed = torch.randint(0, BLOCK, (batch, anchors), generator=generator)  # rows whose label is the draft
+    labels = torch.full((batch, anchors, BLOCK), IGNORE)
+    for b in range(batch):
+        for i in range(anchors):
+            for k in range(1, BLOCK):
+                draft = int(drafts[b, i, k - 1])
+                labels[b, i, k] = draft if k <= followed[b, i] else (draft + 1 + k) % VOCAB
+    # the true token before each label: the anchor before row 1 (row 0 has no label)
+    predecessors = torch.cat([anchor_ids[..., None], anchor_ids[..., None], labels[..., 1:-1]], dim=-1)
+    with torch.no_grad():
+        out = dflash2_block_loss(hidden, lm_head, labels, predecessors, row_weights(BLOCK, 4.0), drafter)
+    torch.testing.assert_close(out.tau, (followed + 1).float().mean())
+    assert float(out.unary_tau) < float(out.tau)  # the walk left the per-row argmax somewhere: a real check
+
+
+def test_a_fresh_drafter_trains_from_dflashs_loss():
+    """A fresh DFlash2 drafter (identity convolutions, silent selector) without output scaling has DFlash's block
+    loss and tau on the same batch and anchors."""
+    target = tiny_target("qwen3")
+    torch.manual_seed(7)
+    fresh = DFlash2DraftModel(drafter_config(target))
+    backbone = DFlashDraftModel(fresh.config)
+    backbone.load_state_dict(fresh.state_dict(), strict=False)
+    batch = random_batch(8, batch=2, seq_len=30)
+    dflash2 = DFlash2Objective(target, fresh.config, max_anchors=6)(fresh, batch, torch.Generator().manual_seed(2))
+    dflash = DFlashObjective(target, fresh.config, max_anchors=6)(backbone, batch, torch.Generator().manual_seed(2))
+    torch.testing.assert_close(dflash2.block_loss, dflash.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dflash2.tau, dflash.tau)
+    torch.testing.assert_close(dflash2.unary_tau, dflash.tau)
+    assert float(dflash2.selector_loss) > 0
+
+
+def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target, seed=9)
+    objective = DFlash2Objective(target, drafter.config, max_anchors=6)
+    tokens = 10 + (torch.arange(24) + torch.tensor([[0], [2]])) % 5  # a pattern the drafter can learn
+    batch = {"input_ids": tokens, "loss_mask": (torch.arange(24) >= 4).long().expand(2, -1),
+             "attention_mask": torch.ones_like(tokens)}
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=1e-2)
+    losses, taus = [], []
+    for _ in range(15):
+        out = objective(drafter, batch, torch.Generator().manual_seed(3))
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append(float(out.loss.detach()))
+        taus.append(float(out.tau))
+    assert losses[-1] < losses[0] - 0.5
+    assert taus[0] < 2 and taus[-1] > 3  # of at most 4 (block 4): the walk learned the pattern
+
+
+def test_a_dflash_drafter_is_refused_by_the_dflash2_objective():
+    target = tiny_target("qwen3")
+    config = drafter_config(target)
+    with pytest.raises(ValueError, match="DFlash2Objective trains a DFlash2 drafter"):
+        DFlash2Objective(target, config)(DFlashDraftModel(config), random_batch(0, batch=1, seq_len=20))
