@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from .batching import eos_token_ids, left_pad_token_id, up_to_first_eos
 from .modeling import DFlashConfig, DFlashDraftModel
 from .generate_cli import timed
+from .modeling import dflash_compat
 from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
 from .modeling.dflash_fast_path_blockers import grouped_mm_stays_on_device, moe_experts
 from .run_record import device_name, portable_path  # reports are committed: no machine's own paths in them
@@ -338,7 +339,7 @@ def random_pair(
         target = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=spec.attn_implementation
         ).eval()
-        drafter = DFlashDraftModel._from_config(DFlashConfig(**drafter_fields), dtype=dtype).eval()
+        drafter = dflash_compat.model_from_config(DFlashDraftModel, DFlashConfig(**drafter_fields), dtype=dtype).eval()
     experts = experts or experts_implementation(target, dtype, device)
     if experts is not None:
         target.set_experts_implementation(experts)
@@ -360,8 +361,8 @@ def shape_record(shape: str | PublishedShape, target: torch.nn.Module, drafter: 
             "num_hidden_layers", "block_size", "target_layer_ids", "layer_types", "sliding_window", "mask_token_id",
         )},
         "drafter_changed_from_published": dict(spec.drafter_overrides),
-        "attn_implementation": built._attn_implementation,
-        "experts_implementation": built._experts_implementation if moe_experts(target) else None,
+        "attn_implementation": dflash_compat.attention_implementation(built),
+        "experts_implementation": dflash_compat.experts_implementation(built) if moe_experts(target) else None,
     }
 
 

@@ -22,23 +22,29 @@ neither the query nor the mask per layer (benchmarks/NOTES.md, "flat cost").
 
 `grouped_attention(*models)` switches the models whose attention is "sdpa" to this function for the forwards inside
 it (it is registered in transformers' AttentionInterface under `GROUPED_SDPA`) and puts every config back on exit,
-also on an exception.
+also on an exception. The switch is seen by this thread's forwards only: in another thread the function is plain sdpa.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-GROUPED_SDPA = "dflash_grouped_sdpa"
+from .dflash_compat import (
+    attention_implementation, has_attention_implementation, register_attention, sdpa_backend_choice,
+    sdpa_backends_enabled, set_attention_implementation,
+)
+
+# No "flash" in the name: transformers takes any implementation whose name contains it for flash attention.
+GROUPED_SDPA = "grouped_query_sdpa"
 # torch's SDPBackend numbers of its fused kernels (flash, memory-efficient, cuDNN); 0 is the math backend.
 FUSED_SDPA_BACKENDS = frozenset(
     int(getattr(SDPBackend, name)) for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
@@ -47,6 +53,8 @@ FUSED_SDPA_BACKENDS = frozenset(
 # The dispatcher's answers so far: (metadata of query, key, value and mask, device, dropout, scale, enabled backends)
 # -> whether a fused kernel takes grouped heads.
 FUSED_CHOICES: dict[tuple, bool] = {}
+# Per thread: how many `grouped_attention` blocks it is inside.
+_GROUPED_HERE = threading.local()
 
 
 def fused_kernel_takes_grouped_heads(
@@ -71,13 +79,10 @@ def dispatcher_takes_grouped_heads(
     eagerly once first (dflash_fast_path.py)."""
     call = (
         *((tuple(t.shape), t.stride(), t.dtype) for t in (query, key, value, mask)), query.device, dropout, scale,
-        # what torch.backends.cuda.*_sdp_enabled() return, read as torch.compile can trace them
-        torch._C._get_flash_sdp_enabled(), torch._C._get_mem_efficient_sdp_enabled(),
-        torch._C._get_cudnn_sdp_enabled(), torch._C._get_math_sdp_enabled(),
+        *sdpa_backends_enabled(),
     )
     if call not in FUSED_CHOICES:
-        choice = torch._fused_sdp_choice(query, key, value, mask, dropout, False, scale=scale, enable_gqa=True)
-        FUSED_CHOICES[call] = choice in FUSED_SDPA_BACKENDS
+        FUSED_CHOICES[call] = sdpa_backend_choice(query, key, value, mask, dropout, scale) in FUSED_SDPA_BACKENDS
     return FUSED_CHOICES[call]
 
 
@@ -124,7 +129,7 @@ def grouped_sdpa_attention(
     return out.reshape(b, h, q, -1).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+register_attention(GROUPED_SDPA, grouped_sdpa_attention)
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:
@@ -133,7 +138,7 @@ def _configs(model: torch.nn.Module) -> list[Any]:
     found: dict[int, Any] = {}
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
+        if has_attention_implementation(config):
             found.setdefault(id(config), config)
     return list(found.values())
 
@@ -141,18 +146,21 @@ def _configs(model: torch.nn.Module) -> list[Any]:
 @contextmanager
 def grouped_attention(*models: torch.nn.Module) -> Iterator[None]:
     """Within: every config of `models` whose attention is "sdpa" names `GROUPED_SDPA` instead. On exit, also on an
-    exception, each one names what it named before.
-
-    The internal field is written, not the `_attn_implementation` setter, which would also rewrite sub-configs that
-    use another implementation."""
-    switched = [config for model in models for config in _configs(model) if config._attn_implementation == "sdpa"]
+    exception, each one names what it named before. Only this thread's forwards attend through the grouped function:
+    another thread's forward of the same model (plain generate beside a DFlash call) runs transformers' sdpa, with
+    sdpa's masks (`register_attention`)."""
+    switched = [
+        config for model in models for config in _configs(model) if attention_implementation(config) == "sdpa"
+    ]
     for config in switched:
-        config._attn_implementation_internal = GROUPED_SDPA
+        set_attention_implementation(config, GROUPED_SDPA)
+    _GROUPED_HERE.depth = getattr(_GROUPED_HERE, "depth", 0) + 1
     try:
         yield
     finally:
+        _GROUPED_HERE.depth -= 1
         for config in switched:
-            config._attn_implementation_internal = "sdpa"
+            set_attention_implementation(config, "sdpa")
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .dflash_compat import CACHE_ARGUMENTS, cache_from_kwargs, default_generation_params
 from .dflash_processors import check_logits_processors
 from .dflash_target_cache import rollback_problem
 
@@ -77,7 +78,7 @@ def check_drafter_fits(drafter: torch.nn.Module, target: torch.nn.Module) -> Non
 # The inputs generate hands the target on every call (it derives position_ids from the attention mask); the DFlash
 # loops build their own of each. Any other model input (an image's pixel_values, ...) would not reach the target.
 MODEL_INPUTS_DFLASH_BUILDS = frozenset(
-    {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values", "use_cache"}
+    {"attention_mask", "position_ids", "logits_to_keep", *CACHE_ARGUMENTS, "use_cache"}
 )
 
 
@@ -133,7 +134,7 @@ def check_generation_mode(generation_config: Any, model_kwargs: dict[str, Any]) 
         )
     # Settings of transformers' own assistants; a DFlash drafter always drafts block_size - 1 tokens per step. generate
     # fills unset fields from these defaults, so only a value that differs from them was asked for.
-    defaults = generation_config._get_default_generation_params()
+    defaults = default_generation_params(generation_config)
     tuned = sorted(
         name
         for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
@@ -179,7 +180,7 @@ def check_call(
                 "position_ids other than each sequence's count of its real tokens (what generate derives from the "
                 "attention mask) would not reach the target on the DFlash path: drop position_ids"
             )
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    cache = cache_from_kwargs(model_kwargs)
     cache_refusal = rollback_problem(target, cache)
     if cache_refusal is not None:
         raise ValueError(cache_refusal)

@@ -22,7 +22,6 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_checks import check_call
+from .dflash_compat import cache_argument, cache_from_kwargs
 from .dflash_fast_path import DFlashStaticStep, static_step_for
 from .dflash_fast_path_blockers import fast_path_blocker, takes_fast_path
 from .dflash_host_hooks import HostHooks
@@ -49,9 +49,7 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
     acceptance_lengths: list[list[int]] | None = None
 
 
-def _cache_argument(model: torch.nn.Module) -> str:
-    """transformers renamed the forward's cache argument `past_key_values` -> `cache` in 5.24."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+_cache_argument = cache_argument  # the name tests and benchmarks import
 
 
 def _decode_static(
@@ -104,7 +102,7 @@ class EagerDecoding:
         verify_rows: int,
     ):
         batch_size, prompt_len = input_ids.shape
-        self.target, self.cache, self.cache_arg = target, cache, _cache_argument(target)
+        self.target, self.cache, self.cache_arg = target, cache, cache_argument(target)
         self.target_cache = TargetCacheRollback(target, cache)  # prepares the cache's layers before the prompt
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.processors, self.rule, self.verify_rows = processors, rule, verify_rows
@@ -269,7 +267,7 @@ def dflash_generate(
     if dflash_verify_rows is not None and not 1 <= dflash_verify_rows <= block_size:
         raise ValueError(f"dflash_verify_rows must be between 1 and the block size {block_size}, got {dflash_verify_rows}")
     verify_rows = dflash_verify_rows or block_size
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    cache = cache_from_kwargs(model_kwargs)
     processors = StepProcessors(logits_processor)
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
@@ -278,7 +276,7 @@ def dflash_generate(
     return_dict = generation_config.return_dict_in_generate
     blocker = fast_path_blocker(target, drafter, processors, verify_rows, attention_mask)
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
-        step = static_step_for(target, drafter, input_ids.shape[0], max_length, _cache_argument(target))
+        step = static_step_for(target, drafter, input_ids.shape[0], max_length, cache_argument(target))
         compile_drafter = step.use_graphs if dflash_compile is None else dflash_compile
         step.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
         with step.generator.capture:

@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from .dflash_capture import decoder_layers
+from .dflash_compat import accelerate_hook
 
 
 def execution_device(module: nn.Module) -> torch.device:
     """The device `module` computes on: the one accelerate's hook names (dispatched or offloaded modules, whose
     weights may be on the meta device), else the device of its first parameter or buffer."""
-    hook = getattr(module, "_hf_hook", None)
+    hook = accelerate_hook(module)
     for candidate in getattr(hook, "hooks", [hook]):  # accelerate's SequentialHook chains several hooks
         device = getattr(candidate, "execution_device", None)
         if device is not None:

@@ -19,6 +19,8 @@ from transformers.generation.utils import GenerationMixin
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
 
+from .dflash_capture import one_call_at_a_time
+
 
 def is_dflash_drafter(model: Any) -> bool:
     """True for any copy of our drafter class (the installed library's or a remote-code bundle's). The config's class
@@ -88,7 +90,8 @@ def install_generate_dispatch() -> None:
         bound.arguments["custom_generate"] = functools.partial(
             dflash_generate, drafter=drafter, streamer=arguments.get("streamer")
         )
-        return original(*bound.args, **bound.kwargs)
+        with one_call_at_a_time(self, drafter):  # threads: see dflash_capture.py
+            return original(*bound.args, **bound.kwargs)
 
     generate._dflash_dispatch = True
     GenerationMixin.generate = generate

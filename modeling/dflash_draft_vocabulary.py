@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .dflash_compat import tensor_version
+
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
@@ -121,7 +123,7 @@ class DraftVocabularyHead:
         if token_ids is None:
             return None
         weight = lm_head.weight
-        key = (id(lm_head), weight.data_ptr(), weight._version, weight.dtype, str(device), id(token_ids))
+        key = (id(lm_head), weight.data_ptr(), tensor_version(weight), weight.dtype, str(device), id(token_ids))
         held = getattr(drafter, "_dflash_draft_head", None)
         if held is None or held[0] != key:
             drafter._dflash_draft_head = None  # let the old copy go first

@@ -42,6 +42,7 @@ from .dflash_acceptance import DecodingRule, accept
 from .dflash_attention import grouped_attention
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
+from .dflash_compat import attention_implementation, dynamo_cache_size_limit
 from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, HybridStaticCache
 from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
@@ -82,7 +83,7 @@ def compile_drafter_pass(fn: Callable[["StepRows"], torch.Tensor]) -> Callable[[
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
 
     def run(rows: StepRows) -> torch.Tensor:
-        with torch._dynamo.config.patch(cache_size_limit=DRAFTER_RECOMPILE_LIMIT):
+        with dynamo_cache_size_limit(DRAFTER_RECOMPILE_LIMIT):
             return compiled(rows)
 
     return run
@@ -327,7 +328,7 @@ class DFlashStaticStep:
     def drafter_mask(self, visible: torch.Tensor) -> torch.Tensor:
         """The drafter's mask (n, 1, q, S) from its visibility (n, q, S): sdpa takes an additive one as it is, and
         would turn a boolean one into an additive one in each of its layers; eager attention takes booleans."""
-        if self.drafter.config._attn_implementation == "eager":
+        if attention_implementation(self.drafter.config) == "eager":
             return visible[:, None]
         return additive_mask(visible, self.drafter.dtype)
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from .dflash_compat import attention_implementation, experts_implementation
 from .dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
 from .dflash_masks import FULL, LINEAR, SLIDING
 from .dflash_processors import StepProcessors
@@ -112,7 +113,7 @@ def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | Non
     experts = moe_experts(target)
     if device.type != "cuda" or not experts:
         return None
-    implementation = getattr(target.config.get_text_config(), "_experts_implementation", None) or "eager"
+    implementation = experts_implementation(target.config.get_text_config()) or "eager"
     if implementation == "batched_mm":
         return None
     if implementation == "grouped_mm":
@@ -169,15 +170,15 @@ def fast_path_blocker(
     quantized = _quantization_blocker(target)
     if quantized is not None:
         return quantized
-    if text._attn_implementation not in ("sdpa", "eager"):
+    if attention_implementation(text) not in ("sdpa", "eager"):
         return (
-            f"the target uses {text._attn_implementation!r} attention (the fast path needs sdpa or eager: load it "
+            f"the target uses {attention_implementation(text)!r} attention (the fast path needs sdpa or eager: load it "
             "with attn_implementation='sdpa')"
         )
-    if text._attn_implementation != "eager" and any(hasattr(m, "sinks") for m in target.modules()):
+    if attention_implementation(text) != "eager" and any(hasattr(m, "sinks") for m in target.modules()):
         # gpt-oss passes its sinks to the attention function as `s_aux`; transformers' sdpa function ignores it
         return (
-            f"the target has attention sinks, which {text._attn_implementation!r} attention drops (load it with "
+            f"the target has attention sinks, which {attention_implementation(text)!r} attention drops (load it with "
             "attn_implementation='eager')"
         )
     experts = _experts_blocker(target, next(iter(devices)))

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from .dflash_compat import pad_token_tensor
+
 
 def host_stopping_rules(stopping_criteria: Any) -> tuple[set[int], bool]:
     """The eos ids of the list, and whether it holds nothing but eos and max-length criteria (which need no call)."""
@@ -50,7 +52,7 @@ class HostHooks:
         self.keep_logits = bool(return_dict and generation_config.output_logits)
         self.eos_ids, eos_and_length_only = host_stopping_rules(stopping_criteria)
         self.calls_criteria = not eos_and_length_only
-        pad = generation_config._pad_token_tensor
+        pad = pad_token_tensor(generation_config)
         self.pad_id = int(pad) if pad is not None else 0
         self.device = input_ids.device
         self.tokens: list[list[int]] = input_ids.tolist()

@@ -19,16 +19,11 @@ acceptance, `commit(taken)`:
 
 The full-attention layers keep their keys/values in the `StaticTargetCache` this class extends.
 
-The layers talk to their cache through transformers' linear-attention methods, which changed between 5.17
-(`has_previous_state`, `layers[i].conv_states[0]`, `layers[i].recurrent_states[0]`, `layers[i].record_past`) and 5.24
-(`get_conv_state`, `get_recurrent_state`, `is_recording_past`), and 5.25 added `get_recurrent_states_to_keep` and
-`increase_count`; all are spoken here. The chunked rule's arguments
-are not handed to the cache, so during the verify the modeling module's `torch_chunk_gated_delta_rule` (transformers'
-kernel dispatcher: flash-linear-attention's kernel when installed, else its PyTorch code) is wrapped by one that
-records them and calls it unchanged (`deferring`); it is put back when the forward returns. A CUDA graph records the
-kernels of that forward, so replays need no Python wrapper. (The wrapper is module-wide while it is in place: a
-forward of another model of the same family in another thread at that moment would be recorded too; run such calls
-one at a time, as the fast path's own step, held one per drafter, already does.)
+The layers talk to their cache through transformers' linear-attention methods, renamed between 5.17, 5.24 and 5.25
+(dflash_compat.py's `LinearAttentionCacheMethods` speaks all of them). The chunked rule's arguments are not handed to
+the cache, so during the verify each call of the rule by this thread is recorded (dflash_compat.py's
+`recording_chunk_rule`: forwards of other threads are not) and runs unchanged (`deferring`). A CUDA graph records the
+kernels of that forward, so replays need no Python wrapper.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -36,20 +31,18 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .dflash_capture import decoder_layers
+from .dflash_compat import CHUNK_RULE, LinearAttentionCacheMethods, chunk_rule_reachable, recording_chunk_rule
 from .dflash_static_cache import StaticTargetCache
 
 # Text model types of the hybrid families the fast path serves (a multimodal wrapper's text config has the same).
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-# The module-level name under which transformers' hybrid modeling files call the chunked gated delta rule.
-CHUNK_RULE = "torch_chunk_gated_delta_rule"
 
 
 def linear_attention_modules(target: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -64,7 +57,7 @@ def hybrid_blocker(target: torch.nn.Module) -> str | None:
     if not modules:
         return f"this {text.model_type} target has no Gated DeltaNet (`linear_attn`) layers where the fast path looks"
     for module in modules.values():
-        if not callable(getattr(sys.modules[type(module).__module__], CHUNK_RULE, None)):
+        if not chunk_rule_reachable(module):
             return (
                 f"{type(module).__module__} has no {CHUNK_RULE} (this transformers changed how its Gated DeltaNet "
                 "layers are called)"
@@ -73,26 +66,17 @@ def hybrid_blocker(target: torch.nn.Module) -> str | None:
 
 
 @dataclass
-class _LayerStates:
-    """transformers 5.17's view of a linear layer's cache entry (`cache.layers[i]`), over the fixed buffers."""
-
-    conv_states: list[torch.Tensor]
-    recurrent_states: list[torch.Tensor]
-    record_past: bool = False
-
-
-@dataclass
 class _Pending:
     """What a verify handed one linear layer's cache: the conv window (n, conv_dim, K + B) and the chunked rule's
     call (the function, its arguments)."""
 
     window: torch.Tensor
-    rule: Any = None
+    rule: Callable[..., Any] | None = None
     args: tuple = ()
     kwargs: dict | None = None
 
 
-class HybridStaticCache(StaticTargetCache):
+class HybridStaticCache(LinearAttentionCacheMethods, StaticTargetCache):
     """`StaticTargetCache` for the full-attention layers plus fixed per-sequence conv and recurrent states for the
     linear-attention ones; `deferring` + `commit` roll the linear layers back to each sequence's accepted rows."""
 
@@ -118,14 +102,12 @@ class HybridStaticCache(StaticTargetCache):
             self.recurrent[i] = torch.zeros(
                 batch_size, module.num_v_heads, module.head_k_dim, module.head_v_dim, dtype=torch.float32, device=device
             )
-        self.rule_modules = {sys.modules[type(module).__module__] for module in linear.values()}
+        self.linear_layers = list(linear.values())
         self._init_runtime()
 
     def _init_runtime(self) -> None:
         """The per-forward state, and 5.17's per-layer views over this cache's (or view's) buffers."""
-        self.layers = [
-            _LayerStates([self.conv[i]], [self.recurrent[i]]) if i in self.conv else None for i in range(len(self.keys))
-        ]
+        self.layers = self.linear_layer_views(len(self.keys))
         self.fresh = False  # True during the prompt's forward: the layers start from empty states, as in generate
         self.pending: dict[int, _Pending] | None = None  # per linear layer, while a verify is deferred
         self.current_layer: int | None = None
@@ -138,7 +120,7 @@ class HybridStaticCache(StaticTargetCache):
         view = super().head(rows)
         view.conv = {i: state[:rows] for i, state in self.conv.items()}
         view.recurrent = {i: state[:rows] for i, state in self.recurrent.items()}
-        view.rule_modules = self.rule_modules
+        view.linear_layers = self.linear_layers
         view._init_runtime()
         return view
 
@@ -172,25 +154,15 @@ class HybridStaticCache(StaticTargetCache):
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
         """The verify's forward: the linear layers read the committed states and leave them as they are; what
-        `commit` needs is remembered instead. Wraps the modeling modules' chunked rule for the forward's duration."""
+        `commit` needs is remembered instead, with this thread's calls of the chunked rule."""
         self.pending = {}
-        originals = {module: getattr(module, CHUNK_RULE) for module in self.rule_modules}
 
-        def recording(rule: Any) -> Any:
-            def run(*args: Any, **kwargs: Any) -> Any:
-                self.pending[self.current_layer].rule = rule
-                self.pending[self.current_layer].args, self.pending[self.current_layer].kwargs = args, kwargs
-                return rule(*args, **kwargs)
+        def record(rule: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+            pending = self.pending[self.current_layer]
+            pending.rule, pending.args, pending.kwargs = rule, args, kwargs
 
-            return run
-
-        for module, rule in originals.items():
-            setattr(module, CHUNK_RULE, recording(rule))
-        try:
+        with recording_chunk_rule(self.linear_layers, record):
             yield
-        finally:
-            for module, rule in originals.items():
-                setattr(module, CHUNK_RULE, rule)
 
     def commit(self, taken: torch.LongTensor) -> None:
         """Advance each linear layer's states over the first taken[i] rows of the block just verified (n,): 0 keeps a
@@ -213,33 +185,9 @@ class HybridStaticCache(StaticTargetCache):
             self.recurrent[i].copy_(final)
         self.pending = None
 
-    # ---- transformers' linear-attention cache methods (5.25's additions, 5.24 names, then 5.17's) ------------
+    # ---- what transformers' linear-attention cache methods do here (`LinearAttentionCacheMethods`) ---------------
 
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return None if self.fresh else self.conv[layer_idx]
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return None if self.fresh else self.recurrent[layer_idx]
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        """0: no per-row recurrent states. From 5.25 a multi-row forward runs its last k rows one at a time through the
-        recurrent rule to hand the cache k states for a later crop; `commit` instead reruns the chunked rule up to each
-        sequence's `taken`, which needs the whole block in the one chunked call that `deferring` records."""
-        return 0
-
-    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
-        """Nothing to count: 5.25's one-row conv path tells the cache it consumed a token; the fast path keeps each
-        sequence's length in its own device tensors and passes the positions."""
-
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return not self.fresh
-
-    def update_conv_state(
-        self, inputs: torch.Tensor, layer_idx: int, conv_kernel_size: int | None = None, **kwargs: Any
-    ) -> torch.Tensor:
+    def conv_window(self, inputs: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """Return [conv state | inputs] (n, conv_dim, K + q) for the layer's causal conv; keep the last K columns now
         (the prompt) or at `commit` (a verify). Before the prompt the state is zeros: the conv's own left padding."""
         window = torch.cat([self.conv[layer_idx], inputs.to(self.conv[layer_idx].dtype)], dim=-1)
@@ -250,7 +198,7 @@ class HybridStaticCache(StaticTargetCache):
             self.current_layer = layer_idx  # the chunked rule this layer calls next is recorded under it
         return window
 
-    def update_recurrent_state(self, state: torch.Tensor, layer_idx: int, **kwargs: Any) -> torch.Tensor:
+    def keep_recurrent_state(self, state: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """The state after every row of the forward: kept for the prompt; during a verify `commit` decides."""
         if self.pending is None:
             self.recurrent[layer_idx].copy_(state)

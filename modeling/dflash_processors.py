@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from transformers.generation import logits_process as lp
 
+from .dflash_compat import distribution_checks_default
+
 
 def _classes(*names: str) -> tuple[type, ...]:
     """The processor classes of these names that this transformers version has (top-h came in 5.x)."""
@@ -121,7 +123,7 @@ def _frozen(value: Any) -> Any:
 def _no_distribution_checks() -> Iterator[None]:
     """Eta and top-h build a torch Categorical, whose argument check reads a tensor back to the host (which a CUDA
     graph cannot record); the arguments are logits, always valid, so the check is off while they run."""
-    checks = torch.distributions.Distribution._validate_args
+    checks = distribution_checks_default()
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
         yield

@@ -33,9 +33,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from .dflash_capture import decoder_layers
+from .dflash_compat import (
+    attention_implementation, drop_front_slots, forwards_wrapped, full_history_layer, is_dynamic_layer,
+    is_linear_cache_layer, linear_states, linear_token_count, set_linear_states, set_linear_token_count,
+)
 from .dflash_masks import FULL, LINEAR, SLIDING, in_window, target_attention_mask
 
 
@@ -44,10 +47,10 @@ def layer_kinds(cache: Any) -> list[str]:
     class name of a layer that is none of them (a static sliding layer, or a layer that cannot crop)."""
     kinds = []
     for layer in cache.layers:
-        if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states"):
+        if is_linear_cache_layer(layer):
             kinds.append(LINEAR)
         elif getattr(layer, "is_sliding", False):
-            kinds.append(SLIDING if isinstance(layer, DynamicLayer) else type(layer).__name__)
+            kinds.append(SLIDING if is_dynamic_layer(layer) else type(layer).__name__)
         elif hasattr(layer, "crop"):  # DynamicLayer; StaticLayer from transformers 5.24
             kinds.append(FULL)
         else:
@@ -88,10 +91,11 @@ def rollback_problem(target: torch.nn.Module, cache: Any) -> str | None:
     windows = sliding_windows(cache)
     if len(windows) > 1:
         return f"DFlash needs one sliding window per target; this {family} target's layers use {sorted(windows)}"
-    if windows and text._attn_implementation not in ("eager", "sdpa"):
+    implementation = attention_implementation(text)
+    if windows and implementation not in ("eager", "sdpa"):
         return (
             f"on sliding-window targets ({family}) DFlash applies the window through its own masks, which "
-            f"{text._attn_implementation!r} attention does not read; load the target with attn_implementation='eager' "
+            f"{implementation!r} attention does not read; load the target with attn_implementation='eager' "
             "or 'sdpa'"
         )
     return None
@@ -133,7 +137,7 @@ class TargetCacheRollback:
         self.mask_types = sorted(set(self.kinds) - {LINEAR}) if getattr(text, "layer_types", None) is not None else None
         for i, kind in enumerate(self.kinds):
             if kind == SLIDING:
-                cache.layers[i] = DynamicLayer()  # full history; the window is applied by the mask
+                cache.layers[i] = full_history_layer()  # the window is applied by the mask
         self.sliding_start = 0  # slots of the full layout that the sliding layers have dropped from their front
         layers = decoder_layers(target)
         self.linear_modules = {i: layers[i].linear_attn for i, kind in enumerate(self.kinds) if kind == LINEAR}
@@ -159,26 +163,17 @@ class TargetCacheRollback:
     @contextlib.contextmanager
     def verifying(self) -> Iterator[None]:
         """Inside the block, each linear-attention layer keeps its states from before the verify and its input rows,
-        for `rollback`; outside it, the layers are as transformers made them."""
+        for `rollback`; outside it, the layers are as transformers made them. (Per layer instance and for this
+        thread only: `forwards_wrapped`.)"""
         self.block_inputs = {}
-        # A forward set on the instance (accelerate's offload hooks) is put back as it was; else the class's.
-        own = {i: module.__dict__.get("forward") for i, module in self.linear_modules.items()}
-        for i, module in self.linear_modules.items():
-            module.forward = self._remembering(i, module.forward)
-        try:
+        with forwards_wrapped(self.linear_modules, self._remembering):
             yield
-        finally:
-            for i, module in self.linear_modules.items():
-                if own[i] is None:
-                    del module.forward
-                else:
-                    module.forward = own[i]
 
     def _remembering(self, layer: int, forward: Any) -> Any:
         states = self.cache.layers[layer]
 
         def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            before = (states.conv_states[0].clone(), states.recurrent_states[0].clone())
+            before = tuple(state.clone() for state in linear_states(states))
             self.block_inputs[layer] = BlockInput(forward, hidden_states, args, kwargs, *before)
             return forward(hidden_states, *args, **kwargs)
 
@@ -211,22 +206,22 @@ class TargetCacheRollback:
     def _re_advance(states: Any, block: BlockInput, accepted: list[int]) -> None:
         """Put a linear layer's states back to before the block, then advance them over the accepted rows only: the
         sequences that accepted the same count run together, through transformers' own forward of the layer."""
-        conv, recurrent = states.conv_states[0], states.recurrent_states[0]  # (b, ...) each, kept by the cache
-        # From transformers 5.25 a linear layer counts the tokens it has read (`cumulative_length_linear`), and that
-        # count is what `cache.get_seq_length()` reports when layer 0 is linear (Qwen3.5, Qwen3-Next). The verify
-        # counted every block row and the re-runs below count again: end where the attention layers' crop ends.
-        counted = getattr(states, "cumulative_length_linear", None)
+        conv, recurrent = linear_states(states)  # (b, ...) each, kept by the cache
+        # From transformers 5.25 a linear layer counts the tokens it has read, and that count is what
+        # `cache.get_seq_length()` reports when layer 0 is linear (Qwen3.5, Qwen3-Next). The verify counted every
+        # block row and the re-runs below count again: end where the attention layers' crop ends.
+        counted = linear_token_count(states)
         kept = counted - (block.hidden_states.shape[1] - 1 - max(accepted)) if counted is not None else None
         kwargs = {name: value for name, value in block.kwargs.items() if name != "attention_mask"}  # no padding
         for taken in sorted(set(accepted)):
             rows = torch.tensor([row for row, a in enumerate(accepted) if a == taken], device=conv.device)
             # the layer reads and updates the cache's tensors in place: give it these sequences' own copies
-            states.conv_states[0], states.recurrent_states[0] = block.conv_before[rows], block.recurrent_before[rows]
+            set_linear_states(states, block.conv_before[rows], block.recurrent_before[rows])
             block.forward(block.hidden_states[rows, : taken + 1], *block.args, **kwargs)
-            conv[rows], recurrent[rows] = states.conv_states[0], states.recurrent_states[0]
-        states.conv_states[0], states.recurrent_states[0] = conv, recurrent
+            conv[rows], recurrent[rows] = linear_states(states)
+        set_linear_states(states, conv, recurrent)
         if kept is not None:
-            states.cumulative_length_linear.copy_(kept)
+            set_linear_token_count(states, kept)
 
     def after_prefill(self, attention_mask: torch.Tensor) -> None:
         """The prompt's forward is done; attention_mask (b, P) is its mask."""
@@ -247,16 +242,15 @@ class TargetCacheRollback:
             return
         for layer, kind in zip(self.cache.layers, self.kinds):
             if kind == SLIDING:
-                layer.keys = layer.keys[:, :, drop:]
-                layer.values = layer.values[:, :, drop:]
+                drop_front_slots(layer, drop)
         self.sliding_start = first_seen
 
     def keep(self, index: torch.Tensor) -> None:
         """Carry on with the batch rows `index` only (finished sequences leave the batch)."""
         for layer, kind in zip(self.cache.layers, self.kinds):
             if kind == LINEAR:
-                layer.conv_states[0] = layer.conv_states[0][index.to(layer.conv_states[0].device)]
-                layer.recurrent_states[0] = layer.recurrent_states[0][index.to(layer.recurrent_states[0].device)]
+                conv, recurrent = linear_states(layer)
+                set_linear_states(layer, conv[index.to(conv.device)], recurrent[index.to(recurrent.device)])
             else:
                 layer.batch_select_indices(index)
 

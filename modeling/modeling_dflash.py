@@ -42,6 +42,7 @@ from transformers.utils.hub import hf_api
 
 from .configuration_dflash import DFlashConfig
 from .dflash_acceptance import DecodingRule, Proposal
+from .dflash_compat import attention_implementation, upload_folder
 from .dflash_dispatch import install_generate_dispatch
 from .dflash_draft_vocabulary import (
     DRAFT_VOCAB_FILE,
@@ -186,7 +187,8 @@ class DFlashAttention(nn.Module):
         key, value = self.key_values(kv_rows, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        implementation = attention_implementation(self.config)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         out, _ = attention(
             self,
             query,
@@ -459,10 +461,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             self.save_pretrained(
                 folder, max_shard_size=max_shard_size, repo_id=repo_id, target_model=target_model, tau=tau
             )
-            return self._upload_modified_files(
+            return upload_folder(
+                self,
                 folder,
                 repo_id,
-                files_timestamps={},
                 commit_message=commit_message or "Upload DFlash drafter",
                 token=token,
                 create_pr=create_pr,

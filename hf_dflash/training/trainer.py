@@ -27,6 +27,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
+from ..modeling.dflash_compat import attention_implementation
 from ..run_record import device_name, portable_command, portable_path
 from .data import LengthGroupedSampler, RegeneratedData, TrainingSequences, collate_right_padded
 from .objective import DFlashObjective
@@ -137,7 +138,7 @@ def train(
         # FlexAttention has no CPU backward, and its GPU kernels need a head dim of at least 16 (stories260K has 8).
         use_flex = accelerator.device.type == "cuda" and drafter.config.head_dim >= 16
         attention = "flex" if use_flex else "dense"
-    original_attention = drafter.config._attn_implementation
+    original_attention = attention_implementation(drafter.config)
     if attention == "flex":
         drafter.set_attn_implementation("flex_attention")
     target.to(accelerator.device)
