@@ -11,10 +11,10 @@ Methods:
 Reported per method: tau, tokens/s, ms per verify step (per token for plain methods), time to first token, peak GPU
 memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights SHAPE` the target and drafter are
 built with random weights at a published shape (for speed at real scale), prompts are random ids of each
-`--context-lengths`, and two GPU figures are added (from `step_cost.py`): the target's own 1-token step as a CUDA graph on the cache the
-fast path keeps for that family (the floor a verify step is compared against) and our step split into its propose
-and verify graphs. The shapes: each target's published config (its config.json; the text model of a multimodal
-checkpoint) and the published DFlash drafter for it (its config in hub_configs/):
+`--context-lengths`, and two GPU figures are added (from `step_cost.py`): the target's own 1-token step as a CUDA
+graph on the cache the fast path keeps for that family (the floor a verify step is compared against) and our step
+split into its propose and verify graphs. The shapes: each target's published config (its config.json; the text
+model of a multimodal checkpoint) and the published DFlash drafter for it (its config in hub_configs/):
   qwen3-8b             Qwen/Qwen3-8B + z-lab/Qwen3-8B-DFlash-b16 (dense)
   gpt-oss-20b          openai/gpt-oss-20b + z-lab/gpt-oss-20b-DFlash (sliding windows, attention sinks, MoE; eager
                        attention, which applies the sinks)
@@ -162,7 +162,8 @@ def padded_batches(
     with `own_lengths` (batch 1), each prompt alone at its own length."""
     if own_lengths:
         return [
-            {"input_ids": torch.tensor([p], device=device), "attention_mask": torch.ones(1, len(p), dtype=torch.long, device=device)}
+            {"input_ids": torch.tensor([p], device=device),
+             "attention_mask": torch.ones(1, len(p), dtype=torch.long, device=device)}
             for p in prompts
         ]
     longest = max(len(p) for p in prompts)
@@ -246,7 +247,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def _label(args: argparse.Namespace) -> str:
     """What a setting's name adds for non-default decoding: the sampling preset and unpadded prompts."""
-    return ("" if args.sampling == "greedy" else f" {args.sampling}-sampling") + (" own-lengths" if args.own_lengths else "")
+    sampling = "" if args.sampling == "greedy" else f" {args.sampling}-sampling"
+    return sampling + (" own-lengths" if args.own_lengths else "")
 
 
 def _add_ratios(setting_results: list[Measurement]) -> None:
@@ -296,7 +298,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                         color="black", label="target 1-token CUDA graph")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
-    fig.suptitle(f"{report['machine']}, {report['dtype']}, {report['max_new_tokens']} new tokens ({report['date'][:10]})")
+    fig.suptitle(f"{report['machine']}, {report['dtype']}, {report['max_new_tokens']} new tokens "
+                 f"({report['date'][:10]})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from ..modeling import DFlashConfig, DFlashDraftModel
-from ..modeling.dflash_fast_path_blockers import grouped_mm_stays_on_device, moe_experts
 
 
 @dataclass(frozen=True)
@@ -99,6 +98,8 @@ def experts_implementation(target: torch.nn.Module, dtype: torch.dtype, device: 
     """The MoE experts implementation the fast path tells a user to load this target with on `device` (None: no MoE
     experts, or a CPU, where the fast path runs any): `grouped_mm` in bfloat16 on a compute capability 9.x/10.x GPU,
     whose kernel keeps its group offsets on the device, else `batched_mm`."""
+    from ..modeling.dflash_fast_path_blockers import grouped_mm_stays_on_device, moe_experts
+
     if not str(device).startswith("cuda") or not moe_experts(target):
         return None
     if grouped_mm_stays_on_device(dtype, device):
@@ -135,6 +136,8 @@ def random_pair(
 def shape_record(shape: str | PublishedShape, target: torch.nn.Module, drafter: torch.nn.Module) -> dict[str, Any]:
     """What a report says about a `--random-weights` shape: the published ids, the target's fields as built, what was
     changed from the published configs (nothing for RANDOM_SHAPES), and how the target runs."""
+    from ..modeling.dflash_fast_path_blockers import moe_experts
+
     spec = RANDOM_SHAPES[shape] if isinstance(shape, str) else shape
     built = target.config.get_text_config()
     return {

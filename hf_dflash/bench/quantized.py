@@ -1,10 +1,11 @@
 """Tau of a drafter trained on the unquantized target when the target is quantized by bitsandbytes (4-bit, 8-bit).
 
 Each variant of the target (unquantized, nf4, fp4, LLM.int8, row-wise int8) decodes the same prompts (by default the
-first HumanEval ones) greedily with the drafter (batch 1), and each output is checked against that same variant's plain greedy generate.
-Reported per variant: tau, verify steps, whether the outputs are identical, the weights' size and the seconds the
-variant took. On a CPU, bitsandbytes (>= 0.50) computes 4-bit layers in bfloat16 and 8-bit layers in int8 with
-float16 outlier columns; on a GPU, carry its wheel there (`pip install --no-deps bitsandbytes-*.whl`).
+first HumanEval ones) greedily with the drafter (batch 1), and each output is checked against that same variant's
+plain greedy generate. Reported per variant: tau, verify steps, whether the outputs are identical, the weights' size
+and the seconds the variant took. On a CPU, bitsandbytes (>= 0.50) computes 4-bit layers in bfloat16 and 8-bit
+layers in int8 with float16 outlier columns; on a GPU, carry its wheel there (`pip install --no-deps
+bitsandbytes-*.whl`).
 """
 
 from __future__ import annotations

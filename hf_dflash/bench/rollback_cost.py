@@ -19,6 +19,7 @@ Qwen3NextConfig: the target of Qwen3-Coder-Next-DFlash) and Qwen3.5-4B's (hidden
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,12 @@ KEPT = {1: [8], 4: [1, 5, 9, 16]}  # batch -> rows kept per sequence (anchor + a
 PROMPT = 64  # tokens before the block: the states exist
 
 
+def cache_keyword(layer: torch.nn.Module) -> str:
+    """The name under which the layer's forward takes its cache: `cache` from transformers 5.24, `cache_params`
+    before."""
+    return "cache" if "cache" in inspect.signature(type(layer).forward).parameters else "cache_params"
+
+
 def layer_and_cache(model_type: str, overrides: dict) -> tuple[torch.nn.Module, Any, Any]:
     """One Gated DeltaNet layer (layer 0, a linear-attention layer), transformers' cache for it, and the config."""
     from transformers import AutoConfig
@@ -57,7 +64,8 @@ def eager_loop_ways(model_type: str, overrides: dict, time: Any) -> dict[str, An
     from transformers import AutoConfig
 
     layer, cache, config = layer_and_cache(model_type, overrides)
-    layer(torch.randn(1, PROMPT, config.hidden_size), cache=cache)
+    keyword = cache_keyword(layer)
+    layer(torch.randn(1, PROMPT, config.hidden_size), **{keyword: cache})
     state = cache.layers[0]
     conv0, rec0 = state.conv_states[0].clone(), state.recurrent_states[0].clone()
     block = torch.randn(1, BLOCK, config.hidden_size)
@@ -68,17 +76,17 @@ def eager_loop_ways(model_type: str, overrides: dict, time: Any) -> dict[str, An
 
     def one_token() -> None:
         restore()
-        layer(block[:, :1], cache=cache)
+        layer(block[:, :1], **{keyword: cache})
 
     def chunk_only() -> None:
         restore()
-        layer(block, cache=cache)
+        layer(block, **{keyword: cache})
 
     def per_position() -> None:
         restore()
         kept = []
         for row in range(BLOCK):
-            layer(block[:, row : row + 1], cache=cache)
+            layer(block[:, row : row + 1], **{keyword: cache})
             kept.append((state.conv_states[0].clone(), state.recurrent_states[0].clone()))
         state.conv_states[0].copy_(kept[ACCEPTED][0])
         state.recurrent_states[0].copy_(kept[ACCEPTED][1])
@@ -86,10 +94,10 @@ def eager_loop_ways(model_type: str, overrides: dict, time: Any) -> dict[str, An
     def re_advance() -> None:
         restore()
         before = (state.conv_states[0].clone(), state.recurrent_states[0].clone())
-        layer(block, cache=cache)
+        layer(block, **{keyword: cache})
         state.conv_states[0].copy_(before[0])
         state.recurrent_states[0].copy_(before[1])
-        layer(block[:, : ACCEPTED + 1], cache=cache)
+        layer(block[:, : ACCEPTED + 1], **{keyword: cache})
 
     conv_bytes = state.conv_states[0].numel() * 2  # bf16 in a bf16 model
     recurrent_bytes = state.recurrent_states[0].numel() * state.recurrent_states[0].element_size()
@@ -112,12 +120,13 @@ def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> d
     from ..modeling.dflash_linear_state import HybridStaticCache
 
     layer, cache, config = layer_and_cache(model_type, overrides)
+    keyword = cache_keyword(layer)
     stack = torch.nn.Module()  # what HybridStaticCache looks for: `.layers`, with `linear_attn` in each
     stack.layers = torch.nn.ModuleList([torch.nn.Module()])
     stack.layers[0].linear_attn = layer
     static = HybridStaticCache(stack, batch, 1, 1, num_slots=1, dtype=torch.float32, device="cpu")
     with static.prefilling():
-        layer(torch.randn(batch, PROMPT, config.hidden_size), cache=static)
+        layer(torch.randn(batch, PROMPT, config.hidden_size), **{keyword: static})
     conv0, recurrent0 = static.conv[0].clone(), static.recurrent[0].clone()
     block = torch.randn(batch, BLOCK, config.hidden_size)
     taken = torch.tensor(KEPT[batch])
@@ -129,7 +138,7 @@ def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> d
     def verify() -> None:
         restore()
         with static.deferring():
-            layer(block, cache=static)
+            layer(block, **{keyword: static})
 
     verify()
     recorded = dict(static.pending)
@@ -150,13 +159,14 @@ def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> d
         static.recurrent[0].copy_(rule_module.torch_recurrent_gated_delta_rule(*pending.args, **kwargs)[1])
 
     state = cache.layers[0]
-    layer(torch.randn(1, PROMPT, config.hidden_size), cache=cache)  # transformers' own cache, for the layer's re-run
+    # transformers' own cache, for the layer's re-run
+    layer(torch.randn(1, PROMPT, config.hidden_size), **{keyword: cache})
 
     def re_advance() -> None:
         for count in sorted(set(KEPT[batch])):
             rows = [row for row, c in enumerate(KEPT[batch]) if c == count]
             state.conv_states[0], state.recurrent_states[0] = conv0[rows[:1]].clone(), recurrent0[rows[:1]].clone()
-            layer(block[rows][:, :count], cache=cache)
+            layer(block[rows][:, :count], **{keyword: cache})
 
     masked_chunk()
     chunk_states = static.recurrent[0].clone()

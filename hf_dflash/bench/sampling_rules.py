@@ -35,8 +35,8 @@ def measured_tau(target: Any, drafter: Any, prompts: list[dict], args: argparse.
         for rule in RULES:
             for i, ids in enumerate(prompts):
                 torch.manual_seed(seed * len(prompts) + i)
-                out = target.generate(**ids, assistant_model=drafter, dflash_sampling=rule, return_dict_in_generate=True,
-                                      max_new_tokens=args.max_new_tokens, **settings)
+                out = target.generate(**ids, assistant_model=drafter, dflash_sampling=rule,
+                                      return_dict_in_generate=True, max_new_tokens=args.max_new_tokens, **settings)
                 lengths[rule] += out.acceptance_lengths[0]
     return {rule: sum(values) / len(values) for rule, values in lengths.items()}
 

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from ..modeling import DFlashCandidateGenerator, DFlashConfig, DFlashDraftModel
-from ..modeling.dflash_fast_path import release_fast_path
+from ..modeling import DFlashConfig, DFlashDraftModel
 from . import harness
 
 VOCAB = 512
@@ -73,6 +72,8 @@ def hook_count(model: torch.nn.Module) -> int:
 
 
 def live_generators() -> int:
+    from ..modeling import DFlashCandidateGenerator
+
     gc.collect()
     # type() rather than isinstance: isinstance would touch lazy module attributes of every object (warnings)
     return sum(issubclass(type(o), DFlashCandidateGenerator) for o in gc.get_objects())
@@ -109,7 +110,8 @@ def _call(rng: random.Random, device: str) -> dict[str, Any]:
         kwargs["max_new_tokens"] = max(kwargs["max_new_tokens"], 8)
     elif fault == "streamer":  # streamers take one sequence; generate's own first put is the prompt
         kwargs.update(input_ids=kwargs["input_ids"][:1], attention_mask=kwargs["attention_mask"][:1],
-                      streamer=InterruptingStreamer(calls=2 + rng.randrange(4)), max_new_tokens=max(kwargs["max_new_tokens"], 8))
+                      streamer=InterruptingStreamer(calls=2 + rng.randrange(4)),
+                      max_new_tokens=max(kwargs["max_new_tokens"], 8))
     elif fault == "oom":
         kwargs["max_new_tokens"] = max(kwargs["max_new_tokens"], 8)
     return {"kwargs": kwargs, "fault": fault}
@@ -133,6 +135,8 @@ def run_soak(
 ) -> dict[str, Any]:
     """Run the soak; returns its measurements (see the module docstring). Raises nothing on a failed check: the
     caller reads `problems`."""
+    from ..modeling.dflash_fast_path import release_fast_path
+
     device = str(next(target.parameters()).device)
     rng = random.Random(seed)
     hooks = (hook_count(target), hook_count(drafter))

@@ -341,7 +341,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the one context --profile profiles (default: the first of --contexts)")
     parser.add_argument("--profile-top", type=int, default=25, help="kernel names kept per part, by total time")
     parser.add_argument("--without-fla", action="store_true",
-                        help="hide flash-linear-attention from this process (hybrid shapes: transformers' PyTorch rule)")
+                        help="hide flash-linear-attention from this process (hybrid shapes: transformers' PyTorch "
+                        "rule)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="cuda (default where there is one): CUDA graphs at the published shape; cpu: the shape "
                         "scaled down, parts timed eagerly (a smoke run, not a measurement)")
@@ -374,7 +375,8 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:  # last: a CUDA profiler can slow the replays timed after it
         context = args.profile_context or args.contexts[0]
         results[args.contexts.index(context)]["profile"] = profile(target, drafter, context, args)
-    report.update(shape=args.shape, scaled_down=args.device != "cuda", linear_attention_kernels=linear_attention_kernels(target),
+    report.update(shape=args.shape, scaled_down=args.device != "cuda",
+                  linear_attention_kernels=linear_attention_kernels(target),
                   timing="CUDA graph replays, median of 30" if args.device == "cuda" else "eager calls, median of 3",
                   target_1_token_baseline=TARGET_1_TOKEN_BASELINE, results=results)
     harness.write_report(args.out, report, plot)

@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
 def plot(report: dict, path: Path) -> None:
     """Per shape and setting, the pair against the merged step (and their graphs, where measured)."""
     plt = harness.pyplot()
-    groups = [f"{shape}\n{setting.split(' ')[0]}" for shape, settings in report["shapes"].items() for setting in settings]
+    groups = [f"{shape}\n{setting.split(' ')[0]}" for shape, settings in report["shapes"].items()
+              for setting in settings]
     cells = [result["ms"] for settings in report["shapes"].values() for result in settings.values()]
     names = [n for n in ("transformers_pair", "merged_step", "transformers_pair_graph", "merged_step_graph")
              if all(n in cell for cell in cells)]

@@ -5,9 +5,9 @@ The real (HumanEval) tau measured after a run is drawn as points.
 A run is a `train_log.jsonl` written by `hf-dflash train` (one line per --log-every steps: step, loss, simulated
 tau, anchor blocks and training seconds so far), or an older progress-bar log (carriage returns turned into
 newlines: `... 2>&1 | tr '\\r' '\\n' > run.log`) or a run of an earlier report of this scenario
-(`REPORT.json#RUN_LABEL`, steps, loss and tau per step), which have steps only: give them the anchor blocks per
-step and the seconds per step to place them on the same axes
-(`LABEL=LOG@BLOCKS_PER_STEP@SECONDS_PER_STEP`). A run that continues another starts where that one ended: `--offset LABEL=BLOCKS@SECONDS`. Real tau: `--tau
+(`REPORT.json#RUN_LABEL`, steps, loss and tau per step), which have steps only: give them the anchor blocks per step
+and the seconds per step to place them on the same axes (`LABEL=LOG@BLOCKS_PER_STEP@SECONDS_PER_STEP`). A run that
+continues another starts where that one ended: `--offset LABEL=BLOCKS@SECONDS`. Real tau: `--tau
 "LABEL=TAU@BLOCKS@SECONDS"` (a point per measurement). `--previous REPORT.json` keeps every run and point of an
 earlier report of this scenario, already placed, so each session adds its runs to one plot.
 """

@@ -187,8 +187,8 @@ def measure(target: Any, shape: TrainingShape, pool: Any, loss: str, batch_size:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2",
-                        help="smollm2 (default): SmolLM2-135M's and the shipped drafter's; tiny: the same layout at toy "
-                        "widths, to show that the scenario runs")
+                        help="smollm2 (default): SmolLM2-135M's and the shipped drafter's; tiny: the same layout at "
+                        "toy widths, to show that the scenario runs")
     parser.add_argument("--device", default=None, help="default: cuda when available; cpu only shows that it runs")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per setting")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles)")
