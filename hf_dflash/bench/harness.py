@@ -128,6 +128,7 @@ def write_report(out: str | Path, report: dict[str, Any], plot: Callable[[dict[s
     if plot is not None:
         try:
             plot(report, path.with_suffix(".png"))
+            pyplot().close("all")  # a figure stays open until closed, memory included
             print(f"wrote {path.with_suffix('.png')}")
         except ImportError:
             print(f"matplotlib is not installed: no plot ({BENCH_EXTRA}); the JSON has every figure")
