@@ -249,6 +249,11 @@ def check_generate(args: argparse.Namespace) -> None:
 
 
 def check_bench(args: argparse.Namespace) -> None:
+    if args.scenario != "decode":  # every other scenario checks its own arguments (hf_dflash/bench/)
+        from .bench import check_scenario
+
+        check_scenario(args)
+        return
     for option in ("limit", "batch_size", "max_new_tokens"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     each_at_least("--context-lengths", args.context_lengths, 1)

@@ -1,13 +1,15 @@
 """What a saved result records about the run that made it (training_args.json, bench and eval reports), written so
 that it reads the same on any machine: the command and its paths as a user re-runs them from the repository root,
-never a machine's own paths, and the name of the device it ran on."""
+never a machine's own paths, the name of the device it ran on, the date and the library versions."""
 
 from __future__ import annotations
 
 import platform
 import re
 import shlex
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,8 +19,12 @@ def portable_command(argv: list[str]) -> str:
     the current directory made relative and the home directory written `~`."""
     program = Path(argv[0]).name if argv else ""
     words = ["hf-dflash"] if program in ("cli.py", "hf-dflash", "__main__.py") else [program]
-    words += [portable_path(word) for word in argv[1:]]
-    # Quoted for a shell where needed; a leading ~ stays bare, so that the shell expands it.
+    return shell_line(words + [portable_path(word) for word in argv[1:]])
+
+
+def shell_line(words: list[str]) -> str:
+    """The words as one shell command line, each quoted where a shell needs it; a leading ~ stays bare, so that the
+    shell expands it."""
     return " ".join(w if re.fullmatch(r"~?[\w@%+=:,./-]*", w) else shlex.quote(w) for w in words)
 
 
@@ -38,4 +44,17 @@ def device_name(device: torch.device | str) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU"
 
 
-__all__ = ["device_name", "portable_command", "portable_path"]
+def run_environment(device: torch.device | str, **more_versions: str) -> dict[str, Any]:
+    """The date (UTC, to the second), the machine (`device_name`) and the versions of the libraries a result depends
+    on; `more_versions` adds others (e.g. bitsandbytes="0.50.2")."""
+    import transformers
+
+    from . import __version__
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "hf_dflash": __version__,
+                "python": platform.python_version(), **more_versions}
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": device_name(device),
+            "versions": versions}
+
+
+__all__ = ["device_name", "portable_command", "portable_path", "run_environment", "shell_line"]

@@ -1,4 +1,5 @@
-"""`hf-dflash bench` end to end on the CPU: real stories260K target, every method that runs on a CPU, one report."""
+"""`hf-dflash bench decode` end to end on the CPU: real stories260K target, every method that runs on a CPU, one
+report."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_bench_reports_every_method_side_by_side(tmp_path):
     drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
     out = tmp_path / "report.json"
     main([
-        "bench", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
+        "bench", "decode", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
         "--max-new-tokens", "12", "--batch-sizes", "1", "2", "--methods", "plain", "plain-static", "dflash",
         "--out", str(out),
     ])
@@ -48,7 +49,7 @@ def test_bench_reports_every_method_side_by_side(tmp_path):
 
 def test_bench_samples_with_a_family_preset_and_runs_prompts_at_their_own_lengths(tmp_path):
     drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time there was", "Tom saw"])
-    common = ["bench", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
+    common = ["bench", "decode", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
               "--max-new-tokens", "10", "--batch-sizes", "1", "--methods", "plain", "dflash", "--dtype", "fp32"]
     reports = []
     for run in range(2):  # seeded: the same sampled tokens twice
@@ -64,7 +65,7 @@ def test_bench_samples_with_a_family_preset_and_runs_prompts_at_their_own_length
 
 def test_bench_refuses_own_lengths_with_batches(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["bench", "--target", "stories260k", "--batch-sizes", "1", "4", "--own-lengths",
+        main(["bench", "decode", "--target", "stories260k", "--batch-sizes", "1", "4", "--own-lengths",
               "--out", str(tmp_path / "r.json")])
     assert exit_.value.code == 2
     assert "--own-lengths" in capsys.readouterr().err
@@ -79,7 +80,7 @@ def test_native_tau_counts_every_token_and_larger_batches_skip_it(tmp_path, monk
     drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
     out = tmp_path / "report.json"
     main([
-        "bench", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", "8",
+        "bench", "decode", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", "8",
         "--batch-sizes", "1", "2", "--methods", "dflash", "native", "plain", "--out", str(out),
     ])
     assert str(tmp_path) not in out.read_text()  # paths under the working directory are written relative
@@ -96,7 +97,7 @@ def test_native_tau_counts_every_token_and_larger_batches_skip_it(tmp_path, monk
 def test_new_tokens_run_to_the_first_eos_not_to_the_pad_id():
     """A --random-weights run pads with id 0, which a random target may also write as text: a row's new tokens end
     at its first eos (none here), not at the first token that equals the pad id."""
-    from hf_dflash.bench import run_method
+    from hf_dflash.bench.decode import run_method
     from tests.conftest import random_prompt, tiny_drafter, tiny_target
 
     target = tiny_target("llama")
@@ -109,17 +110,17 @@ def test_new_tokens_run_to_the_first_eos_not_to_the_pad_id():
 
 def test_time_to_first_token_is_per_call_not_per_prompt():
     """A batch of 4 prompts waits for its first tokens as long as one call takes, not a quarter of that."""
-    from hf_dflash.bench import Measurement, _row
+    from hf_dflash.bench.decode import Measurement, format_row
 
     batch_of_four = Measurement("s", "plain", prompts=4, batches=1, new_tokens=40, seconds=1.0, ttft_s=0.2, steps=9,
                                 peak_memory_gb=None, tau=1.0)
-    assert "ttft   200.0 ms" in _row(batch_of_four)
+    assert "ttft   200.0 ms" in format_row(batch_of_four)
 
 
 def test_a_new_shapes_setup_lands_in_the_call_not_in_the_first_token_time(monkeypatch):
     """Under --own-lengths each prompt is a new shape, and its one-time setup must count in the timed call of every
     method: the first-token call of a batch is timed after its full call, on the shape that call has set up."""
-    from hf_dflash.bench import run_method
+    from hf_dflash.bench.decode import run_method
     from tests.conftest import random_prompt, tiny_drafter, tiny_target
 
     target = tiny_target("llama")

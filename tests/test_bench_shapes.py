@@ -1,60 +1,30 @@
-"""`hf-dflash bench --random-weights`: the published shapes it builds, and its rows and 1-token baseline per family.
+"""`hf-dflash bench decode --random-weights`: the published shapes it builds, and its rows and 1-token baseline per
+family.
 
 The published shapes are built on the meta device (no memory, no time) and checked against the published configs:
 the targets' fields, their agreement with the drafters' configs in hub_configs/, and the published parameter counts.
 The bench rows and the target's 1-token step on the fast path's cache run on the CPU at the same layouts scaled down
-(every field kept but widths, depth, vocabulary and expert count; windows made small enough to bind).
+(`published.scaled_down`: every field kept but widths, depth, vocabulary and expert count; windows made small
+enough to bind).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
-from hf_dflash import bench
-from hf_dflash.bench import RANDOM_SHAPES, random_pair, shape_record, target_one_token_step
+from hf_dflash import DFlashDraftModel
+from hf_dflash.bench import step_cost
+from hf_dflash.bench.published import RANDOM_SHAPES, SCALED_VOCAB, random_pair, scaled_down, shape_record
+from hf_dflash.bench.step_cost import held_step, target_one_token_step
 from hf_dflash.cli import main
 from hf_dflash.hub import published_drafters
 
 # Published totals, in billions of parameters (the model cards: Qwen3-8B 8.2B, gpt-oss-20b 20.9B (21B),
 # Qwen3-Coder-30B-A3B 30.5B). Qwen3.5-4B's card counts its vision encoder too, which the text model here has not.
 PUBLISHED_BILLIONS = {"qwen3-8b": 8.2, "gpt-oss-20b": 20.9, "qwen3-coder-30b-a3b": 30.5}
-VOCAB = 512
-# What a scaled-down shape changes, per family; every other field stays as published.
-TINY_TARGETS = {
-    "qwen3-8b": dict(num_hidden_layers=4),
-    "gpt-oss-20b": dict(
-        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
-        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-    ),
-    "qwen3.5-4b": dict(
-        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    ),
-    "qwen3-coder-30b-a3b": dict(num_hidden_layers=4, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
-}
-WIDTHS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-
-
-def tiny_shape(name: str) -> bench.PublishedShape:
-    """`name`'s published shape scaled down: the target narrower and shallower, its drafter following it."""
-    shape = RANDOM_SHAPES[name]
-    target = {**shape.config, **WIDTHS, "vocab_size": VOCAB, **TINY_TARGETS[name]}
-    drafter = published_drafters()[shape.drafter].config
-    published_types = drafter.get("layer_types") or ["full_attention"]
-    overrides = dict(
-        WIDTHS, target_hidden_size=64, num_hidden_layers=2,
-        layer_types=[published_types[0], published_types[-1]], num_target_layers=4, target_layer_ids=[1, 2],
-        vocab_size=VOCAB, mask_token_id=VOCAB - 1,
-    )
-    if drafter.get("sliding_window") is not None:
-        overrides["sliding_window"] = 5
-    if "dflash_config" in drafter:  # the published file keeps ids in dflash_config: override them there too
-        overrides["dflash_config"] = {**drafter["dflash_config"], "mask_token_id": VOCAB - 1, "target_layer_ids": [1, 2]}
-    return dataclasses.replace(shape, config=target, drafter_overrides=overrides)
 
 
 @pytest.mark.parametrize("name", list(RANDOM_SHAPES))
@@ -107,13 +77,13 @@ def test_target_one_token_step_is_the_next_plain_step_on_the_fast_path_cache(nam
     """The baseline's forward on the fast path's own cache gives the target's own next-token logits, for a
     left-padded batch (on a GPU it is recorded as a graph; here it runs as it is)."""
     torch.manual_seed(0)
-    target, drafter = random_pair(tiny_shape(name), torch.float32, "cpu")
-    prompts = [torch.randint(0, VOCAB - 1, (n,)).tolist() for n in (9, 5)]
+    target, drafter = random_pair(scaled_down(name), torch.float32, "cpu")
+    prompts = [torch.randint(0, SCALED_VOCAB - 1, (n,)).tolist() for n in (9, 5)]
     ids = torch.tensor([[0] * (9 - len(p)) + p for p in prompts])
     mask = (torch.arange(9) >= 9 - torch.tensor([9, 5])[:, None]).long()
     out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                           eos_token_id=None, assistant_model=drafter, dflash_fast_path=True)
-    step = drafter._dflash_static_step[1]
+    step = held_step(drafter)
     logits = target_one_token_step(step)()  # (b, 1, V)
     for row, sequence in enumerate(step.sequence_of_row):
         tokens = out[sequence, 9 - len(prompts[sequence]) :]  # the sequence without its padding
@@ -124,10 +94,10 @@ def test_target_one_token_step_is_the_next_plain_step_on_the_fast_path_cache(nam
 
 @pytest.mark.parametrize("name", list(RANDOM_SHAPES))
 def test_bench_row_per_family_on_cpu(name, tmp_path, monkeypatch):
-    monkeypatch.setitem(RANDOM_SHAPES, name, tiny_shape(name))
+    monkeypatch.setitem(RANDOM_SHAPES, name, scaled_down(name))
     moe = {"num_experts", "num_local_experts"} & RANDOM_SHAPES[name].config.keys()
     out = tmp_path / "report.json"
-    main(["bench", "--random-weights", name, "--context-lengths", "7", "--max-new-tokens", "6", "--methods", "plain",
+    main(["bench", "decode", "--random-weights", name, "--context-lengths", "7", "--max-new-tokens", "6", "--methods", "plain",
           "dflash", "--dtype", "fp32", "--device", "cpu", "--out", str(out)]
          + (["--experts-implementation", "batched_mm"] if moe else []))
     report = json.loads(out.read_text())
@@ -152,13 +122,13 @@ def test_a_published_layout_drafter_loaded_from_its_files_drafts_through_generat
     assisted decoding (which fails on it)."""
     from tests.test_loading import write_zlab_checkpoint
 
-    shape = tiny_shape("qwen3-8b")
+    shape = scaled_down("qwen3-8b")
     target, _ = random_pair(shape, torch.float32, "cpu")
     fields = {**published_drafters()[shape.drafter].config, **shape.drafter_overrides}
     write_zlab_checkpoint(tmp_path / "drafter", fields)
-    drafter = bench.DFlashDraftModel.from_pretrained(tmp_path / "drafter")
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "drafter")
     assert drafter.config.model_type == "qwen3"  # the file's layout name, as loaded
-    prompt = torch.randint(0, VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, SCALED_VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(0))
     plain = target.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
     out = target.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, assistant_model=drafter,
                           return_dict_in_generate=True)
@@ -170,18 +140,18 @@ def test_the_baseline_leaves_a_hybrid_step_as_it_was(monkeypatch):
     held step stays the state of its last call. (CUDA graphs are GPU-only: the replays run the forward here.)"""
     calls = []
 
-    def replays(fn, replays=30):
+    def replays(fn):
         calls.extend(fn() for _ in range(3))
         return 0.0
 
-    monkeypatch.setattr(bench, "_graph_ms", replays)
-    target, drafter = random_pair(tiny_shape("qwen3.5-4b"), torch.float32, "cpu")
-    prompt = torch.randint(0, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(step_cost, "graph_ms", replays)
+    target, drafter = random_pair(scaled_down("qwen3.5-4b"), torch.float32, "cpu")
+    prompt = torch.randint(0, SCALED_VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(1))
     target.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, assistant_model=drafter,
                     dflash_fast_path=True)
-    step = drafter._dflash_static_step[1]
+    step = held_step(drafter)
     before = [state.clone() for state in step.target_cache.carried_state()]
-    assert before and bench.target_1_token_graph_ms(step) == 0.0
+    assert before and step_cost.target_1_token_ms(step) == 0.0
     assert not torch.equal(calls[0], calls[1])  # the replays did advance the states (the same token, a new state)
     for state, value in zip(step.target_cache.carried_state(), before):
         assert torch.equal(state, value)

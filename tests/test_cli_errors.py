@@ -78,17 +78,17 @@ def refused(argv, capsys) -> str:
         (["generate", "--device", "tpu9"], "is not a device; pass cpu, cuda or cuda:N"),
         (["generate", "--dtype", "fp8"], "invalid choice: 'fp8'"),
         (["generate", "--max-new-tokens", "many"], "invalid int value: 'many'"),
-        (["bench", "--limit", "0"], "--limit must be at least 1"),
-        (["bench", "--batch-sizes", "1", "0"], "--batch-sizes must be at least 1, got 0"),
-        (["bench", "--prompts", "missing.jsonl"], "--prompts missing.jsonl: no such file"),
-        (["bench", "--out", "."], "--out . is a folder"),
-        (["bench", "--batch-size", "4"], "--batch-size applies to --random-weights runs"),
-        (["bench", "--context-lengths", "2048"], "--context-lengths applies to --random-weights runs"),
-        (["bench", "--random-weights", "qwen3-8b", "--batch-sizes", "4"], "--batch-sizes applies to prompt-set runs"),
-        (["bench", "--random-weights", "qwen3-8b", "--drafter", "d"], "leave out --target and --drafter"),
-        (["bench", "--random-weights", "qwen3-8b", "--target", "stories260k"], "leave out --target and --drafter"),
-        (["bench", "--random-weights", "qwen3-8b", "--prompts", "humaneval"], "leave out --prompts and --limit"),
-        (["bench", "--random-weights", "qwen3-8b", "--limit", "4"], "leave out --prompts and --limit"),
+        (["bench", "decode", "--limit", "0"], "--limit must be at least 1"),
+        (["bench", "decode", "--batch-sizes", "1", "0"], "--batch-sizes must be at least 1, got 0"),
+        (["bench", "decode", "--prompts", "missing.jsonl"], "--prompts missing.jsonl: no such file"),
+        (["bench", "decode", "--out", "."], "--out . is a folder"),
+        (["bench", "decode", "--batch-size", "4"], "--batch-size applies to --random-weights runs"),
+        (["bench", "decode", "--context-lengths", "2048"], "--context-lengths applies to --random-weights runs"),
+        (["bench", "decode", "--random-weights", "qwen3-8b", "--batch-sizes", "4"], "--batch-sizes applies to prompt-set runs"),
+        (["bench", "decode", "--random-weights", "qwen3-8b", "--drafter", "d"], "leave out --target and --drafter"),
+        (["bench", "decode", "--random-weights", "qwen3-8b", "--target", "stories260k"], "leave out --target and --drafter"),
+        (["bench", "decode", "--random-weights", "qwen3-8b", "--prompts", "humaneval"], "leave out --prompts and --limit"),
+        (["bench", "decode", "--random-weights", "qwen3-8b", "--limit", "4"], "leave out --prompts and --limit"),
         (["train", "--target", "smollm2", "--out", "o", "--lr", "-1"], "--lr must be at least 0"),
         (["train", "--target", "smollm2", "--out", "o", "--steps", "0"], "--steps must be at least 1"),
         (["train", "--target", "smollm2", "--out", "o", "--draft-vocab-size", "0"],
@@ -162,7 +162,8 @@ def test_a_prompt_file_of_other_objects_fails_before_the_models_load(command, sm
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"text": "hello"}) + "\n")
     extra = ["--out", str(tmp_path / "r.json")] if command == "bench" else []
-    assert main([command, "--target", "stories260k", "--drafter", str(small_drafter), "--prompts", str(prompts),
+    words = ["bench", "decode"] if command == "bench" else [command]
+    assert main([*words, "--target", "stories260k", "--drafter", str(small_drafter), "--prompts", str(prompts),
                  *extra]) == 1
     err = capsys.readouterr().err
     assert f'{prompts} line 2 is not a {{"prompt": ...}} object' in err, err

@@ -1,6 +1,6 @@
 """The fast path's static step (dflash_fast_path.py), run on the CPU without a graph: the same buffers and the same
-step function a CUDA graph records, so its logic is checked here and only the capture is left to the GPU script
-(benchmarks/gpu/fast_path_check.py)."""
+step function a CUDA graph records, so its logic is checked here and only the capture is left to the GPU tests
+(tests/test_fast_path_gpu.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from benchmarks.soak import InterruptingStreamer, RaiseAtLength
+from hf_dflash.bench.soak import InterruptingStreamer, RaiseAtLength
 from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
 from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
 from tests.test_fast_path import oracle_static_drafts

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import StoppingCriteriaList
 
-from benchmarks.soak import InterruptingStreamer, RaiseAtLength
+from hf_dflash.bench.soak import InterruptingStreamer, RaiseAtLength
 from hf_dflash import DFlashCandidateGenerator
 from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
 from tests.test_batched import PAD, left_pad

@@ -12,7 +12,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations import sdpa_attention
 
-from hf_dflash import bench
+from hf_dflash.bench import step_cost
 from hf_dflash.modeling import dflash_attention
 from hf_dflash.modeling.dflash_attention import (
     GROUPED_SDPA, fused_kernel_takes_grouped_heads, grouped_attention, grouped_sdpa_attention,
@@ -178,11 +178,11 @@ def test_the_fast_path_attends_with_grouped_heads_and_equals_plain_greedy(family
 
 
 def test_the_1_token_baseline_runs_through_the_grouped_attention_inside_it(grouped_calls, monkeypatch):
-    """step_cost.py's target_1_token_grouped_ms: bench's 1-token baseline on a held step, inside `grouped_attention`,
-    sends every target layer's attention through the grouped function and gives the same logits (float32) as under
-    sdpa. (CUDA graphs are GPU-only: the replay runs the forward once here.)"""
+    """`hf-dflash bench step-cost`'s target_1_token_grouped_ms: the 1-token baseline on a held step, inside
+    `grouped_attention`, sends every target layer's attention through the grouped function and gives the same logits
+    (float32) as under sdpa. (CUDA graphs are GPU-only: the replay runs the forward once here.)"""
     logits = []
-    monkeypatch.setattr(bench, "_graph_ms", lambda forward, replays=30: logits.append(forward()) or 0.0)
+    monkeypatch.setattr(step_cost, "graph_ms", lambda forward: logits.append(forward()) or 0.0)
     target = tiny_target("qwen3", seed=3, num_attention_heads=8, num_key_value_heads=2)
     drafter = tiny_drafter(target, block_size=4)
     ids, mask = left_padded(2, 9, [0, 3])
@@ -190,9 +190,9 @@ def test_the_1_token_baseline_runs_through_the_grouped_attention_inside_it(group
                     assistant_model=drafter, dflash_fast_path=True)
     step = drafter._dflash_static_step[1]
     grouped_calls.clear()  # the call's own forwards
-    assert bench.target_1_token_graph_ms(step) == 0.0 and not grouped_calls
+    assert step_cost.target_1_token_ms(step) == 0.0 and not grouped_calls
     with grouped_attention(target):
-        assert bench.target_1_token_graph_ms(step) == 0.0
+        assert step_cost.target_1_token_ms(step) == 0.0
     release_fast_path(drafter)
     assert grouped_calls == [("Qwen3Attention", 8, 2, True)] * target.config.num_hidden_layers
     assert logits[0].shape == (2, 1, target.config.vocab_size)

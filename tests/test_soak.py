@@ -1,15 +1,16 @@
-"""The soak of benchmarks/soak.py, reduced for CI: consecutive generate calls of every kind, some failing on purpose.
+"""The soak scenario (`hf-dflash bench soak`), reduced for CI: consecutive generate calls of every kind, some failing on
+purpose.
 
 No hook may stay on the target or drafter, no DFlash generator may outlive its call, sampled greedy calls must equal
 plain generate, and resident memory must not grow once warm. HF_DFLASH_SOAK=1 runs 300 calls here; the full
-1,000-call soak is `python benchmarks/soak.py` (numbers in benchmarks/NOTES.md).
+1,000-call soak is `hf-dflash bench soak` (figures in benchmarks/reliability.md).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.soak import run_soak, small_pair
+from hf_dflash.bench.soak import run_soak, small_pair
 from tests.conftest import SOAK
 
 pytestmark = pytest.mark.usefixtures("one_thread")

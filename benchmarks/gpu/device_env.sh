@@ -1,4 +1,4 @@
-# Source on the GPU machine (the `device` tool's H200) from the repository root:
+# Source on the GPU machine (README.md beside this file) from the repository root, first in every call:
 #   - installs carried wheels (.whl/, e.g. gguf) into /tmp/site, and hf-dflash itself without dependencies;
 #   - collects the SmolLM2 GGUF's parts (.stage/*/partNN, one per call: a call carries at most 64 MiB with the
 #     working tree; benchmarks/gpu/stage_smollm2.sh makes two) in ~/stage, assembles them once their sha256 is

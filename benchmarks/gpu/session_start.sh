@@ -15,7 +15,7 @@ case "${1:?throughput, stage or train SECONDS}" in
 throughput)
     nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-    timeout 400 python3 benchmarks/gpu/training_throughput.py --steps 5 --warmup 3 --out "$report"
+    timeout 400 python3 -m hf_dflash.cli bench training-throughput --steps 5 --warmup 3 --out "$report"
     cp "$report" "$OUT/"
     ;;
 stage)

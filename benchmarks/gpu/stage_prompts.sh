@@ -17,7 +17,7 @@ mkdir -p "$out"
 mix() { "$python" benchmarks/gpu/prompt_mix.py "$@" 2>&1 | grep -v -e '^WARNING: Location' -e '^Looking in' ; }
 mkdir -p .stage/full
 mix --sharegpt 30000 --sets --out .stage/full/mix.jsonl.gz
-# Evenly spaced lines of the mix keep its proportions in a set the GPU answers in 2 minutes instead of 4.
+# Evenly spaced lines of the mix keep its proportions in a set a quarter of its size (answering costs GPU time).
 "$python" - .stage/full/mix.jsonl.gz "$out/chat8k.jsonl.gz" 8000 <<'PY'
 import gzip, sys
 lines = gzip.open(sys.argv[1], "rt").read().splitlines()

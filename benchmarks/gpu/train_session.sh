@@ -31,14 +31,13 @@
 #                        (.stage/full/mix.jsonl.gz, left out of .stage/prompts to keep the train call under 64 MiB)
 #   code.jsonl.gz        CodeI/O, SciCode, CHAMP (answers: .stage/regen/regenerated_new.part*)
 #   docstrings.jsonl.gz  10,094 HumanEval-shaped prompts, 9,560 within 384 tokens
-# Answering from scratch costs device time (H200, 2026-12-04, batches of 4,096): chat8k 114 s, code 66 s, docstrings
-# 128 s, at 12-15K answer tokens/s (the whole mix took 256 s on 2026-12-03). Carry back what a session answers
-# (`COPY=regen bash benchmarks/gpu/poll.sh 0` once the log shows the regeneration done) and carry .stage/regen with
+# Answering from scratch costs minutes of device time (benchmarks/training-and-drafters.md has the figures). Carry back
+# what a session answers (`COPY=regen bash benchmarks/gpu/poll.sh 0` once the log shows the regeneration done) and carry .stage/regen with
 # .stage/prompts in the next train call: the sets with answers there are reused, the others answered on the GPU, and
 # training runs on all of them. PROMPT_SETS=.stage/full/mix.jsonl.gz (carry .stage/full) trains on the old mix alone.
 #
-# Depth A/B for the next session (issue 16 item 6; the 3-layer SmolLM2 drafter grown to 5 layers, 38.72 MB of bf16
-# weights, the most under the 40 MB budget at width 576), in the train call:
+# A depth A/B (the 3-layer SmolLM2 drafter grown to 5 layers, 38.72 MB of bf16 weights, the deepest under 40 MB at
+# width 576), in the train call:
 #   GROW_LAYERS=5 AB_SECONDS=150 bash benchmarks/gpu/session_start.sh train SECONDS
 # Both arms run AB_SECONDS of wall time, so the grown one (a slower step) is judged on simulated tau per second
 # from the same start. MS_PER_STEP sizes the schedule for the 3-layer step: if the grown arm wins, its long run

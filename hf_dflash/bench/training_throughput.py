@@ -1,4 +1,4 @@
-"""Training throughput of `hf-dflash train` on one GPU: anchor blocks per second and a model-FLOPs utilization.
+"""Training throughput of `hf-dflash train`: anchor blocks per second and a model-FLOPs utilization (one GPU).
 
 Random weights in SmolLM2-135M-Instruct's shape (speed does not depend on the values), the shipped drafter's
 shape (3 layers, block 16, 5 target layers), and a pool of sequences whose lengths spread as regenerated chat data
@@ -15,37 +15,47 @@ loss, backward, AdamW, bf16 autocast.
 Anchor blocks: blocks with at least one label (`LossOutput.num_blocks`). Model FLOPs count the useful work only:
 2 x target parameters x real tokens, 6 x drafter parameters x labelled blocks x block size, and 4 x hidden x vocab
 x labelled rows (the lm_head forward and its input gradient); MFU divides by the H200's dense bf16 peak (989
-TFLOP/s by the datasheet; a large matmul measured about 790 on these machines).
+TFLOP/s by its datasheet).
 
-    python benchmarks/gpu/training_throughput.py --out results.json
+A CPU run (dense attention instead of FlexAttention; `--shape tiny` and `--scale` to shrink the model and the
+batches) only shows that it runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_dflash.bench import run_environment
-from hf_dflash.training.data import LengthGroupedSampler, RegeneratedData, TrainingSequences, collate_right_padded
-from hf_dflash.training.drafter import new_drafter
-from hf_dflash.training.objective import (
-    DFlashObjective,
-    block_loss,
-    build_blocks,
-    dense_block_mask,
-    flex_block_mask,
-    sample_anchors,
-    sparse_block_loss,
-)
+from . import harness
 
-SMOLLM2_SHAPE = dict(
-    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-    vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
-)
+@dataclass(frozen=True)
+class TrainingShape:
+    """A target's shape (random weights) and the drafter trained for it."""
+
+    target: dict[str, Any]  # LlamaConfig fields
+    drafter_layers: int
+    target_layer_ids: list[int]  # the target layers the drafter reads
+
+
+SHAPES = {
+    # SmolLM2-135M-Instruct and the shipped drafter's shape
+    "smollm2": TrainingShape(
+        target=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
+                    max_position_embeddings=8192),
+        drafter_layers=3, target_layer_ids=[1, 8, 15, 21, 28],
+    ),
+    # the same layout at toy widths: shows that the scenario runs, in seconds on a CPU
+    "tiny": TrainingShape(
+        target=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, max_position_embeddings=2048),
+        drafter_layers=1, target_layer_ids=[1, 3, 4],
+    ),
+}
 PEAK_BF16_FLOPS = 989e12
 # (name, loss, batch size, length-grouped, distill top-k): the shipped run first. "compiled": the sparse loss's
 # element-wise work through torch.compile.
@@ -60,13 +70,10 @@ SETTINGS = [
 ]
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def plain_loss(objective: DFlashObjective, drafter, batch, generator):
+def plain_loss(objective: Any, drafter: Any, batch: dict, generator: torch.Generator) -> Any:
     """The objective as the shipped drafter was trained: lm_head over all rows, full logits, then cross-entropy."""
+    from ..training.objective import block_loss, build_blocks, dense_block_mask, flex_block_mask, sample_anchors
+
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     seq_len, block_size = input_ids.shape[1], objective.config.block_size
     context, _ = objective.context(input_ids, batch["attention_mask"])
@@ -84,6 +91,8 @@ def plain_loss(objective: DFlashObjective, drafter, batch, generator):
 
 def compiled_loss_check(device: str) -> dict:
     """The compiled loss against the eager one, on random rows at the real vocabulary (relative errors)."""
+    from ..training.objective import sparse_block_loss
+
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(2, 64 * 16, 576, generator=generator).to(device, torch.bfloat16).requires_grad_()
     weight = (torch.randn(49152, 576, generator=generator) * 0.05).to(device, torch.bfloat16)
@@ -99,22 +108,33 @@ def compiled_loss_check(device: str) -> dict:
             "grad_rel_error": float((out[True][1] - out[False][1]).norm() / out[False][1].norm())}
 
 
-def sequence_pool(count: int, seed: int = 0) -> TrainingSequences:
+def sequence_pool(count: int, vocab_size: int, seed: int = 0) -> Any:
+    """`count` random sequences whose prompt (20-300 tokens) and answer (30-256) lengths spread as chat data's do."""
+    from ..training.data import RegeneratedData, TrainingSequences
+
     generator = torch.Generator().manual_seed(seed)
     sequences = []
     for _ in range(count):
         prompt_len = int(torch.randint(20, 301, (1,), generator=generator))
         answer_len = int(torch.randint(30, 257, (1,), generator=generator))
-        sequences.append((torch.randint(100, 49000, (prompt_len,), generator=generator).tolist(),
-                          torch.randint(100, 49000, (answer_len,), generator=generator).tolist()))
+        high = vocab_size - 100  # ids clear of the special tokens at either end
+        sequences.append((torch.randint(100, high, (prompt_len,), generator=generator).tolist(),
+                          torch.randint(100, high, (answer_len,), generator=generator).tolist()))
     return TrainingSequences(RegeneratedData.from_sequences(sequences), 4096)
 
 
-def measure(target, pool: TrainingSequences, loss: str, batch_size: int, grouped: bool, topk: int, attention: str,
-            steps: int, warmup: int) -> dict:
+def measure(target: Any, shape: TrainingShape, pool: Any, loss: str, batch_size: int, grouped: bool, topk: int,
+            attention: str, steps: int, warmup: int) -> dict:
+    """One setting: `warmup` untimed steps, then `steps` timed ones (target forward, drafter, loss, backward, AdamW),
+    each synchronized."""
+    from ..training.data import LengthGroupedSampler, collate_right_padded
+    from ..training.drafter import new_drafter
+    from ..training.objective import DFlashObjective
+
     device = target.device
     torch.manual_seed(0)
-    drafter = new_drafter(target, num_layers=3, mask_token_id=16, target_layer_ids=[1, 8, 15, 21, 28])
+    drafter = new_drafter(target, num_layers=shape.drafter_layers, mask_token_id=16,
+                          target_layer_ids=shape.target_layer_ids)
     drafter = drafter.to(device).train()
     if attention == "flex":
         drafter.set_attn_implementation("flex_attention")
@@ -137,18 +157,20 @@ def measure(target, pool: TrainingSequences, loss: str, batch_size: int, grouped
     for i, indices in enumerate(batches):
         batch = collate_right_padded([pool[j] for j in indices])
         batch = {k: v.to(device) for k, v in batch.items()}
-        synchronize(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-            out = (plain_loss if loss == "plain" else objective.__class__.__call__)(objective, drafter, batch,
-                                                                                   generator)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
+
+        def train_step() -> Any:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
+                out = plain_loss(objective, drafter, batch, generator) if loss == "plain" else objective(
+                    drafter, batch, generator)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return out
+
+        out, took = harness.timed(train_step)
         if i < warmup:
             continue
-        seconds += time.perf_counter() - start
+        seconds += took
         tokens = int(batch["attention_mask"].sum())
         rows = out.num_blocks * (drafter.config.block_size - 1)  # about: rows past a sequence's end have no label
         blocks += out.num_blocks
@@ -163,55 +185,81 @@ def measure(target, pool: TrainingSequences, loss: str, batch_size: int, grouped
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if on_gpu else None}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cuda", help="cpu only checks that the script runs (dense attention)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=list(SHAPES), default="smollm2",
+                        help="smollm2 (default): SmolLM2-135M's and the shipped drafter's; tiny: the same layout at "
+                        "toy widths, to show that the scenario runs")
+    parser.add_argument("--device", default=None, help="default: cuda when available; cpu only shows that it runs")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per setting")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles)")
-    parser.add_argument("--settings", type=int, nargs="+", help="indices into SETTINGS (default: all)")
+    parser.add_argument("--settings", type=int, nargs="+", default=None,
+                        help="indices into the settings (default: all): " + "; ".join(
+                            f"{i} {name}" for i, (name, *_) in enumerate(SETTINGS)))
     parser.add_argument("--pool", type=int, default=4096, help="sequences in the pool batches are drawn from")
     parser.add_argument("--scale", type=float, default=1.0, help="batch sizes times this (CPU smoke runs: 0.125)")
-    args = parser.parse_args()
+
+
+def check(args: argparse.Namespace) -> None:
+    from ..cli_checks import BadArgument, above, at_least, check_device
+
+    at_least("--steps", args.steps, 1)
+    at_least("--warmup", args.warmup, 0)
+    at_least("--pool", args.pool, 1)
+    above("--scale", args.scale, 0)
+    check_device("--device", args.device)
+    for index in args.settings or []:
+        if not 0 <= index < len(SETTINGS):
+            raise BadArgument(f"--settings {index}: pass indices 0 .. {len(SETTINGS) - 1} (see --help)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = args.device or harness.default_device()
+    report = harness.header(args, device)
     torch.manual_seed(0)
-    on_gpu = args.device.startswith("cuda")
+    on_gpu = device.startswith("cuda")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    target = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(args.device, dtype).eval()
-    pool = sequence_pool(args.pool)
-    report = {**run_environment(args.device), "shape": "SmolLM2-135M target, 3-layer drafter, random weights",
-              "training": []}
-    try:
-        report["compiled_loss_check"] = compiled_loss_check(args.device)
-    except Exception as error:
-        report["compiled_loss_check"] = {"error": f"{type(error).__name__}: {error}"[:300]}
-    print("compiled loss against eager:", report["compiled_loss_check"], flush=True)
+    shape = SHAPES[args.shape]
+    target = LlamaForCausalLM(LlamaConfig(**shape.target)).to(device, dtype).eval()
+    pool = sequence_pool(args.pool, shape.target["vocab_size"])
+    report.update(shape=f"{args.shape}: target {shape.target}, {shape.drafter_layers}-layer drafter, random weights",
+                  training=[])
     chosen = [SETTINGS[i] for i in (args.settings if args.settings is not None else range(len(SETTINGS)))]
+    if any(loss == "compiled" for _, loss, *_ in chosen):  # checked before it is timed
+        try:
+            report["compiled_loss_check"] = compiled_loss_check(device)
+        except Exception as error:  # recorded, not hidden; each compiled setting then fails on its own below
+            report["compiled_loss_check"] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        print("compiled loss against eager:", report["compiled_loss_check"], flush=True)
     for name, loss, batch_size, grouped, topk in chosen:
         batch_size = max(1, round(batch_size * args.scale))
         try:
-            row = measure(target, pool, loss, batch_size, grouped, topk, "flex" if on_gpu else "dense", args.steps,
-                          args.warmup)
+            row = measure(target, shape, pool, loss, batch_size, grouped, topk, "flex" if on_gpu else "dense",
+                          args.steps, args.warmup)
         except torch.OutOfMemoryError:
             row = {"loss": loss, "batch_size": batch_size, "error": "out of memory"}
-        except Exception as error:  # a setting that fails (e.g. a compile error) is reported, the others still run
+        except Exception as error:  # a setting that fails (a compile error, say) is recorded; the others still run
             row = {"loss": loss, "batch_size": batch_size, "error": f"{type(error).__name__}: {error}"[:300]}
         if on_gpu:
             torch.cuda.empty_cache()
-        row = {"setting": name, **row}
-        report["training"].append(row)
-        print("training", json.dumps(row), flush=True)
-    base = report["training"][0].get("anchor_blocks_per_s")
-    print(f"\n{'setting':45s} {'blocks/s':>9s} {'x base':>7s} {'ms/step':>8s} {'MFU':>6s} {'pad':>5s} {'GiB':>6s}")
-    for row in report["training"]:
-        if "error" in row:
-            print(f"{row['setting']:45s} {row['error']}")
-            continue
-        speedup = row["anchor_blocks_per_s"] / base if base else float("nan")
-        print(f"{row['setting']:45s} {row['anchor_blocks_per_s']:9d} {speedup:7.2f} {row['ms_per_step']:8.1f} "
-              f"{row['mfu']:6.3f} {row['token_padding_share']:5.2f} {row['peak_gib'] or 0:6.1f}")
-    with open(args.out, "w") as fh:
-        json.dump(report, fh, indent=2)
+        report["training"].append({"setting": name, **row})
+        print("training", report["training"][-1], flush=True)
+    harness.write_report(args.out, report, plot)
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+def plot(report: dict, path: Path) -> None:
+    """Anchor blocks per second and MFU per setting."""
+    plt = harness.pyplot()
+    rows = [r for r in report["training"] if "error" not in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    names = [r["setting"] for r in rows]
+    left.barh(names, [r["anchor_blocks_per_s"] for r in rows])
+    left.set_xlabel("anchor blocks / s")
+    right.barh(names, [r["mfu"] for r in rows])
+    right.set_xlabel("model-FLOPs utilization")
+    right.set_yticks([])
+    fig.suptitle(f"{report['shape'].split(':')[0]} shape, {report['machine']} ({report['date'][:10]})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,33 +1,29 @@
-"""Soak: many consecutive DFlash generate calls; memory must come back, nothing may stay attached to the target.
+"""Many consecutive DFlash generate calls: memory must come back, nothing may stay attached to the target.
 
 Call i draws (from its seed) a batch size 1..4, left-padded prompts of 1..32 tokens, 1..48 new tokens, greedy or
 sampled (either acceptance rule), sometimes an eos; one call in 16 fails on purpose part-way (a stopping criterion
 that raises, ctrl-c in a streamer, an out-of-memory error from the drafter's forward). After every call: no forward
 hook left on the target or drafter. Every 8th greedy call is checked against plain generate (identical tokens).
 Every `--every` calls: resident memory (RSS), CUDA allocated memory on a GPU, and the DFlash generators still alive
-(must be 0). The first `--warmup` calls fill the allocator's caches; memory is compared from there to the end.
-usage: python benchmarks/soak.py [--calls 1000] [--device cpu] [--name soak_cpu]
+(must be 0). The first `--warmup` calls fill the allocator's caches; memory is compared from there to the end. The
+target is a small random Llama (4 layers, width 128, vocabulary 512) with a 2-layer drafter of block size 8. The run
+exits with status 1 when it found a problem (each is listed in the report).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
 import random
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
-import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from hf_dflash import DFlashCandidateGenerator, DFlashConfig, DFlashDraftModel
-from hf_dflash.modeling.dflash_fast_path import release_fast_path
+from ..modeling import DFlashConfig, DFlashDraftModel
+from . import harness
 
 VOCAB = 512
 PAD = 0
@@ -76,12 +72,16 @@ def hook_count(model: torch.nn.Module) -> int:
 
 
 def live_generators() -> int:
+    from ..modeling import DFlashCandidateGenerator
+
     gc.collect()
     # type() rather than isinstance: isinstance would touch lazy module attributes of every object (warnings)
     return sum(issubclass(type(o), DFlashCandidateGenerator) for o in gc.get_objects())
 
 
 def rss_mb() -> float:
+    import psutil
+
     return psutil.Process().memory_info().rss / 2**20
 
 
@@ -110,7 +110,8 @@ def _call(rng: random.Random, device: str) -> dict[str, Any]:
         kwargs["max_new_tokens"] = max(kwargs["max_new_tokens"], 8)
     elif fault == "streamer":  # streamers take one sequence; generate's own first put is the prompt
         kwargs.update(input_ids=kwargs["input_ids"][:1], attention_mask=kwargs["attention_mask"][:1],
-                      streamer=InterruptingStreamer(calls=2 + rng.randrange(4)), max_new_tokens=max(kwargs["max_new_tokens"], 8))
+                      streamer=InterruptingStreamer(calls=2 + rng.randrange(4)),
+                      max_new_tokens=max(kwargs["max_new_tokens"], 8))
     elif fault == "oom":
         kwargs["max_new_tokens"] = max(kwargs["max_new_tokens"], 8)
     return {"kwargs": kwargs, "fault": fault}
@@ -134,6 +135,8 @@ def run_soak(
 ) -> dict[str, Any]:
     """Run the soak; returns its measurements (see the module docstring). Raises nothing on a failed check: the
     caller reads `problems`."""
+    from ..modeling.dflash_fast_path import release_fast_path
+
     device = str(next(target.parameters()).device)
     rng = random.Random(seed)
     hooks = (hook_count(target), hook_count(drafter))
@@ -199,42 +202,56 @@ def run_soak(
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=1000)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=50, help="calls before memory is compared")
+    parser.add_argument("--every", type=int, default=50, help="calls between memory samples")
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (small models: 1 is fastest)")
-    parser.add_argument("--max-rss-growth-mb", type=float, default=16.0)
-    parser.add_argument("--name", default=None, help="result file name (default: soak_<device>)")
-    args = parser.parse_args()
+    parser.add_argument("--max-rss-growth-mb", type=float, default=16.0,
+                        help="resident memory growth after the warm-up that counts as a problem")
+
+
+def check(args: argparse.Namespace) -> None:
+    from ..cli_checks import above, at_least, check_device
+
+    for option in ("calls", "warmup", "every", "threads"):
+        at_least("--" + option, getattr(args, option), 1)
+    above("--max-rss-growth-mb", args.max_rss_growth_mb, 0)
+    check_device("--device", args.device)
+
+
+def run(args: argparse.Namespace) -> int:
+    import psutil
+
+    device = args.device or harness.default_device()
+    report = harness.header(args, device)
     torch.set_num_threads(args.threads)
-    target, drafter = small_pair(args.device, args.seed)
+    target, drafter = small_pair(device, args.seed)
     rss_before = rss_mb()
     result = run_soak(target, drafter, args.calls, args.seed, args.warmup, args.every)
     if result["rss_growth_mb"] > args.max_rss_growth_mb:
         result["problems"].append(
             f"resident memory grew {result['rss_growth_mb']} MB after warm-up (limit {args.max_rss_growth_mb})"
         )
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {psutil.cpu_count()} cores"
-        + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": args.device,
-        "threads": args.threads,
-        "rss_mb_before_first_call": round(rss_before, 1),
-        **result,
-    }
-    out = Path(__file__).parent / "results" / f"{args.name or 'soak_' + args.device.split(':')[0]}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
-    print(f"written to {out}")
-    raise SystemExit(1 if result["problems"] else 0)
+    report.update(cpu_cores=psutil.cpu_count(), threads=args.threads, rss_mb_before_first_call=round(rss_before, 1),
+                  **result)
+    print({k: v for k, v in report.items() if k != "samples"})
+    harness.write_report(args.out, report, plot)
+    return 1 if result["problems"] else 0
 
 
-if __name__ == "__main__":
-    main()
+def plot(report: dict, path: Path) -> None:
+    """Resident memory (and CUDA allocated memory on a GPU) at each sample, against the calls made."""
+    plt = harness.pyplot()
+    samples = report["samples"]
+    fig, axis = plt.subplots(figsize=(7, 3.6))
+    calls = [s["call"] for s in samples]
+    axis.plot(calls, [s["rss_mb"] for s in samples], marker="o", label="resident memory (MB)")
+    if "cuda_allocated_mb" in samples[0]:
+        axis.plot(calls, [s["cuda_allocated_mb"] for s in samples], marker="s", label="CUDA allocated (MB)")
+    axis.set(xlabel="calls", ylabel="MB", title=f"soak, {report['machine']} ({report['date'][:10]})")
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,4 +1,4 @@
-"""`hf-dflash bench`: the ways to decode with a target, measured side by side in one process on the same prompts.
+"""The ways to decode with a target, measured side by side in one process on the same prompts.
 
 Methods:
 - `plain`: `target.generate` as it comes (eager, DynamicCache);
@@ -11,10 +11,10 @@ Methods:
 Reported per method: tau, tokens/s, ms per verify step (per token for plain methods), time to first token, peak GPU
 memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights SHAPE` the target and drafter are
 built with random weights at a published shape (for speed at real scale), prompts are random ids of each
-`--context-lengths`, and two GPU figures are added: the target's own 1-token step as a CUDA graph on the cache the
-fast path keeps for that family (the floor a verify step is compared against) and our step split into its propose
-and verify graphs. The shapes: each target's published config (its config.json; the text model of a multimodal
-checkpoint) and the published DFlash drafter for it (its config in hub_configs/):
+`--context-lengths`, and two GPU figures are added (from `step_cost.py`): the target's own 1-token step as a CUDA
+graph on the cache the fast path keeps for that family (the floor a verify step is compared against) and our step
+split into its propose and verify graphs. The shapes: each target's published config (its config.json; the text
+model of a multimodal checkpoint) and the published DFlash drafter for it (its config in hub_configs/):
   qwen3-8b             Qwen/Qwen3-8B + z-lab/Qwen3-8B-DFlash-b16 (dense)
   gpt-oss-20b          openai/gpt-oss-20b + z-lab/gpt-oss-20b-DFlash (sliding windows, attention sinks, MoE; eager
                        attention, which applies the sinks)
@@ -33,103 +33,20 @@ what a user's loop over prompts does, where compiled plain `generate` meets a ne
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import sys
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from .batching import eos_token_ids, left_pad_token_id, up_to_first_eos
-from .modeling import DFlashConfig, DFlashDraftModel
-from .generate_cli import timed
-from .modeling import dflash_compat
-from .modeling.dflash_fast_path import DFlashStaticStep, record_cuda_graph
-from .modeling.dflash_fast_path_blockers import grouped_mm_stays_on_device, moe_experts
-from .run_record import device_name, portable_path  # reports are committed: no machine's own paths in them
+from ..batching import eos_token_ids, left_pad_token_id, up_to_first_eos
+from ..generate_cli import timed
+from ..modeling import DFlashDraftModel
+from . import harness, step_cost
+from .published import RANDOM_SHAPES, SAMPLING, random_pair, shape_record
 
 METHODS = ("plain", "plain-static", "native", "dflash")
-
-
-@dataclass(frozen=True)
-class PublishedShape:
-    """A `--random-weights` shape: a published target's config and the published DFlash drafter trained for it."""
-
-    target: str  # the target's Hub id
-    drafter: str  # the drafter's Hub id; its config comes from hub_configs/
-    model_type: str  # the (text) model type AutoModelForCausalLM builds
-    config: dict[str, Any]  # the target config.json's fields (of its text config for a multimodal checkpoint)
-    attn_implementation: str = "sdpa"  # the attention the fast path serves this family with
-    # fields changed from the published drafter's config, where the target is built smaller than published (none
-    # for the shapes below; every report records them)
-    drafter_overrides: dict[str, Any] = field(default_factory=dict)
-
-
-# The targets' fields as their config.json on the Hub states them (weights aside; transformers' defaults fill only
-# what a file leaves out); each agrees with its drafter's config in hub_configs/ on hidden size, depth and vocabulary
-# (tests/test_bench_shapes.py checks both).
-RANDOM_SHAPES = {
-    "qwen3-8b": PublishedShape(
-        target="Qwen/Qwen3-8B", drafter="z-lab/Qwen3-8B-DFlash-b16", model_type="qwen3",
-        config=dict(
-            vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-            max_position_embeddings=40960, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        ),
-    ),
-    "gpt-oss-20b": PublishedShape(
-        target="openai/gpt-oss-20b", drafter="z-lab/gpt-oss-20b-DFlash", model_type="gpt_oss",
-        config=dict(
-            vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
-            num_attention_heads=64, num_key_value_heads=8, head_dim=64, attention_bias=True,
-            layer_types=["sliding_attention", "full_attention"] * 12, sliding_window=128,
-            num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0, router_aux_loss_coef=0.9,
-            rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "original_max_position_embeddings": 4096, "truncate": False,
-            },
-        ),
-        attn_implementation="eager",  # sdpa drops the attention sinks; the fast path refuses it for this target
-    ),
-    "qwen3.5-4b": PublishedShape(  # the Hub checkpoint is Qwen3_5ForConditionalGeneration: its text model here
-        target="Qwen/Qwen3.5-4B", drafter="z-lab/Qwen3.5-4B-DFlash", model_type="qwen3_5_text",
-        config=dict(
-            vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
-            num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
-            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-            linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                "mrope_section": [11, 11, 10], "mrope_interleaved": True,
-            },
-        ),
-    ),
-    "qwen3-coder-30b-a3b": PublishedShape(
-        target="Qwen/Qwen3-Coder-30B-A3B-Instruct", drafter="z-lab/Qwen3-Coder-30B-A3B-DFlash",
-        model_type="qwen3_moe",
-        config=dict(
-            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-            use_sliding_window=False, sliding_window=None, rms_norm_eps=1e-6, max_position_embeddings=262144,
-            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0},
-        ),
-    ),
-}
-# Sampling settings of `--sampling`: what the published generation_config.json of each family sets (transformers'
-# defaults fill the rest, e.g. top_k 50 for Llama-3.1-Instruct, as they do for a user's call).
-SAMPLING = {
-    "greedy": dict(do_sample=False),
-    "qwen3": dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
-    "llama3": dict(do_sample=True, temperature=0.6, top_p=0.9),
-}
 
 
 @dataclass
@@ -238,142 +155,15 @@ def run_method(
     return measurement, outputs
 
 
-# What `target_1_token_graph_ms` times, as the report names it.
-TARGET_1_TOKEN_BASELINE = (
-    "the target's own forward of one token per sequence (its last committed token, at its position), with the "
-    "target's own attention implementation, on the target cache the fast path keeps for its family (StaticTargetCache;"
-    " HybridStaticCache with the Gated DeltaNet states for hybrid targets) under the fast path's masks (sliding "
-    "windows applied as the fast path applies them; attention sinks inside eager attention), recorded once as a CUDA "
-    "graph after our last call of the setting; median of 30 replays. GPU only: absent from rows measured elsewhere."
-)
-
-
-def target_one_token_step(step: DFlashStaticStep) -> Any:
-    """The target's own 1-token decode forward on `step`'s target cache, as plain decoding's next step would run it:
-    each sequence's last committed token at its own position, seeing every real slot before it (the fast path's
-    masks: a sliding layer only its window), through the target's own attention. Returns a function that runs it
-    and returns the logits (b, 1, V). A hybrid target's linear states advance at each call (restore them with
-    `carried_state`)."""
-    rows = step.rows(step.batch_size)
-    slots = (rows.offsets + rows.anchor_pos)[:, None]  # (b, 1) the token's own slot
-    visible = (step.key_slots >= rows.offsets[:, None, None]) & (step.key_slots <= slots[:, :, None])  # (b, 1, L)
-    mask = step.target_masks(visible, slots)
-    positions = rows.anchor_pos[:, None]  # (b, 1)
-    cache = rows.target_cache
-
-    @torch.no_grad()
-    def forward() -> torch.Tensor:
-        cache.write_slots = slots
-        return step.target(
-            input_ids=rows.anchor_ids, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1,
-            **{step.cache_argument: cache},
-        ).logits
-
-    return forward
-
-
-@torch.no_grad()
-def target_1_token_graph_ms(step: DFlashStaticStep) -> float:
-    """`target_one_token_step` of a held fast-path step, as a CUDA graph replay (ms, median); see
-    TARGET_1_TOKEN_BASELINE. The step's carried states (a hybrid target's linear layers) are put back afterwards."""
-    saved = [state.clone() for state in step.target_cache.carried_state()]
-    try:
-        return _graph_ms(target_one_token_step(step))
-    finally:
-        for state, value in zip(step.target_cache.carried_state(), saved):
-            state.copy_(value)
-
-
-def _graph_ms(fn: Any, replays: int = 30) -> float:
-    """Median ms of a CUDA graph replay of `fn`."""
-    graph = record_cuda_graph(fn)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-@torch.no_grad()
-def step_parts_ms(step: DFlashStaticStep) -> dict[str, float]:
-    """Our step's parts as separate CUDA graphs, after a finished call (every sequence frozen, so replays repeat the
-    same work): propose (context keys/values + drafter + lm_head) and verify (target forward + acceptance)."""
-    rows = step.rows(step.batch_size)  # the whole batch, as a call's first steps run it
-    with step.generator.capture:
-        return {"propose_graph_ms": _graph_ms(lambda: step.propose(rows)),
-                "verify_graph_ms": _graph_ms(lambda: step.verify(rows, None)),
-                "step_graph_ms": _graph_ms(lambda: step.step(rows))}
-
-
-def experts_implementation(target: torch.nn.Module, dtype: torch.dtype, device: str) -> str | None:
-    """The MoE experts implementation the fast path tells a user to load this target with on `device` (None: no MoE
-    experts, or a CPU, where the fast path runs any): `grouped_mm` in bfloat16 on a compute capability 9.x/10.x GPU,
-    whose kernel keeps its group offsets on the device, else `batched_mm`."""
-    if not str(device).startswith("cuda") or not moe_experts(target):
-        return None
-    if grouped_mm_stays_on_device(dtype, device):
-        return "grouped_mm"
-    return "batched_mm"
-
-
-def random_pair(
-    shape: str | PublishedShape, dtype: torch.dtype, device: str, experts: str | None = None
-) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A target and drafter of a published shape (a name of RANDOM_SHAPES, or a PublishedShape), randomly initialised
-    on `device` itself (no initialisation on the CPU first), set up as the fast path serves the family (attention;
-    MoE experts on `experts`, by default `experts_implementation`'s choice). Speed only: tau means nothing here."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .hub import published_drafters
-
-    spec = RANDOM_SHAPES[shape] if isinstance(shape, str) else shape
-    if experts is not None and not {"num_experts", "num_local_experts"} & spec.config.keys():
-        raise ValueError(f"the {spec.target} shape has no MoE experts; drop --experts-implementation")
-    config = AutoConfig.for_model(spec.model_type, **spec.config)
-    drafter_fields = {**published_drafters()[spec.drafter].config, **spec.drafter_overrides}
-    with torch.device(device):
-        target = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=spec.attn_implementation
-        ).eval()
-        drafter = dflash_compat.model_from_config(DFlashDraftModel, DFlashConfig(**drafter_fields), dtype=dtype).eval()
-    experts = experts or experts_implementation(target, dtype, device)
-    if experts is not None:
-        target.set_experts_implementation(experts)
-    return target, drafter
-
-
-def shape_record(shape: str | PublishedShape, target: torch.nn.Module, drafter: torch.nn.Module) -> dict[str, Any]:
-    """What a report says about a `--random-weights` shape: the published ids, the target's fields as built, what was
-    changed from the published configs (nothing for RANDOM_SHAPES), and how the target runs."""
-    spec = RANDOM_SHAPES[shape] if isinstance(shape, str) else shape
-    built = target.config.get_text_config()
-    return {
-        "target": spec.target,
-        "drafter": spec.drafter,
-        "target_class": type(target).__name__,
-        "target_config": {key: getattr(built, key) for key in spec.config},
-        "target_parameters": sum(p.numel() for p in target.parameters()),
-        "drafter_config": {key: getattr(drafter.config, key) for key in (
-            "num_hidden_layers", "block_size", "target_layer_ids", "layer_types", "sliding_window", "mask_token_id",
-        )},
-        "drafter_changed_from_published": dict(spec.drafter_overrides),
-        "attn_implementation": dflash_compat.attention_implementation(built),
-        "experts_implementation": dflash_compat.experts_implementation(built) if moe_experts(target) else None,
-    }
-
-
-def _padded_batches(
+def padded_batches(
     prompts: list[list[int]], batch_size: int, pad_token_id: int, device: str, own_lengths: bool = False
 ) -> list[dict[str, torch.Tensor]]:
     """All prompts left-padded to the longest one, so every call has one shape (one compile, one graph bucket);
     with `own_lengths` (batch 1), each prompt alone at its own length."""
     if own_lengths:
         return [
-            {"input_ids": torch.tensor([p], device=device), "attention_mask": torch.ones(1, len(p), dtype=torch.long, device=device)}
+            {"input_ids": torch.tensor([p], device=device),
+             "attention_mask": torch.ones(1, len(p), dtype=torch.long, device=device)}
             for p in prompts
         ]
     longest = max(len(p) for p in prompts)
@@ -386,7 +176,8 @@ def _padded_batches(
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or harness.default_device()
+    report = harness.header(args, device)  # before the defaults below are filled in: the command as given
     if args.dtype == "auto":  # bf16 on a GPU; on a CPU float32, where our tokens equal plain greedy's
         args.dtype = "bf16" if device.startswith("cuda") else "fp32"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
@@ -403,8 +194,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             prompts = torch.randint(0, vocab, (batch_size, length), generator=generator).tolist()
             settings.append((f"{args.random_weights} ctx {length}{_label(args)} b{batch_size}", prompts, batch_size))
     else:
-        from .generate_cli import DEFAULT_DRAFTER, encode, load_target
-        from .training.data import load_prompts
+        from ..generate_cli import DEFAULT_DRAFTER, encode, load_target
+        from ..training.data import load_prompts
 
         args.target, args.prompts, args.limit = args.target or "smollm2", args.prompts or "humaneval", args.limit or 8
         texts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
@@ -421,7 +212,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results: list[Measurement] = []
     skipped: list[str] = []
     for setting, prompts, batch_size in settings:
-        batches = _padded_batches(prompts, batch_size, pad_token_id, device, args.own_lengths)
+        batches = padded_batches(prompts, batch_size, pad_token_id, device, args.own_lengths)
         reference = None
         for method in methods:
             if method == "native" and batch_size > 1:
@@ -435,24 +226,18 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 reference = outputs
             if reference is not None and args.sampling == "greedy":  # sampled outputs agree in distribution only
                 measurement.identical_to_plain = sum(a == b for a, b in zip(outputs, reference)) / len(outputs)
-            held = getattr(drafter, "_dflash_static_step", None)
-            if method == "dflash" and device.startswith("cuda") and held is not None:
-                step = held[1]
-                measurement.extra.update(step_parts_ms(step))
-                measurement.extra["target_1_token_graph_ms"] = target_1_token_graph_ms(step)
+            if method == "dflash" and device.startswith("cuda"):
+                measurement.extra.update(step_cost.gpu_step_figures(drafter))
             results.append(measurement)
-            print(_row(measurement), flush=True)
+            print(format_row(measurement), flush=True)
         _add_ratios([m for m in results if m.setting == setting])
-    words = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
     return {
-        **run_environment(device),
-        "command": "hf-dflash bench " + " ".join(map(portable_path, words)),
+        **report,
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
-        "arguments": {k: portable_path(v) if isinstance(v, str) else v for k, v in vars(args).items() if k != "func"},
         **({"random_weights_shape": shape} if shape is not None else {}),
         **({"skipped": skipped} if skipped else {}),
-        "target_1_token_graph_baseline": TARGET_1_TOKEN_BASELINE,
+        "target_1_token_graph_baseline": step_cost.TARGET_1_TOKEN_BASELINE,
         "results": [
             {**asdict(m), "tokens_per_s": m.tokens_per_s, "ms_per_step": m.ms_per_step}
             for m in results
@@ -462,7 +247,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def _label(args: argparse.Namespace) -> str:
     """What a setting's name adds for non-default decoding: the sampling preset and unpadded prompts."""
-    return ("" if args.sampling == "greedy" else f" {args.sampling}-sampling") + (" own-lengths" if args.own_lengths else "")
+    sampling = "" if args.sampling == "greedy" else f" {args.sampling}-sampling"
+    return sampling + (" own-lengths" if args.own_lengths else "")
 
 
 def _add_ratios(setting_results: list[Measurement]) -> None:
@@ -480,19 +266,8 @@ def _add_ratios(setting_results: list[Measurement]) -> None:
         ))
 
 
-def run_environment(device: str, **more_versions: str) -> dict[str, Any]:
-    """What a benchmark report records about its run: date (UTC), machine and library versions."""
-    import transformers
-
-    from . import __version__
-
-    machine = device_name(device)
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "hf_dflash": __version__,
-                "python": platform.python_version(), **more_versions}
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine, "versions": versions}
-
-
-def _row(m: Measurement) -> str:
+def format_row(m: Measurement) -> str:
+    """One measurement as the line printed while the run goes."""
     return (
         f"{m.setting:32s} {m.method:13s} tau {m.tau:5.2f}  {m.tokens_per_s:8.1f} tok/s  {m.ms_per_step:7.2f} ms/step  "
         f"ttft {1000 * m.ttft_s / m.batches:7.1f} ms  identical {m.identical_to_plain}  "
@@ -503,11 +278,7 @@ def _row(m: Measurement) -> str:
 def plot(report: dict[str, Any], path: Path) -> None:
     """Per setting, a group of bars per method: new tokens/s (left) and ms per verify step (right; per token for
     plain methods), with the target's own 1-token CUDA-graph step marked where it was measured."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     rows = report["results"]
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -527,31 +298,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
                         color="black", label="target 1-token CUDA graph")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
-    fig.suptitle(f"{report['machine']}, {report['dtype']}, {report['max_new_tokens']} new tokens ({report['date'][:10]})")
+    fig.suptitle(f"{report['machine']}, {report['dtype']}, {report['max_new_tokens']} new tokens "
+                 f"({report['date'][:10]})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = benchmark(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        plot(report, out.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'hf-dflash[bench]')")
-    print(f"wrote {out}")
+    harness.write_report(args.out, benchmark(args), plot)
     return 0
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "bench",
-        help="measure plain generate, transformers' DFlash loop and ours side by side",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
                         help="smollm2 (default), stories260k, or a from_pretrained path/id")
     parser.add_argument("--drafter", default=None, help="drafter directory (default: our SmolLM2 drafter)")
@@ -578,5 +336,3 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto (default): bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--out", default="benchmarks/results/bench.json", help="JSON report (a .png plot is written beside it)")
-    parser.set_defaults(func=run)
