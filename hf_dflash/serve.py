@@ -226,11 +226,12 @@ def bundled_target_folder() -> Path:
 
 
 def stop_managers(target: torch.nn.Module, timeout: float = 10) -> None:
-    """Stops the workers of the managers `target` started (they are threads that would keep a process alive)."""
+    """Stops the workers of the managers `target` started (threads that would keep the process alive) at once,
+    failing what they still hold: a server calls this once its graceful shutdown is over."""
     attachment = _ATTACHMENTS.get(target)
     for manager in list(attachment.managers) if attachment is not None else []:
         if manager.is_running():
-            manager.stop(block=True, timeout=timeout)
+            manager.stop(block=True, timeout=timeout, hard_stop=True)
 
 
 def read_served_state(target: torch.nn.Module, processor: Any) -> dict[str, Any]:

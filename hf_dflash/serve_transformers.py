@@ -11,9 +11,9 @@ of the original, and `transformers.cli.serve.Serve` then runs as it always does:
      to which the loader travels pickled, with its `ServedTarget`.
    - transformers 5.17 to 5.23: `model_manager.ModelManager`, which loads the model in the server's process; its
      `shutdown` also stops the managers the target started (their worker threads would keep the process alive).
-2. `server.build_server`: the app it builds gets `RequestChecks` in front of the generation endpoints, a handler
-   that turns a ValueError into a 400 where it has none (5.17 answers a 500), and `GET /dflash/state` (the served
-   manager's requests and pools, see `serve.served_state`).
+2. `server.build_server`: the app it builds gets `RequestChecks` in front of the generation endpoints, JSON
+   answers for a ValueError (400) and a RuntimeError (500) where it has none (5.17 answers a plain-text 500 for
+   both), and `GET /dflash/state` (the served manager's requests and pools, see `serve.served_state`).
 3. `uvicorn.Config`: a bound on the graceful shutdown. On SIGTERM uvicorn stops accepting and waits for the
    responses in flight, by default without limit; past the bound it cancels them, which cancels their requests.
 
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 # transformers 5.24 moved model loading into a process of its own, behind `ModelLoader`.
 MODELS_LOAD_IN_THEIR_OWN_PROCESS = hasattr(model_manager, "ModelLoader")
+# From 5.24 (`CBGenerateRunner`) each continuous-batching request carries its own temperature, top-k and top-p;
+# before, the manager takes the sampling settings of the server's first request for all the others.
+SAMPLES_PER_REQUEST = hasattr(serving_utils, "CBGenerateRunner")
 STATE_ROUTE = "/dflash/state"
 
 # The target served while `drafter_in_transformers_serve` is active, read by the classes below as transformers
@@ -136,12 +139,11 @@ def _with_checks(build_server: Any) -> Any:
 
         app = build_server(manager, *args, **kwargs)
         app.add_middleware(RequestChecks, limits=_active.limits)
-        if ValueError not in app.exception_handlers:
-
-            async def bad_request(_request: Any, error: ValueError) -> JSONResponse:
-                return JSONResponse({"detail": str(error)}, status_code=400)
-
-            app.add_exception_handler(ValueError, bad_request)
+        # A request's fault (a ValueError: what the manager refuses) is a 400; a failure while generating it is a
+        # 500; both as JSON, the body transformers serve's own errors have. Handlers it has already stay.
+        for error_class, status in ((ValueError, 400), (RuntimeError, 500)):
+            if error_class not in app.exception_handlers:
+                app.add_exception_handler(error_class, _json_error(status))
 
         async def state() -> JSONResponse:
             return JSONResponse(await _served_state(manager))
@@ -150,6 +152,15 @@ def _with_checks(build_server: Any) -> Any:
         return app
 
     return build
+
+
+def _json_error(status: int) -> Any:
+    from fastapi.responses import JSONResponse
+
+    async def answer(_request: Any, error: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=status)
+
+    return answer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,5 +240,5 @@ def run_serve(served: ServedTarget, options: dict[str, Any]) -> None:
     serve_command.Serve(served.name, **options)
 
 
-__all__ = ["MODELS_LOAD_IN_THEIR_OWN_PROCESS", "STATE_ROUTE", "ServeOption", "drafter_in_transformers_serve",
+__all__ = ["MODELS_LOAD_IN_THEIR_OWN_PROCESS", "SAMPLES_PER_REQUEST", "STATE_ROUTE", "ServeOption", "drafter_in_transformers_serve",
            "run_serve", "serve_options"]

@@ -35,6 +35,9 @@ WAITING_FOR_ENGINE = "waiting for the DFlash continuous-batching engine (init_co
 POISON = 510  # stories260K's "~": no story prompt or answer contains it
 STEP_DELAY = 0.02  # seconds per embedding call in the served target
 DRAFTER_CONTEXT = 1024  # the drafter's own context, below the target's 2048
+# A paged cache of 16,384 tokens, which the tests never fill: transformers' default on a CPU holds over half a
+# million, which 5.17 allocates at the first request and attends over at every step.
+SERVER_CB_OPTIONS = ("--cb-block-size", "32", "--cb-num-blocks", "512", "--cb-max-batch-tokens", "2048")
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -72,7 +75,9 @@ def save_served_model(root: Path) -> tuple[Path, Path]:
     model, tokenizer = load_stories260k()
     tokenizer.chat_template = CHAT_TEMPLATE
     config = model.generation_config
-    config.do_sample, config.temperature, config.top_k, config.top_p = True, 1.0, 50, 0.95
+    # Not 1.0: transformers' own manager applies a request's temperature and top-p only where the model's config
+    # has those processors, and a temperature or top-p of 1 makes none.
+    config.do_sample, config.temperature, config.top_k, config.top_p = True, 0.9, 50, 0.95
     target_folder, drafter_folder = root / "stories260k-chat", root / "drafter"
     model.save_pretrained(target_folder)
     tokenizer.save_pretrained(target_folder)
@@ -88,7 +93,7 @@ def launcher_command(target: Path, drafter: Path, port: int, with_drafter: bool,
     """The command that runs the test server: `hf-dflash serve`'s arguments, run by tests/serve_launcher.py."""
     command = [sys.executable, str(Path(__file__).with_name("serve_launcher.py")), "serve", str(target),
                "--drafter", str(drafter), "--port", str(port), "--graceful-shutdown-seconds", str(grace_seconds),
-               "--log-level", "warning"]
+               "--log-level", "warning", *SERVER_CB_OPTIONS]
     return command + ([] if with_drafter else ["--no-drafter-for-tests"])
 
 
