@@ -30,7 +30,9 @@ OUR_DEFAULTS = {
     "continuous_batching": (True, "the drafter speculates inside continuous batching"),
     "host": ("127.0.0.1", "this machine only; pass --host 0.0.0.0 to listen on every interface"),
 }
-PREFIX = "transformers_"  # argparse's dest of transformers serve's options, kept apart from ours
+PREFIX = "transformers_"
+SERVE_EXTRA = 'pip install "hf-dflash[serve]"'
+  # argparse's dest of transformers serve's options, kept apart from ours
 
 
 def add_serve_option(group: Any, option: ServeOption) -> None:
@@ -59,6 +61,10 @@ def transformers_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_serve(args: argparse.Namespace) -> None:
     """Run by `cli_checks.check_arguments` before anything loads."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        raise BadArgument(f"transformers serve needs FastAPI, uvicorn, pydantic and openai: {SERVE_EXTRA}")
     options = transformers_options(args)
     above("--graceful-shutdown-seconds", args.graceful_shutdown_seconds, 0)
     if not options["continuous_batching"]:

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+# A generation request's body is JSON text: one larger than this is refused before it is read whole (a 413).
+MAX_BODY_BYTES = 32 * 1024 * 1024
 # Endpoint -> (the field that holds its prompt, the fields that cap its answer)
 CHECKED_ENDPOINTS = {
     "/v1/chat/completions": ("messages", ("max_tokens", "max_completion_tokens")),
@@ -131,17 +133,18 @@ class RequestChecks:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in CHECKED_ENDPOINTS:
             await self.app(scope, receive, send)
             return
-        chunks, disconnected = [], False
+        chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] == "http.disconnect":
-                disconnected = True
-                break
+            if message["type"] == "http.disconnect":  # the client left before its request was read
+                return
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                await _send_json(send, 413, {"detail": f"the request body is larger than {MAX_BODY_BYTES} bytes"})
+                return
             if not message.get("more_body", False):
                 break
-        if disconnected:  # the client left before its request was read: nobody to answer
-            return
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)
@@ -172,4 +175,4 @@ async def _send_json(send: Send, status: int, payload: dict) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["CHECKED_ENDPOINTS", "RequestChecks", "RequestLimits", "request_problem"]
+__all__ = ["CHECKED_ENDPOINTS", "MAX_BODY_BYTES", "RequestChecks", "RequestLimits", "request_problem"]

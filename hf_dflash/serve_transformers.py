@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-import uvicorn
 from transformers.cli import serve as serve_command
 from transformers.cli.serving import model_manager, server
 from transformers.cli.serving import utils as serving_utils
@@ -169,6 +168,8 @@ def _json_error(status: int) -> Any:
 
 
 def _bounded_shutdown_config(seconds: float) -> type:
+    import uvicorn
+
     class BoundedShutdownConfig(uvicorn.Config):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("timeout_graceful_shutdown", seconds)
@@ -186,6 +187,8 @@ def _bounded_shutdown_config(seconds: float) -> type:
 def drafter_in_transformers_serve(served: ServedTarget, graceful_shutdown_seconds: float = 30) -> Iterator[None]:
     """While active, `transformers.cli.serve.Serve(served.name, continuous_batching=True, ...)` serves
     `served.name` with its drafter attached (see the module's docstring for what changes). One server at a time."""
+    import uvicorn
+
     global _active
     if _active is not None:
         raise RuntimeError("a server with a drafter is already starting or running in this process")

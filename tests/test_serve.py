@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -339,7 +340,8 @@ def test_the_load_generator_checks_every_answer_against_transformers_serve(serve
         assert 0 < figures["time_to_first_token_p50"] <= figures["time_to_first_token_p99"]
         assert 0 < figures["time_per_output_token_p50"] <= figures["time_per_output_token_p99"]
         assert figures["tokens_per_second"] > 0 and figures["requests_per_second"] > 0
-    assert out.with_suffix(".png").stat().st_size > 0
+    # The plot, where matplotlib is installed (the bench extra); the JSON has every figure either way.
+    assert out.with_suffix(".png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_the_load_generator_stops_at_its_time_limit(server, tmp_path):

@@ -4,6 +4,7 @@ continuous batching. The server itself is tested in test_serve.py."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 
@@ -18,7 +19,7 @@ from hf_dflash import DFlashDraftModel, serve_transformers
 from hf_dflash.cli import build_parser, main
 from hf_dflash.serve import ServedTarget, attach_drafter, drafter_in_transformers_serve, served_state
 from hf_dflash.serve_cli import transformers_options
-from hf_dflash.serve_requests import RequestLimits, request_problem
+from hf_dflash.serve_requests import MAX_BODY_BYTES, RequestChecks, RequestLimits, request_problem
 from tests.conftest import tiny_target
 from tests.serve_helpers import ENGINE_TAKES_DRAFTER, WAITING_FOR_ENGINE, save_served_model
 
@@ -204,3 +205,39 @@ def test_attach_with_a_drafter_starts_the_engine_with_it(served_model):
     with torch.no_grad():
         plain = target.generate(torch.tensor([[1, 403, 407, 261, 378]]), max_new_tokens=8, do_sample=False)
     assert output.generated_tokens == plain[0, 5:].tolist()
+
+
+def asgi_exchange(middleware_limits: RequestLimits, body_chunks: list[bytes]) -> tuple[list[dict], list[dict]]:
+    """Runs RequestChecks over a fake app: (what the app received, what was sent back)."""
+    received_by_app: list[dict] = []
+    sent: list[dict] = []
+    incoming = [{"type": "http.request", "body": chunk, "more_body": i < len(body_chunks) - 1}
+                for i, chunk in enumerate(body_chunks)] + [{"type": "http.disconnect"}]
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):
+        received_by_app.append(await receive())
+        received_by_app.append(await receive())  # after the body: the client's disconnect reaches the app
+
+    scope = {"type": "http", "method": "POST", "path": CHAT}
+    asyncio.run(RequestChecks(app, middleware_limits)(scope, receive, send))
+    return received_by_app, sent
+
+
+def test_the_checks_answer_a_bad_request_and_hand_a_good_one_on_with_its_body():
+    good = json.dumps({"messages": MESSAGES, "max_tokens": 5}).encode()
+    received, sent = asgi_exchange(LIMITS, [good[:10], good[10:]])
+    assert sent == [] and received[0] == {"type": "http.request", "body": good, "more_body": False}
+    assert received[1] == {"type": "http.disconnect"}
+
+    received, sent = asgi_exchange(LIMITS, [json.dumps({"messages": []}).encode()])
+    assert received == [] and sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"]) == {"detail": "`messages` is empty; send at least one message"}
+
+    received, sent = asgi_exchange(LIMITS, [b"x" * (MAX_BODY_BYTES // 2)] * 3)
+    assert received == [] and sent[0]["status"] == 413
