@@ -16,7 +16,7 @@ Three ways in, from the most to the least managed:
     attach_drafter(target, drafter)          # any code that calls target.init_continuous_batching(...) itself
 
 `ServedTarget` is what travels to the process that loads the model (transformers serve loads it in a process of
-its own from 5.24): which target, which drafter, and what a request may ask for. Its `prepare` runs there, on the
+its own from 5.25): which target, which drafter, and what a request may ask for. Its `prepare` runs there, on the
 loaded target, and attaches the drafter; everything version-dependent about how it gets there is in
 `serve_transformers.py`.
 """
@@ -64,8 +64,7 @@ class DrafterAttachment:
 
     def running_manager(self) -> Any | None:
         """The manager whose worker runs now (transformers serve keeps one per model), or None."""
-        running = [manager for manager in self.managers if manager.is_running()]
-        return running[-1] if running else None
+        return next((manager for manager in self.managers if manager.is_running()), None)
 
 
 # target -> its attachment; weak, so that attaching keeps no model alive.

@@ -38,7 +38,8 @@ SERVE_EXTRA = 'pip install "hf-dflash[serve]"'
 def add_serve_option(group: Any, option: ServeOption) -> None:
     flag = "--" + option.name.replace("_", "-")
     default, why = OUR_DEFAULTS.get(option.name, (option.default, None))
-    help_text = argparse.SUPPRESS if option.hidden else option.help + (f" (default here: {default}: {why})" if why else "")
+    ours = f" (default here: {default}: {why})" if why else ""
+    help_text = argparse.SUPPRESS if option.hidden else option.help + ours
     common = dict(dest=PREFIX + option.name, default=default, help=help_text)
     if option.kind is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
@@ -128,7 +129,8 @@ def register(subparsers: Any) -> None:
              "default); clients send this name as `model`",
     )
     parser.add_argument("--drafter", default=None,
-                        help=f"the DFlash drafter: a folder or Hub id (default: ours for SmolLM2, {DEFAULT_DRAFTER.name})")
+                        help="the DFlash drafter: a folder or Hub id (default: ours for SmolLM2, "
+                             f"{DEFAULT_DRAFTER.name})")
     parser.add_argument("--graceful-shutdown-seconds", type=float, default=30,
                         help="on SIGTERM, how long answers in flight may take to finish before they are cancelled")
     group = parser.add_argument_group("transformers serve's options (passed on as they are)")

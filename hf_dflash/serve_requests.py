@@ -1,15 +1,16 @@
 """The request checks `hf-dflash serve` puts in front of transformers serve's generation endpoints.
 
 transformers serve already answers some bad requests with a 4xx JSON error (a body that is not JSON, an unknown
-field, an empty conversation, and from 5.24 a prompt longer than the model's context), and others with a 500 or not
+field, an empty conversation, and from 5.25 a prompt longer than the model's context), and others with a 500 or not
 at all: a `messages` that is not a list of objects, a `max_tokens` of 0 or below (an empty answer, or at 5.17 a
 crashed server), one larger than any request can hold (a request that never ends), a `temperature` that is not a
-number (a 500 at 5.17, a bare Python message at 5.24). These checks add only what is missing: each refusal is a 400
+number (a 500 at 5.17, a bare Python message at 5.25). These checks add only what is missing: each refusal is a 400
 whose JSON body names the field and what it takes, in transformers serve's own error shape (`{"detail": ...}`), and
 the request never reaches the model.
 
-The checks read the request's JSON only (no tokenizing): the prompt's own length is checked by transformers serve
-after its chat template (from 5.24) and by the engine, which refuses a request its budget can never hold.
+The checks read the request's JSON only (no tokenizing): the prompt's length is checked after its chat template, by
+transformers serve (from 5.25) and by the manager, which refuses a request whose prompt and answer it can never
+hold (`serve.refuse_what_never_fits`).
 """
 
 from __future__ import annotations

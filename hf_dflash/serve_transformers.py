@@ -7,9 +7,9 @@ of the original, and `transformers.cli.serve.Serve` then runs as it always does:
 1. The class that loads models gets a subclass that, once transformers has loaded the target, runs
    `ServedTarget.prepare` on it (which attaches the drafter, see `serve.attach_drafter`), and that loads a bundled
    target by name from its folder.
-   - transformers 5.24 and later: `model_manager.ModelLoader`. The model loads in a process of its own (spawned),
+   - transformers 5.25 and later: `model_manager.ModelLoader`. The model loads in a process of its own (spawned),
      to which the loader travels pickled, with its `ServedTarget`.
-   - transformers 5.17 to 5.23: `model_manager.ModelManager`, which loads the model in the server's process; its
+   - transformers 5.17 to 5.25: `model_manager.ModelManager`, which loads the model in the server's process; its
      `shutdown` also stops the managers the target started (their worker threads would keep the process alive).
 2. `server.build_server`: the app it builds gets `RequestChecks` in front of the generation endpoints, JSON
    answers for a ValueError (400) and a RuntimeError (500) where it has none (5.17 answers a plain-text 500 for
@@ -40,9 +40,9 @@ from .serve_requests import RequestChecks
 if TYPE_CHECKING:
     from .serve import ServedTarget
 
-# transformers 5.24 moved model loading into a process of its own, behind `ModelLoader`.
+# transformers 5.25 moved model loading into a process of its own, behind `ModelLoader`.
 MODELS_LOAD_IN_THEIR_OWN_PROCESS = hasattr(model_manager, "ModelLoader")
-# From 5.24 (`CBGenerateRunner`) each continuous-batching request carries its own temperature, top-k and top-p;
+# From 5.25 (`CBGenerateRunner`) each continuous-batching request carries its own temperature, top-k and top-p;
 # before, the manager takes the sampling settings of the server's first request for all the others.
 SAMPLES_PER_REQUEST = hasattr(serving_utils, "CBGenerateRunner")
 STATE_ROUTE = "/dflash/state"
@@ -243,5 +243,12 @@ def run_serve(served: ServedTarget, options: dict[str, Any]) -> None:
     serve_command.Serve(served.name, **options)
 
 
-__all__ = ["MODELS_LOAD_IN_THEIR_OWN_PROCESS", "SAMPLES_PER_REQUEST", "STATE_ROUTE", "ServeOption", "drafter_in_transformers_serve",
-           "run_serve", "serve_options"]
+__all__ = [
+    "MODELS_LOAD_IN_THEIR_OWN_PROCESS",
+    "SAMPLES_PER_REQUEST",
+    "STATE_ROUTE",
+    "ServeOption",
+    "drafter_in_transformers_serve",
+    "run_serve",
+    "serve_options",
+]

@@ -203,7 +203,7 @@ def test_completions_and_responses_at_temperature_0_equal_greedy_generate(server
 
     chat_ids = reference.chat_ids(prompt)
     expected = reference.greedy(chat_ids, max_tokens)
-    # stream=False said outright: transformers serve before 5.24 streams a response unless told not to
+    # stream=False said outright: transformers serve before 5.25 streams a response unless told not to
     response = client.responses.create(model=server.name, input=prompt, max_output_tokens=max_tokens, temperature=0,
                                        stream=False)
     assert response.output_text == reference.text(expected)
@@ -216,7 +216,7 @@ def test_completions_and_responses_at_temperature_0_equal_greedy_generate(server
 
 needs_per_request_sampling = pytest.mark.skipif(
     not SAMPLES_PER_REQUEST,
-    reason="transformers serve before 5.24 samples every continuous-batching request with its first request's "
+    reason="transformers serve before 5.25 samples every continuous-batching request with its first request's "
            "settings, drafter or not",
 )
 

@@ -152,7 +152,8 @@ def test_the_limit_is_the_smaller_of_the_target_and_drafter_contexts(served_mode
     target, drafter = served_model
     assert ServedTarget.for_serving(str(target), None).limits == RequestLimits(2048, "the target's context")
     assert ServedTarget.for_serving(str(target), str(drafter)).limits == RequestLimits(1024, "the drafter's context")
-    assert ServedTarget.for_serving(str(target), None, max_model_len=512).limits == RequestLimits(512, "--max-model-len")
+    limits = ServedTarget.for_serving(str(target), None, max_model_len=512).limits
+    assert limits == RequestLimits(512, "--max-model-len")
 
 
 # --------------------------------------------------------------------------------------------------
