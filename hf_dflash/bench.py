@@ -52,6 +52,9 @@ from .modeling.dflash_fast_path_blockers import grouped_mm_stays_on_device, moe_
 from .run_record import device_name, portable_path  # reports are committed: no machine's own paths in them
 
 METHODS = ("plain", "plain-static", "native", "dflash")
+# A prompt-set run's target, prompts and their number when left out (`cli_checks.check_bench` reads them too).
+DEFAULT_TARGET, DEFAULT_PROMPTS, DEFAULT_LIMIT = "smollm2", "humaneval", 8
+DEFAULT_OUT = "benchmarks/results/bench.json"  # its folder is made when missing; a folder given with --out must exist
 
 
 @dataclass(frozen=True)
@@ -405,7 +408,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from .generate_cli import DEFAULT_DRAFTER, encode, load_target
         from .training.data import load_prompts
 
-        args.target, args.prompts, args.limit = args.target or "smollm2", args.prompts or "humaneval", args.limit or 8
+        args.target, args.prompts = args.target or DEFAULT_TARGET, args.prompts or DEFAULT_PROMPTS
+        args.limit = args.limit or DEFAULT_LIMIT
         texts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
         target, tokenizer = load_target(args.target, dtype, device)
         drafter = DFlashDraftModel.from_pretrained(args.drafter or DEFAULT_DRAFTER, dtype=dtype).to(device).eval()
@@ -534,7 +538,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     report = benchmark(args)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out == DEFAULT_OUT:
+        out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     try:
         plot(report, out.with_suffix(".png"))
@@ -577,5 +582,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto (default): bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--out", default="benchmarks/results/bench.json", help="JSON report (a .png plot is written beside it)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="JSON report, in a folder that exists (a .png plot is written beside it)")
     parser.set_defaults(func=run)
