@@ -488,12 +488,9 @@ def check_bench(args: argparse.Namespace) -> None:
 
     check_report_file("--out", args.out, bench.DEFAULT_OUT)
     if args.random_weights is not None:
-        from .hub import published_drafters
-        from .modeling import DFlashConfig
-
         drafter_id = bench.RANDOM_SHAPES[args.random_weights].drafter
-        drafter = DFlashConfig(**published_drafters()[drafter_id].config)
-        check_decoding(Decoding(drafter, f"the {args.random_weights} shape's drafter ({drafter_id})",
+        check_decoding(Decoding(bench.shape_drafter_config(args.random_weights),
+                                f"the {args.random_weights} shape's drafter ({drafter_id})",
                                 args.max_new_tokens, prompt_lengths=args.context_lengths or [512],
                                 prompts_option="--context-lengths"))
         return
@@ -561,19 +558,25 @@ def check_answers_files(args: argparse.Namespace) -> None:
     from safetensors import SafetensorError
 
     from .training.cli import answers_origin, answers_paths
-    from .training.data import AnswersOrigin
+    from .training.data import AnswersOrigin, RegeneratedData
 
     for spec, path in zip(args.prompts, answers_paths(args)):
         check_writable("--regenerated", str(path))
-        if not path.is_file():
+        if not path.is_file() or args.overwrite:  # --overwrite: the run reuses it only if it is the same work
             continue
         try:
             recorded = AnswersOrigin.of_file(path)
+            sequences = RegeneratedData.sequences_in(path)
         except (OSError, ValueError, TypeError, SafetensorError) as error:
             raise BadArgument(f"{path} is not an answers file hf-dflash can read ({one_line(error)}); pass --overwrite "
                               f"to answer --prompts {spec} again into it, or another --regenerated file") from None
         wanted = answers_origin(spec, args)
-        if recorded == wanted or args.overwrite or (recorded is None and args.adopt_regenerated):
+        if recorded == wanted:
+            continue
+        if recorded is None and args.adopt_regenerated:
+            if sequences == 0:  # written before empty answers files were refused
+                raise BadArgument(f"{path} holds no sequences, nothing to train on; pass --overwrite to answer "
+                                  f"--prompts {spec} again")
             continue
         if recorded is None:
             raise BadArgument(f"{path} does not record what it was made from (an earlier hf-dflash wrote it): pass "

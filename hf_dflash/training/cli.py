@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
+from safetensors import SafetensorError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import generate_cli
@@ -75,13 +76,24 @@ def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: Partia
     return data
 
 
+def _recorded_origin(path: Path) -> AnswersOrigin | None:
+    """What the answers file at `path` records of its origin; None when it records nothing, does not exist, or (let
+    through by `check_train` only under --overwrite, which answers again) cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        return AnswersOrigin.of_file(path)
+    except (OSError, ValueError, TypeError, SafetensorError):
+        return None
+
+
 def _regenerated_set(spec: str, path: Path, args: argparse.Namespace, target, tokenizer, state: PartialState):
     """Reuse `path` if it was made from the same work (or, with --adopt-regenerated, if it records nothing);
     otherwise every process answers its share of the prompts of `spec`. `cli_checks.check_train` has refused any
     other file unless --overwrite was given."""
     origin = answers_origin(spec, args)
-    recorded = AnswersOrigin.of_file(path) if path.is_file() else None
-    if path.is_file() and (recorded == origin or (recorded is None and args.adopt_regenerated)):
+    recorded = _recorded_origin(path)
+    if recorded == origin or (recorded is None and path.is_file() and args.adopt_regenerated):
         data = RegeneratedData.load(path)
         if len(data) == 0:  # a file written before empty ones were refused
             raise ValueError(f"{path} holds no sequences; pass --overwrite to answer --prompts {spec} again")

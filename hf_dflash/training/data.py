@@ -320,6 +320,12 @@ class RegeneratedData:
         save_file(tensors, str(path), metadata=metadata)
         return path
 
+    @staticmethod
+    def sequences_in(path: str | Path) -> int:
+        """How many sequences a file holds, read from its header alone."""
+        with safe_open(str(path), "pt") as fh:
+            return fh.get_slice("offsets").get_shape()[0] - 1
+
     @classmethod
     def load(cls, path: str | Path) -> "RegeneratedData":
         with safe_open(str(path), "pt") as fh:
