@@ -244,7 +244,7 @@ def is_drafter_config(config: dict[str, Any]) -> bool:
     return True
 
 
-def read_config_file(option: str, spec: str, path: Path) -> dict[str, Any]:
+def read_config_json(option: str, spec: str, path: Path) -> dict[str, Any]:
     """A config.json as a dict; one that is not a JSON object is a bad argument that names the file."""
     try:
         config = json.loads(path.read_text())
@@ -268,7 +268,7 @@ def check_model(option: str, spec: str | None, bundled: bool = True, config_only
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise BadArgument(f"{option} {spec} is a folder without config.json; pass a saved model folder")
-        if bundled and is_drafter_config(read_config_file(option, spec, path / "config.json")):
+        if bundled and is_drafter_config(read_config_json(option, spec, path / "config.json")):
             raise BadArgument(f"{option} {spec}: {DRAFTER_AS_TARGET}")
         return
     if path.exists():
@@ -317,7 +317,7 @@ def _target_files(spec: str) -> TargetFiles:
 
     folder = Path(spec).expanduser()
     raw = folder / "config.json" if folder.is_dir() else Path(hf_hub_download(spec, "config.json"))
-    if is_drafter_config(read_config_file("--target", spec, raw)):
+    if is_drafter_config(read_config_json("--target", spec, raw)):
         raise ValueError(DRAFTER_AS_TARGET)
     # trust_remote_code=False: a model that needs custom code is refused here instead of asking on the terminal
     config = AutoConfig.from_pretrained(spec, trust_remote_code=False)
