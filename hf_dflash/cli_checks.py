@@ -383,8 +383,8 @@ def check_room(drafter: Any, drafter_name: str, max_new_tokens: int, tokens_opti
     at_least(tokens_option, max_new_tokens, 1)
     allocation, block = drafter.max_position_embeddings, drafter.block_size
     room = allocation - block
-    where = f"{drafter_name}'s context allocation of {allocation} positions (max_position_embeddings), a block of " \
-            f"{block} included"
+    where = (f"{drafter_name}'s context allocation of {allocation} positions (max_position_embeddings), a block of "
+             f"{block} included")
     if max_new_tokens > room - 1:
         raise BadArgument(f"{tokens_option} {max_new_tokens} and a prompt do not fit {where}; pass {tokens_option} "
                           f"{room - 1} or less (less the prompt's tokens)")
