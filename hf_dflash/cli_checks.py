@@ -11,6 +11,7 @@ with a drafter shares.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import functools
 import importlib.util
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -304,8 +306,31 @@ def read_target(option: str, spec: str) -> TargetFiles:
         raise BadArgument(f"{option} {spec}: {message}") from None
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars silenced while a check reads a tokenizer or config (5.17 builds a GGUF
+    tokenizer's merges under a warning and a bar), so that a refusal stays one line. Nothing is lost: the run loads
+    the same files again, where they speak."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
 @functools.lru_cache(maxsize=4)
 def _target_files(spec: str) -> TargetFiles:
+    with quiet_transformers():
+        return _read_target_files(spec)
+
+
+def _read_target_files(spec: str) -> TargetFiles:
     from . import bundled_models
 
     if spec == "smollm2":
