@@ -13,6 +13,7 @@ Both are loaded through transformers' GGUF support, which dequantizes to dense w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -22,6 +23,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,8 +36,10 @@ __all__ = [
     "STORIES260K_GGUF",
     "load_smollm2",
     "load_stories260k",
+    "smollm2_config_and_tokenizer",
     "smollm2_folder",
     "smollm2_gguf_path",
+    "stories260k_config_and_tokenizer",
     "stories260k_gguf_path",
     "verify_sha256",
 ]
@@ -172,14 +176,19 @@ def _finish(model: PreTrainedModel, dtype: torch.dtype, device: str | torch.devi
 # --------------------------------------------------------------------------------------------------
 
 
+def _smollm2_tokenizer_from_gguf(gguf: Path, config: transformers.PretrainedConfig) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _fix_special_tokens(tokenizer, config)
+    # The GGUF carries no length limit (the tokenizer says 1e30); the model was trained to 8192 positions.
+    tokenizer.model_max_length = config.max_position_embeddings
+    return tokenizer
+
+
 def _smollm2_from_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     # Dequantize to float32 so the dense cache holds the Q4_1 values as they are; callers cast afterwards.
     _require_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    _fix_special_tokens(tokenizer, model.config)
-    # The GGUF carries no length limit (the tokenizer says 1e30); the model was trained to 8192 positions.
-    tokenizer.model_max_length = model.config.max_position_embeddings
+    tokenizer = _smollm2_tokenizer_from_gguf(gguf, model.config)
     _drop_gguf_marker(model)
     return model, tokenizer
 
@@ -201,6 +210,22 @@ def _write_cache(target: Path, model: PreTrainedModel, tokenizer: PreTrainedToke
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _smollm2_cache_dir() -> Path:
+    return _cache_root() / "smollm2-135m-instruct" / f"{SMOLLM2_SHA256[:16]}-v{_CACHE_FORMAT}"
+
+
+def smollm2_config_and_tokenizer() -> tuple[transformers.PretrainedConfig, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct's config and tokenizer as `load_smollm2` sets them, without its weights: from the dense
+    copy when an earlier load saved one (well under a second), else from the GGUF's header (a few seconds)."""
+    cache_dir = _smollm2_cache_dir()
+    if (cache_dir / "hf_dflash_cache.json").is_file():
+        return AutoConfig.from_pretrained(str(cache_dir)), AutoTokenizer.from_pretrained(str(cache_dir))
+    gguf = smollm2_gguf_path(verify=True)
+    _require_gguf()
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return config, _smollm2_tokenizer_from_gguf(gguf, config)
 
 
 def load_smollm2(
@@ -295,25 +320,49 @@ def _fix_special_tokens(tokenizer: PreTrainedTokenizerBase, config: transformers
     tokenizer.clean_up_tokenization_spaces = False
 
 
+@contextlib.contextmanager
+def _stories260k_readable() -> Iterator[tuple[str, str]]:
+    """(folder, file name) of a pad-key-renamed copy of stories260K's GGUF (1.2 MB, in a temp dir), which every part is
+    read from: the tokenizer needs it on some versions, and the config then stops warning about the
+    out-of-vocabulary pad id."""
+    gguf = stories260k_gguf_path()
+    _require_gguf()
+    with tempfile.TemporaryDirectory(prefix="hf_dflash_stories_") as tmp:
+        (Path(tmp) / gguf.name).write_bytes(_tokenizer_safe_gguf_bytes(gguf.read_bytes()))
+        yield tmp, gguf.name
+
+
+def _stories260k_config(folder: str, name: str) -> transformers.PretrainedConfig:
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # Still set explicitly: should the header ever reach the config, 0xFFFFFFFF lies outside the 512-token
+    # vocabulary and would make the embedding's padding_idx invalid.
+    config.pad_token_id = None
+    return config
+
+
+def _stories260k_tokenizer(folder: str, name: str, config: transformers.PretrainedConfig) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _fix_special_tokens(tokenizer, config)
+    # llama2.c trained every story behind a BOS token; 5.24 adds it by default, 5.17 does not.
+    tokenizer.add_bos_token = True
+    return tokenizer
+
+
+def stories260k_config_and_tokenizer() -> tuple[transformers.PretrainedConfig, PreTrainedTokenizerBase]:
+    """stories260K's config and tokenizer as `load_stories260k` sets them, without its weights."""
+    with _stories260k_readable() as (folder, name):
+        config = _stories260k_config(folder, name)
+        return config, _stories260k_tokenizer(folder, name, config)
+
+
 def load_stories260k(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the stories260K TinyStories Llama and its tokenizer (well under a second)."""
-    gguf = stories260k_gguf_path()
-    _require_gguf()
-    # Everything is read from a pad-key-renamed copy (1.2 MB, in a temp dir): the tokenizer needs it on
-    # some versions, and the config then stops warning about the out-of-vocabulary pad id.
-    with tempfile.TemporaryDirectory(prefix="hf_dflash_stories_") as tmp:
-        (Path(tmp) / gguf.name).write_bytes(_tokenizer_safe_gguf_bytes(gguf.read_bytes()))
-        config = AutoConfig.from_pretrained(tmp, gguf_file=gguf.name)
-        # Still set explicitly: should the header ever reach the config, 0xFFFFFFFF lies outside the
-        # 512-token vocabulary and would make the embedding's padding_idx invalid.
-        config.pad_token_id = None
-        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, config=config, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
+    with _stories260k_readable() as (folder, name):
+        config = _stories260k_config(folder, name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
+        tokenizer = _stories260k_tokenizer(folder, name, config)
     _drop_gguf_marker(model)
-    _fix_special_tokens(tokenizer, config)
-    # llama2.c trained every story behind a BOS token; 5.24 adds it by default, 5.17 does not.
-    tokenizer.add_bos_token = True
     return _finish(model, dtype, device), tokenizer

@@ -2,7 +2,9 @@
 
 Every argument is checked (`cli_checks.py`) before any model loads. A bad one is one line on stderr that names the
 fix, with exit status 2 (argparse's convention); an error after that (while loading or generating) is one line with
-exit status 1. `HF_DFLASH_DEBUG=1` shows the traceback instead.
+exit status 1; Ctrl-C is one line, "interrupted", with exit status 130 (the `hf-dflash` command's entry point,
+`hf_dflash_command.py`, does the same while this module is still being imported). `HF_DFLASH_DEBUG=1` shows the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -43,21 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    prog = f"hf-dflash {args.command}"
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    prog = "hf-dflash"
     try:
+        args = build_parser().parse_args(argv)
+        prog = f"hf-dflash {args.command}"
         check_arguments(args)
+        return args.func(args) or 0
+    except KeyboardInterrupt:  # at any moment: while checking (a tokenizer loading), loading or generating
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
     except BadArgument as error:
         if debug:
             raise
         print(f"{prog}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None  # as argparse does for the errors it finds itself
-    try:
-        return args.func(args) or 0
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
     except Exception as error:  # the top of the program: one line for the user, the traceback on request
         if debug:
             raise

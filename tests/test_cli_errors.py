@@ -48,9 +48,11 @@ def unreachable_hub(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def small_drafter(tmp_path_factory):
-    """A saved drafter of block size 4 for a tiny target (random weights: only its config is read here)."""
-    target = tiny_target("llama")
-    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=255)
+    """A saved drafter of block size 4 for stories260K (random weights; built from its config, without loading it)."""
+    from hf_dflash.bundled_models import stories260k_config_and_tokenizer
+
+    target_config, _ = stories260k_config_and_tokenizer()
+    config = DFlashConfig.for_target(target_config, num_hidden_layers=1, block_size=4, mask_token_id=0)
     folder = tmp_path_factory.mktemp("drafter")
     DFlashDraftModel(config).save_pretrained(folder)
     return folder
@@ -163,10 +165,9 @@ def test_a_prompt_file_of_other_objects_fails_before_the_models_load(command, sm
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"text": "hello"}) + "\n")
     extra = ["--out", str(tmp_path / "r.json")] if command == "bench" else []
     words = ["bench", "decode"] if command == "bench" else [command]
-    assert main([*words, "--target", "stories260k", "--drafter", str(small_drafter), "--prompts", str(prompts),
-                 *extra]) == 1
-    err = capsys.readouterr().err
-    assert f'{prompts} line 2 is not a {{"prompt": ...}} object' in err, err
+    err = refused([*words, "--target", "stories260k", "--drafter", str(small_drafter), "--prompts", str(prompts),
+                   *extra], capsys)
+    assert f'--prompts {prompts} line 2 is not a {{"prompt": ...}} object' in err, err
 
 
 def test_cuda_on_a_cpu_only_torch(capsys, no_model_loads):
@@ -290,10 +291,14 @@ def test_info_prints_the_target_recorded_in_training_args(small_drafter, tmp_pat
     assert "target      org/target-model (recorded in training_args.json)" in capsys.readouterr().out
 
 
-def test_failure_after_loading_is_one_line(small_drafter, capsys, monkeypatch):
-    """A drafter that does not fit the target shows up only once both have loaded: still one line, exit 1."""
+def test_failure_after_loading_is_one_line(small_drafter, tmp_path, capsys, monkeypatch):
+    """Weights that cannot be read show up only once the drafter loads, after the target: still one line, exit 1."""
     monkeypatch.delenv("HF_DFLASH_DEBUG", raising=False)
-    code = main(["generate", "--target", "stories260k", "--drafter", str(small_drafter), "--max-new-tokens", "4"])
+    broken = tmp_path / "drafter"
+    broken.mkdir()
+    (broken / "config.json").write_text((small_drafter / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes((small_drafter / "model.safetensors").read_bytes()[:100])
+    code = main(["generate", "--target", "stories260k", "--drafter", str(broken), "--max-new-tokens", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
     assert err[-1].startswith("hf-dflash generate: error: ") and "HF_DFLASH_DEBUG=1" in err[-1]

@@ -24,6 +24,7 @@ from hf_dflash import bundled_models, hub
 REPO = Path(__file__).resolve().parent.parent
 # Checkout folder -> where its files live in the wheel (pyproject.toml's package-dir).
 WHEEL_LOCATION = {"hf_dflash": "hf_dflash", "modeling": "hf_dflash/modeling", "hub_configs": "hf_dflash/hub_configs"}
+ENTRY_MODULE = "hf_dflash_command.py"  # the `hf-dflash` command's entry point, a module of its own at the top level
 STORIES_README = REPO / "hf_dflash" / "models" / "stories260K" / "README.md"
 
 
@@ -59,10 +60,11 @@ def test_wheel_holds_exactly_the_package_files_of_the_checkout(wheel):
         top, _, rest = name.partition("/")
         if top in WHEEL_LOCATION and rest and "__pycache__" not in name:
             expected.add(f"{WHEEL_LOCATION[top]}/{rest}")
+    expected.add(ENTRY_MODULE)
     with zipfile.ZipFile(wheel) as archive:
         packaged = {n for n in archive.namelist() if ".dist-info/" not in n}
         entry_points = next(n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt"))
-        assert "hf-dflash = hf_dflash.cli:main" in archive.read(entry_points).decode()
+        assert "hf-dflash = hf_dflash_command:main" in archive.read(entry_points).decode()
     assert packaged - expected == set(), "the wheel holds files the checkout does not"
     assert expected - packaged == set(), "files of the checkout left out of the wheel: fix pyproject.toml"
     # The parts issue 17 found missing, named so a regression reads plainly.

@@ -47,6 +47,11 @@ SCENARIOS = {
 }
 
 
+def default_out(name: str) -> str:
+    """Where a scenario's report goes when `--out` is left out (the one folder made when missing)."""
+    return str(RESULTS / f"{name.replace('-', '_')}.json")
+
+
 def scenario_module(name: str) -> ModuleType:
     return importlib.import_module(SCENARIOS[name])
 
@@ -68,21 +73,21 @@ def register(subparsers: Any) -> None:
         sub = scenarios.add_parser(name, help=summary(module), description=module.__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
-        sub.add_argument("--out", default=str(RESULTS / f"{name.replace('-', '_')}.json"),
-                         help="the JSON report (a .png plot is written beside it); default: %(default)s")
+        sub.add_argument("--out", default=default_out(name),
+                         help="the JSON report, in a folder that exists (a .png plot is written beside it); default: "
+                              "%(default)s")
         sub.set_defaults(func=module.run)
 
 
 def check_scenario(args: argparse.Namespace) -> None:
     """The checks of a scenario's arguments, before anything loads: `--out` is a file to write, then the scenario's
     own `check`. Raises `BadArgument`."""
-    from ..cli_checks import BadArgument
+    from ..cli_checks import check_report_file
 
-    if Path(args.out).is_dir():
-        raise BadArgument(f"--out {args.out} is a folder; pass the JSON file to write, e.g. {args.out}/report.json")
+    check_report_file("--out", args.out, default_out(args.scenario))
     check = getattr(scenario_module(args.scenario), "check", None)
     if check is not None:
         check(args)
 
 
-__all__ = ["SCENARIOS", "check_scenario", "register", "scenario_module"]
+__all__ = ["SCENARIOS", "check_scenario", "default_out", "register", "scenario_module"]

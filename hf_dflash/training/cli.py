@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import shutil
 import sys
 import time
 from collections import Counter
@@ -18,13 +20,14 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
+from safetensors import SafetensorError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import generate_cli
 from ..cli_checks import BUNDLED_TARGETS, DEFAULT_BLOCK_SIZE
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..run_record import device_name, portable_command, portable_path
-from .data import RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
+from .data import AnswersOrigin, RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
 from .drafter import grow_drafter, new_drafter
 from .evaluate import measure_tau
 from .trainer import TrainingArguments, train
@@ -37,12 +40,35 @@ def load_target(spec: str, device: torch.device | str) -> tuple[PreTrainedModel,
     return generate_cli.load_target(spec, dtype, str(device))
 
 
+def answers_paths(args: argparse.Namespace) -> list[Path]:
+    """The answers file of each --prompts set: its --regenerated file, or <out>/regenerated.safetensors for one set."""
+    if args.regenerated:
+        return [Path(path) for path in args.regenerated]
+    return [Path(args.out) / "regenerated.safetensors"]
+
+
+def target_identity(spec: str) -> str:
+    """How an answers file names the target that wrote it: a bundled model's name or a Hub id as given; a folder by its
+    name and its config.json's sha256 (so a copy of the same model elsewhere is the same target)."""
+    folder = Path(spec).expanduser()
+    if spec in BUNDLED_TARGETS or not folder.is_dir():
+        return spec
+    digest = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+    return f"{folder.resolve().name} (config.json sha256 {digest[:16]})"
+
+
+def answers_origin(spec: str, args: argparse.Namespace) -> AnswersOrigin:
+    """What this run's answers to the prompt set `spec` are made from."""
+    return AnswersOrigin.of_run(load_prompts(spec), target_identity(args.target), args.max_new_tokens,
+                                args.max_prompt_tokens, args.temperature, args.seed)
+
+
 def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: PartialState) -> RegeneratedData:
-    """The regenerated data of every --prompts set, joined in order: each set's --regenerated file is reused if it
-    exists, else written (so a new set is answered alone and trained on beside the sets answered before)."""
-    paths = args.regenerated or [Path(args.out) / "regenerated.safetensors"]
-    sets = [_regenerated_set(spec, Path(path), args, target, tokenizer, state)
-            for spec, path in zip(args.prompts, paths)]
+    """The regenerated data of every --prompts set, joined in order: each set's answers file is reused if it was made
+    from this run's prompts, target and options, else written (so a new set is answered alone and trained on beside
+    the sets answered before)."""
+    sets = [_regenerated_set(spec, path, args, target, tokenizer, state)
+            for spec, path in zip(args.prompts, answers_paths(args))]
     data = RegeneratedData.concat(sets)
     # concat adds the speeds of shards that ran side by side; these sets were answered one after another.
     seconds = sum(s.num_response_tokens / s.tokens_per_second for s in sets if s.tokens_per_second)
@@ -50,13 +76,35 @@ def _regenerated_data(args: argparse.Namespace, target, tokenizer, state: Partia
     return data
 
 
+def _recorded_origin(path: Path) -> AnswersOrigin | None:
+    """What the answers file at `path` records of its origin; None when it records nothing, does not exist, or (let
+    through by `check_train` only under --overwrite, which answers again) cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        return AnswersOrigin.of_file(path)
+    except (OSError, ValueError, TypeError, SafetensorError):
+        return None
+
+
 def _regenerated_set(spec: str, path: Path, args: argparse.Namespace, target, tokenizer, state: PartialState):
-    """Reuse `path` if it exists; otherwise every process answers its share of the prompts of `spec`."""
-    if path.is_file():
+    """Reuse `path` if it was made from the same work (or, with --adopt-regenerated, if it records nothing);
+    otherwise every process answers its share of the prompts of `spec`. `cli_checks.check_train` has refused any
+    other file unless --overwrite was given."""
+    origin = answers_origin(spec, args)
+    recorded = _recorded_origin(path)
+    if recorded == origin or (recorded is None and path.is_file() and args.adopt_regenerated):
         data = RegeneratedData.load(path)
-        if state.is_main_process:  # the regeneration options were for that file's run, not this one
+        if len(data) == 0:  # a file written before empty ones were refused
+            raise ValueError(f"{path} holds no sequences; pass --overwrite to answer --prompts {spec} again")
+        state.wait_for_everyone()  # every process has read it
+        if state.is_main_process:
+            if recorded is None:  # adopted: recorded now, so a later run reuses it without --adopt-regenerated
+                data.origin = origin
+                data.save(path)
             print(f"reusing {path}: {len(data)} sequences, {data.num_response_tokens} answer tokens, answered before "
-                  "(--max-new-tokens, --max-prompt-tokens and --temperature do not apply to it)")
+                  "with these prompts, this target and these options")
+        state.wait_for_everyone()
         return data
     prompts = load_prompts(spec)
     part = path.with_suffix(f".part{state.process_index}.safetensors")
@@ -73,9 +121,14 @@ def _regenerated_set(spec: str, path: Path, args: argparse.Namespace, target, to
         max_prompt_tokens=args.max_prompt_tokens,
     ).save(part)
     state.wait_for_everyone()
+    parts = [path.with_suffix(f".part{i}.safetensors") for i in range(state.num_processes)]
+    data = RegeneratedData.concat([RegeneratedData.load(p) for p in parts])
+    if len(data) == 0:  # every process sees it, so none waits for the others below
+        raise ValueError(f"--prompts {spec}: the target answered none of its {len(prompts)} prompts (each answer ended "
+                         "at its first token); nothing to train on: check the prompts and the target's chat template")
+    state.wait_for_everyone()  # every process has read the parts
     if state.is_main_process:
-        parts = [path.with_suffix(f".part{i}.safetensors") for i in range(state.num_processes)]
-        data = RegeneratedData.concat([RegeneratedData.load(p) for p in parts])
+        data.origin = origin
         data.save(path)
         for p in parts:
             p.unlink()
@@ -99,6 +152,21 @@ def _history(drafter_dir: str) -> list[dict]:
     return [{k: record[k] for k in keys if k in record}]
 
 
+def _earlier_runs(args: argparse.Namespace) -> list[dict]:
+    """The runs before this one that shaped the weights it starts from: on --resume those the resumed run recorded in
+    --out (its own entry left out: this run writes it again, a resumed run being the same run), else --init-from's."""
+    if args.resume is not None and _history(args.out):
+        return _history(args.out)[:-1]
+    return _history(args.init_from) if args.init_from else []
+
+
+def _clear_replaced_run(out: Path) -> None:
+    """--overwrite: the replaced drafter's checkpoints and curve go before the new run writes its own (save_pretrained
+    replaces its weights and config, the new training_args.json its record); the answers files stay."""
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    (out / "train_log.jsonl").unlink(missing_ok=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """`hf-dflash train`: regenerate (or reuse) data, train a drafter, save it, optionally measure tau."""
     if args.export_prompts:
@@ -110,10 +178,6 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     state = PartialState(cpu=not torch.cuda.is_available())
     target, tokenizer = load_target(args.target, state.device)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    if args.draft_vocab_size is not None and args.draft_vocab_size > vocab_size:  # before the data, which takes long
-        raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: the target's vocabulary has {vocab_size} "
-                         "tokens; give at most that")
     data = _regenerated_data(args, target, tokenizer, state)
     if args.regenerate_only:
         return 0
@@ -172,10 +236,13 @@ def run(args: argparse.Namespace) -> int:
                "data": {"prompt_sources": dict(sum((Counter(prompt_sources(spec)) for spec in args.prompts),
                                                    Counter()))},
                "regeneration_tokens_per_second": round(data.tokens_per_second, 1),
-               "history": _history(args.init_from) if args.init_from else [],
+               "history": _earlier_runs(args),
                **({"draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size else {}),
                **({"grown": {"from_layers": depth, "to_layers": args.num_layers}} if grow else {})},
     )
+    if args.overwrite and state.is_main_process:
+        _clear_replaced_run(Path(args.out))
+    state.wait_for_everyone()
     result = train(target, drafter, data, training_args)
     if args.eval_prompts and state.is_main_process:
         drafter = DFlashDraftModel.from_pretrained(args.out).to(target.device, target.dtype)
@@ -237,8 +304,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "distinct opening turns of ShareGPT conversations), 'sharegpt-turns:N' (the first N distinct user "
                    "turns) or 'humaneval'; training takes them all")
     p.add_argument("--regenerated", nargs="+",
-                   help="regenerated data file of each --prompts set, in the same order: reused if it exists, "
-                   "written otherwise (default, for one set: <out>/regenerated.safetensors)")
+                   help="regenerated data file of each --prompts set, in the same order: reused if it was made from "
+                   "the same prompts, target and generation options (each file records them), written if it does not "
+                   "exist (default, for one set: <out>/regenerated.safetensors)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="answer again the prompt sets whose answers file was made from other work, and replace a "
+                   "drafter already in --out (its checkpoints and train_log.jsonl go)")
+    p.add_argument("--adopt-regenerated", action="store_true",
+                   help="reuse answers files that record nothing of what they were made from (written by an earlier "
+                   "hf-dflash) as this run's, and record that in them")
     p.add_argument("--export-prompts", metavar="JSONL",
                    help="only write the --prompts to this jsonl and exit (to carry to a machine without PyPI)")
     p.add_argument("--out", required=True, help="output directory of the drafter (and checkpoints)")

