@@ -126,8 +126,10 @@ def test_arrivals_and_percentiles():
 
 def test_write_report_writes_the_json_and_says_when_there_is_no_plot(tmp_path, monkeypatch, capsys):
     plotted = []
-    path = harness.write_report(tmp_path / "deep" / "r.json", {"x": 1}, lambda report, png: plotted.append(png))
+    path = harness.write_report(tmp_path / "r.json", {"x": 1}, lambda report, png: plotted.append(png))
     assert json.loads(path.read_text()) == {"x": 1} and plotted == [path.with_suffix(".png")]
+    with pytest.raises(FileNotFoundError):  # only the default results folder is made: a named one must exist
+        harness.write_report(tmp_path / "deep" / "r.json", {"x": 1})
 
     def needs_matplotlib(report, png):
         harness.pyplot()

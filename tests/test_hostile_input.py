@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-import hf_dflash.bench
+import hf_dflash.bench.decode
 import hf_dflash.generate_cli
 import hf_dflash.training.cli as training_cli
 from hf_dflash import DFlashConfig, DFlashDraftModel
@@ -229,7 +229,7 @@ def test_generate_bench_eval_and_train_agree_on_the_same_limit(drafter, stories_
     prompts = prompt_file(tmp_path / "p.jsonl", [prompt])
     largest = ALLOCATION - BLOCK - len(encode_prompt(stories_files[1], prompt))
     ran = []
-    for module, name in ((hf_dflash.generate_cli, "run"), (hf_dflash.bench, "run"), (training_cli, "run"),
+    for module, name in ((hf_dflash.generate_cli, "run"), (hf_dflash.bench.decode, "run"), (training_cli, "run"),
                          (training_cli, "run_eval")):
         monkeypatch.setattr(module, name, lambda args: ran.append(args.command) or 0)
     runs = {
