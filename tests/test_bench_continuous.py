@@ -67,7 +67,7 @@ def test_every_arm_at_every_concurrency_reports_its_figures_and_plain_greedy_tok
     assert [(r["arm"], r["concurrency"]) for r in report["runs"]] == [(a, c) for c in (1, 3) for a in arms]
     for run in report["runs"]:
         assert run["requests"] == run["sent"] == run["completed"] == 4 and run["errors"] == []
-        assert run["requests_per_s"] > 0 and run["output_tokens_per_s"] > 0 and run["seconds"] > 0
+        assert run["output_tokens"] == 4 * 6 and run["requests_per_s"] > 0 and run["output_tokens_per_s"] > 0
         for key in ("ttft_s", "itl_s", "latency_s"):
             assert 0 <= run[key]["p50"] <= run[key]["p99"]
         # request 3 repeats prompt 0 (requests cycle the prompts): checked too
@@ -79,6 +79,23 @@ def test_every_arm_at_every_concurrency_reports_its_figures_and_plain_greedy_tok
     else:
         drafter_arm = report["arms"]["cb-drafter"]
         assert drafter_arm["available"] is False and "takes no assistant_model" in drafter_arm["reason"]
+
+
+def test_a_request_that_ends_on_eos_ends_there_in_every_arm(options, tmp_path, monkeypatch):
+    """eos is made the third token plain greedy answers the first prompt with: every arm must stop that request
+    there, eos included, as plain generate does, while the other requests run on."""
+    from hf_dflash import generate_cli
+    from hf_dflash.training.data import encode_prompt
+
+    target, tokenizer = load_stories260k()
+    prompt = encode_prompt(tokenizer, "Once upon a time")
+    answer = target.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, len(prompt):].tolist()
+    target.generation_config.eos_token_id = answer[2]
+    monkeypatch.setattr(generate_cli, "load_target", lambda *args: (target, tokenizer))
+    report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "3", "--max-new-tokens", "8")
+    for run in report["runs"]:
+        assert run["completed"] == 3 and run["identical_to_plain"] == {"checked": 3, "identical": 3, "mismatches": []}
+        assert run["output_tokens"] < 3 * 8  # request 0 ended on eos
 
 
 def test_a_poisson_arrival_and_one_arm(options, tmp_path):

@@ -1,4 +1,4 @@
-"""Continuous batching: requests arriving at a rate or all at once, served three ways in one process on the same prompts.
+"""Continuous batching: requests arriving at a rate or all at once, served three ways in one process, same prompts.
 
 Arms, each run at every `--concurrency` (the most requests in flight at once; a request that arrives when that many
 are in flight waits for one to end):
@@ -26,8 +26,8 @@ completed requests; and whether each request of the first `--check` ones has exa
 `generate` at batch 1 (every mismatch is listed). The continuous-batching arms see a token when the manager streams
 it; the fixed batches when `generate` commits it (a stopping criterion reads the clock; that call returns later).
 Each manager gets a paged cache of `--cb-num-blocks` pages (default: enough for `--concurrency` requests of the
-longest prompt and `--max-new-tokens`), and decodes one short request untimed before its run (warm-up), as the fixed
-batches do one untimed call.
+longest prompt, `--max-new-tokens` and a drafter's block) and steps of at most `--cb-max-batch-tokens` tokens, and
+decodes one short request untimed before its run (warm-up), as the fixed batches do one untimed call.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ ARM_LABELS = {
     "generate-batches": "our generate, fixed batches",
 }
 DEFAULT_TARGET, DEFAULT_PROMPTS = "smollm2", "humaneval"
+# Tokens of one continuous-batching step: 64 requests' verify blocks of 16 rows, or prefill chunks beside fewer.
+# Set, not left to transformers: 5.17 sizes it to fill the free memory, which on a CPU is the machine's RAM.
+CB_MAX_BATCH_TOKENS = 2048
 POLL_S = 0.05  # the longest the loop waits for a result before looking at arrivals again
 
 
@@ -84,17 +87,18 @@ def drafter_arm_unavailable(target: torch.nn.Module) -> str | None:
             "assistant_model: continuous batching with a DFlash drafter is not installed")
 
 
-def cache_pages(concurrency: int, longest: int, max_new_tokens: int, page_size: int) -> int:
-    """Pages of `page_size` tokens that hold `concurrency` requests of a `longest` prompt and `max_new_tokens`."""
-    return concurrency * math.ceil((longest + max_new_tokens) / page_size)
+def cache_pages(concurrency: int, request_tokens: int, page_size: int) -> int:
+    """Pages of `page_size` tokens that hold `concurrency` requests of `request_tokens` each."""
+    return concurrency * math.ceil(request_tokens / page_size)
 
 
 def continuous_run(
-    target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int, args: argparse.Namespace,
-    pad_token_id: int, drafter: torch.nn.Module | None,
+    target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int,
+    args: argparse.Namespace,
+    pad_token_id: int, request_tokens: int, drafter: torch.nn.Module | None,
 ) -> None:
     """Serve `requests` through a continuous-batching manager (with `assistant_model=drafter` when given), filling
-    each request's record."""
+    each request's record. `request_tokens`: what one request may hold in the cache (the default cache's size)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     eos = target.generation_config.eos_token_id
@@ -102,9 +106,7 @@ def continuous_run(
                                          pad_token_id=pad_token_id)
     cb_config = ContinuousBatchingConfig(max_batch_tokens=args.cb_max_batch_tokens)
     page_size = getattr(cb_config, "page_size", None) or cb_config.block_size  # named page_size from 5.25
-    cb_config.num_blocks = args.cb_num_blocks or cache_pages(
-        concurrency, max(len(p) for p in prompts), args.max_new_tokens, page_size
-    )
+    cb_config.num_blocks = args.cb_num_blocks or cache_pages(concurrency, request_tokens, page_size)
     extra = {} if drafter is None else {"assistant_model": drafter}
     manager = target.init_continuous_batching(generation_config=generation_config,
                                               continuous_batching_config=cb_config, **extra)
@@ -197,7 +199,8 @@ class TokenClock:
 
 
 def fixed_batches_run(
-    target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int, args: argparse.Namespace,
+    target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int,
+    args: argparse.Namespace,
     pad_token_id: int, drafter: torch.nn.Module,
 ) -> None:
     """Serve `requests` by `generate(assistant_model=drafter)` in batches of up to `concurrency` arrived requests."""
@@ -260,6 +263,7 @@ def figures(requests: list[Request]) -> dict[str, Any]:
         "requests": len(requests), "sent": len(sent), "completed": len(done),
         "cut_or_failed": len(sent) - len(done), "not_sent": len(requests) - len(sent),
         "errors": sorted({r.error for r in sent if r.error}),
+        "output_tokens": len(delivered),
         "seconds": round(seconds, 3),
         "requests_per_s": len(done) / seconds if seconds else 0.0,
         "output_tokens_per_s": len(delivered) / seconds if seconds else 0.0,
@@ -310,6 +314,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     pad_token_id = left_pad_token_id(tokenizer, target)
     prompts = [encode_prompt(tokenizer, text) for text in texts[: args.requests]]
     offsets = harness.arrival_offsets(args.requests, args.rate, args.seed)
+    # the longest prompt, its answer and a verify block past its end (both managers get the same cache)
+    request_tokens = max(map(len, prompts)) + args.max_new_tokens + drafter.config.block_size
 
     # Plain greedy at batch 1, the tokens every arm's checked requests must equal (requests cycle the prompts).
     checked = range(min(args.check, args.requests))
@@ -327,7 +333,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if arm == "generate-batches":
                 fixed_batches_run(target, prompts, requests, concurrency, args, pad_token_id, drafter)
             else:
-                continuous_run(target, prompts, requests, concurrency, args, pad_token_id,
+                continuous_run(target, prompts, requests, concurrency, args, pad_token_id, request_tokens,
                                drafter if arm == "cb-drafter" else None)
             run = {"arm": arm, "concurrency": concurrency, **figures(requests), "identical_to_plain":
                    identity(requests, plain)}
@@ -409,9 +415,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--cb-num-blocks", type=int, default=None,
                         help="pages of each manager's cache (default: enough for --concurrency requests of the longest "
-                        "prompt and --max-new-tokens)")
-    parser.add_argument("--cb-max-batch-tokens", type=int, default=None,
-                        help="tokens per continuous-batching step (default: transformers')")
+                        "prompt, --max-new-tokens and a drafter's block)")
+    parser.add_argument("--cb-max-batch-tokens", type=int, default=CB_MAX_BATCH_TOKENS,
+                        help="the most tokens of one continuous-batching step (default: %(default)s)")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto (default): bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
