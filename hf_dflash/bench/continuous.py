@@ -37,11 +37,12 @@ import inspect
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import harness
 
@@ -166,7 +167,7 @@ def serve(manager: Any, prompts: list[list[int]], requests: list[Request], concu
             request.complete = out.error is None
 
 
-class TokenClock:
+class TokenClock(StoppingCriteria):
     """A stopping criterion that never stops a sequence before `deadline` (seconds from `start`): it records when
     each sequence of a batch gets each token, and stops every sequence at the deadline.
 
@@ -204,8 +205,6 @@ def fixed_batches_run(
     pad_token_id: int, drafter: torch.nn.Module,
 ) -> None:
     """Serve `requests` by `generate(assistant_model=drafter)` in batches of up to `concurrency` arrived requests."""
-    from transformers import StoppingCriteriaList
-
     from ..batching import eos_token_ids, generate_in_batches
 
     eos_ids = eos_token_ids(target)
