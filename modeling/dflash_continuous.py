@@ -396,24 +396,30 @@ class DFlashContinuousBatchingManager:
         self.batch_processor = DFlashBatchProcessor(scheduler, self.engine)
         try:
             with torch.inference_mode(inference), torch.no_grad():
-                while True:
-                    with self._step_lock:
-                        self._take_new(scheduler)
-                        if self._stop_mode == "hard":
-                            break
-                        self._admit(scheduler)
-                        if scheduler.active_requests:
-                            self._step(scheduler)
-                            continue
-                        if self._stop_mode == "flush" and not scheduler.waiting_requests:
-                            break
-                    self._wake.wait(timeout=0.1)
-                    self._wake.clear()
+                while (worked := self.iteration(scheduler)) is not None:
+                    if not worked:
+                        self._wake.wait(timeout=0.1)
+                        self._wake.clear()
             self._fail_all(scheduler, RuntimeError("the manager stopped before this request completed"))
         except Exception as error:  # the loop itself broke: every request fails, callers see why
             logger.error(f"Error in the DFlash continuous-batching loop: {error}", exc_info=True)
             self.background_thread_status.fatal_error = f"{type(error).__name__}: {error}"
             self._fail_all(scheduler, error)
+
+    def iteration(self, scheduler: DFlashScheduler) -> bool | None:
+        """One turn of the worker's loop: take new requests and cancellations, admit what fits, run one step.
+        Returns whether a step ran (False: nothing to do yet), or None when the loop should end (a stop)."""
+        with self._step_lock:
+            self._take_new(scheduler)
+            if self._stop_mode == "hard":
+                return None
+            self._admit(scheduler)
+            if scheduler.active_requests:
+                self._step(scheduler)
+                return True
+            if self._stop_mode == "flush" and not scheduler.waiting_requests:
+                return None
+            return False
 
     def _take_new(self, scheduler: DFlashScheduler) -> None:
         while not self.input_queue.empty():

@@ -160,6 +160,9 @@ class DFlashEngine(DFlashStep):
             self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p,
         )
         self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
+        # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps).
+        self.row_steps = 0
+        self.accepted_drafts = 0
 
     # -- room ---------------------------------------------------------------------------------------------------
 
@@ -343,9 +346,11 @@ class DFlashEngine(DFlashStep):
             self.step(rows)
         out = self.out[:n].tolist()  # the step's one host synchronization
         committed = {}
+        self.row_steps += n
         for sequence, row in zip(self.sequences, out):
             accepted = row[self.block_size]
             sequence.position += accepted + 1
+            self.accepted_drafts += accepted
             committed[sequence.key] = row[: accepted + 1]
         return committed
 
