@@ -334,8 +334,9 @@ def test_generate_batch_with_the_drafter_equals_plain_greedy():
 
 
 def test_the_api_streams_cancels_and_passes_through_without_a_drafter():
+    # transformers' own manager, without a drafter (on a model of its own: it switches the model to paged attention)
+    assert isinstance(tiny_target().init_continuous_batching(generation_config=GREEDY), ContinuousBatchingManager)
     target, drafter = pair("qwen3")
-    assert isinstance(target.init_continuous_batching(generation_config=GREEDY), ContinuousBatchingManager)
     prompts = [random_prompt(n, seed=n)[0].tolist() for n in (6, 14)]
     with target.continuous_batching_context_manager(generation_config=GREEDY, assistant_model=drafter) as manager:
         assert manager.is_running() and manager.batch_processor is not None
