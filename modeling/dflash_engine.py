@@ -218,7 +218,8 @@ class DFlashEngine(DFlashStep):
         pages = self.pages_for(length, max_new_tokens)
         sequence = EngineSequence(key, length, sampling, self.target_pool.take(pages), self.drafter_pool.take(pages))
         try:
-            for table, taken in ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages)):
+            tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
+            for table, taken in tables:
                 table[row].zero_()
                 table[row, :pages] = torch.tensor(taken, device=device)
             self._set_sampling(row, sampling)
@@ -338,7 +339,8 @@ class DFlashEngine(DFlashStep):
             draft_key_positions=positions,
             target_cache=PagedTargetCache(self.target_pool, self.target_tables[:n], span),
             drafter_view=PagedView(
-                self.drafter_pool, self.draft_block_slots[:n], page_slots(self.drafter_tables[:n], positions.expand(n, -1))
+                self.drafter_pool, self.draft_block_slots[:n],
+                read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
             ),
             **self._sampling(slice(0, n), any(not sequence.sampling.greedy for sequence in self.sequences)),
         )

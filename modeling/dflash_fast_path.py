@@ -46,7 +46,9 @@ from .dflash_linear_state import HybridStaticCache
 from .dflash_paged_cache import PAGE_SIZE
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
-from .dflash_static_cache import ContiguousPagedView, StaticTargetCache, contiguous_block_tables, reorder_contiguous_rows
+from .dflash_static_cache import (
+    ContiguousPagedView, StaticTargetCache, contiguous_block_tables, reorder_contiguous_rows,
+)
 from .dflash_step import DFlashStep, StepRows
 
 logger = logging.get_logger(__name__)

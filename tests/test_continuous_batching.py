@@ -346,7 +346,8 @@ def test_the_api_streams_cancels_and_passes_through_without_a_drafter():
         outputs = list(manager.request_id_iter(streamed))
     assert not manager.is_running()
     assert len(outputs) > 1 and outputs[-1].generated_tokens == plain_greedy(target, prompts[0], 16)
-    assert all(a.generated_tokens == b.generated_tokens[: len(a.generated_tokens)] for a, b in zip(outputs, outputs[1:]))
+    assert all(a.generated_tokens == b.generated_tokens[: len(a.generated_tokens)]
+               for a, b in zip(outputs, outputs[1:]))
     assert manager.engine.pool_usage()["target_pages_used"] == 0
 
 
