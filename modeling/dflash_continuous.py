@@ -353,8 +353,8 @@ class DFlashContinuousBatchingManager:
                 yield result
 
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
-        """The outputs of one request as they come, until it ends."""
-        while self.is_running() or not self.output_queue.empty():
+        """The outputs of one request as they come, until it ends (or the worker stops)."""
+        while self.is_running():
             result = self.get_result(request_id=request_id, timeout=0.1)
             if result is not None:
                 yield result

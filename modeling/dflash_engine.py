@@ -205,6 +205,10 @@ class DFlashEngine(DFlashStep):
             usage[f"{name}_pages_total"] = pool.num_pages
         return usage
 
+    def compute_free_capacity(self) -> float:
+        """The fraction of the fuller pool still free (what transformers serve reports of its manager's cache)."""
+        return min(len(pool.free_pages) / pool.num_pages for pool in (self.target_pool, self.drafter_pool))
+
     # -- joining and leaving -------------------------------------------------------------------------------------
 
     @torch.no_grad()

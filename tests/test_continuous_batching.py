@@ -423,6 +423,7 @@ def test_a_thousand_short_requests_with_cancellations_leave_both_pools_whole():
     assert not scheduler.active_requests and not scheduler.waiting_requests and not manager.engine.sequences
     usage = manager.engine.pool_usage()
     assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0
+    assert manager.engine.compute_free_capacity() == 1.0  # what transformers serve's stats line reads
     assert len(manager.engine.target_pool.free_pages) == len(set(manager.engine.target_pool.free_pages))
     assert not manager.result_handlers and not manager._unclaimed
     for request_id in list(expected)[:: 50]:  # a sample of them against plain greedy
