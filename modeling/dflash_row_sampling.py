@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-# Generation-config fields that make logits processors the engine does not apply, with the value that makes none.
+# Generation-config fields that make logits processors the engine does not apply, with the values that make none.
 UNSERVED = {
-    "repetition_penalty": 1.0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "top_h": None, "no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0, "min_new_tokens": None,
-    "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "encoder_repetition_penalty": 1.0,
-    "guidance_scale": None, "watermarking_config": None, "renormalize_logits": False,
+    "repetition_penalty": (1.0,), "min_p": (0.0,), "typical_p": (1.0,), "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,), "top_h": (), "no_repeat_ngram_size": (0,), "bad_words_ids": (), "min_length": (0,),
+    "min_new_tokens": (0,), "sequence_bias": (), "suppress_tokens": (), "begin_suppress_tokens": (),
+    "forced_bos_token_id": (), "forced_eos_token_id": (), "exponential_decay_length_penalty": (),
+    "encoder_repetition_penalty": (1.0,), "guidance_scale": (1.0,), "watermarking_config": (),
+    "renormalize_logits": (False,),
 }
 # The options a request may set for itself, with their types (what transformers serve reads to build them).
 PER_REQUEST = {"temperature": float, "top_k": int, "top_p": float}
@@ -45,7 +46,7 @@ class SamplingSettings:
         """A generation config's settings; ValueError naming the option for what the engine does not apply."""
         asked = [
             name for name, off in UNSERVED.items()
-            if (value := getattr(generation_config, name, off)) is not None and value != off
+            if (value := getattr(generation_config, name, None)) is not None and value not in off
         ]
         if asked:
             raise ValueError(
