@@ -351,6 +351,32 @@ def test_the_api_streams_cancels_and_passes_through_without_a_drafter():
     assert manager.engine.pool_usage()["target_pages_used"] == 0
 
 
+def test_two_managers_on_one_drafter_keep_their_own_buffers():
+    """The engine's buffers belong to its manager, not to the drafter: two running at once stay exact."""
+    target, drafter = pair("llama")
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (4, 13, 8, 21)]
+    managers = [target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter) for _ in range(2)]
+    for manager in managers:
+        manager.start()
+    ids = [[manager.add_request(p, max_new_tokens=14) for p in prompts[i::2]] for i, manager in enumerate(managers)]
+    answers = [finished_results(manager, len(request_ids)) for manager, request_ids in zip(managers, ids)]
+    for manager in managers:
+        manager.stop()
+    for i, request_ids in enumerate(ids):
+        for request_id, prompt in zip(request_ids, prompts[i::2]):
+            assert answers[i][request_id].generated_tokens == plain_greedy(target, prompt, 14)
+
+
+def finished_results(manager: DFlashContinuousBatchingManager, count: int, seconds: float = 60) -> dict:
+    """The first `count` finished outputs of a running manager, by request id."""
+    finished, deadline = {}, time.monotonic() + seconds
+    while len(finished) < count and time.monotonic() < deadline:
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            finished[result.request_id] = result
+    return finished
+
+
 def test_bad_requests_are_refused_before_any_work():
     target, drafter = pair("llama")
     manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter)
@@ -384,7 +410,7 @@ def test_a_failing_prefill_fails_its_request_alone_and_a_failing_step_fails_its_
         manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter)
         manager.start()
         ids = [manager.add_request([5, poison, 6], max_new_tokens=8), manager.add_request(good, max_new_tokens=8)]
-        results = {r.request_id: r for r in (manager.get_result(timeout=30) for _ in ids) if r is not None}
+        results = finished_results(manager, len(ids))
         assert "injected fault" in results[ids[0]].error
         assert results[ids[1]].error is None and results[ids[1]].generated_tokens == expected
         fail_next_step.set()
