@@ -157,7 +157,9 @@ def _json_error(status: int) -> Any:
     from fastapi.responses import JSONResponse
 
     async def answer(_request: Any, error: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=status)
+        # `detail` as FastAPI answers, and OpenAI's `error.message`, which OpenAI clients put in their exception
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        return JSONResponse({"detail": str(error), "error": {"message": str(error), "type": kind}}, status_code=status)
 
     return answer
 

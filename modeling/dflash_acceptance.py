@@ -103,9 +103,10 @@ class DecodingRule:
 
 
 def accept(
-    scores: torch.Tensor, drafts: torch.LongTensor, do_sample: bool, draft_probs: torch.Tensor | None
+    scores: torch.Tensor, drafts: torch.LongTensor, do_sample: bool | torch.Tensor, draft_probs: torch.Tensor | None
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Acceptance of a block. scores (b, n, V) processed target scores; drafts (b, n - 1).
+    """Acceptance of a block. scores (b, n, V) processed target scores; drafts (b, n - 1); do_sample for every
+    sequence, or per sequence (b,) bool (the engine's rows keep their own settings; point-mass proposals only).
 
     Returns (tokens (b, n), accepted (b,)): sequence i commits tokens[i, : accepted[i] + 1], its accepted drafts
     followed by the target's own token (the bonus, or the correction of the first rejected draft).
@@ -118,7 +119,10 @@ def accept(
       row per sequence is sampled: the residuals of rows after it are never read.
     """
     if draft_probs is None:
-        tokens = sample(torch.softmax(scores, dim=-1)) if do_sample else scores.argmax(dim=-1)
+        if isinstance(do_sample, torch.Tensor):
+            tokens = torch.where(do_sample[:, None], sample(torch.softmax(scores, dim=-1)), scores.argmax(dim=-1))
+        else:
+            tokens = sample(torch.softmax(scores, dim=-1)) if do_sample else scores.argmax(dim=-1)
         return tokens, (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
     probs = torch.softmax(scores, dim=-1)
     p = probs[:, :-1].gather(-1, drafts[..., None])[..., 0]  # (b, n - 1)

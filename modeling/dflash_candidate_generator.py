@@ -36,6 +36,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         max_rows: most target rows captured in one forward (the padded prompt length, or B); sizes the scratch.
         pending_rows: rows a state holds between a verify and the next propose (default: a block). The fast path
             passes 0: its step writes the verified rows to the pages itself.
+        num_pages: pages of the drafter's pool (default: every page `batch_size` sequences of `max_length` need; the
+            continuous-batching engine sizes its shared pool itself).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         max_length: int,
         max_rows: int,
         pending_rows: int | None = None,
+        num_pages: int | None = None,
     ):
         config = drafter.config
         self.drafter = drafter
@@ -77,7 +80,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         pages_per_sequence = -(-(max_length + self.block_size) // PAGE_SIZE)
         self.cache = PagedDrafterCache(
             num_layers=config.num_hidden_layers,
-            num_pages=pages_per_sequence * batch_size,
+            num_pages=pages_per_sequence * batch_size if num_pages is None else num_pages,
             num_key_value_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             dtype=dtype,

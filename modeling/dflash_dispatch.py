@@ -1,9 +1,14 @@
-"""The one change this bundle makes to transformers: `generate(assistant_model=<DFlash drafter>)` runs DFlash.
+"""The one change this bundle makes to transformers: an `assistant_model=<DFlash drafter>` argument runs DFlash.
 
 `GenerationMixin.generate` is wrapped once per process. The wrapper looks at `assistant_model`: if it is a DFlash
 drafter, generate runs with our decoding loop as its `custom_generate` (so generate still prepares the config,
 logits processors, stopping criteria and cache exactly as usual); anything else, and transformers' own DFlash path
 (`speculation_type="dflash"`, kept as the baseline), goes to the original method untouched.
+
+Continuous batching's three entry points (`init_continuous_batching`, `continuous_batching_context_manager`,
+`generate_batch`, on `ContinuousMixin`) gain an `assistant_model` argument, visible in their signatures: with a DFlash
+drafter they run `DFlashContinuousBatchingManager` (dflash_continuous.py), without one transformers' own manager,
+untouched.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -12,9 +17,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from transformers.generation.continuous_batching import ContinuousMixin
 from transformers.generation.utils import GenerationMixin
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
@@ -96,4 +104,110 @@ def install_generate_dispatch() -> None:
     GenerationMixin.generate = generate
 
 
-__all__ = ["install_generate_dispatch", "is_dflash_drafter"]
+def _check_continuous_drafter(drafter: Any) -> None:
+    if not is_dflash_drafter(drafter):
+        raise ValueError(
+            f"continuous batching takes a DFlash drafter as assistant_model, got {type(drafter).__name__}: "
+            "transformers' continuous batching has no other assistant; leave assistant_model unset for it"
+        )
+
+
+def _taking_assistant_model(original: Callable[..., Any], run_with_drafter: Callable[..., Any]) -> Callable[..., Any]:
+    """`original` with a keyword-only `assistant_model` (in its signature too): None calls `original` untouched, a
+    DFlash drafter calls `run_with_drafter(self, drafter, **the other arguments by name)`."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def method(self, *args: Any, assistant_model: Any = None, **kwargs: Any) -> Any:
+        if assistant_model is None:
+            return original(self, *args, **kwargs)
+        _check_continuous_drafter(assistant_model)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        arguments.pop("self")
+        arguments.update(arguments.pop("kwargs", {}))
+        return run_with_drafter(self, assistant_model, **arguments)
+
+    parameters = list(signature.parameters.values())
+    extra = inspect.Parameter("assistant_model", inspect.Parameter.KEYWORD_ONLY, default=None)
+    at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+    method.__signature__ = signature.replace(parameters=[*parameters[:at], extra, *parameters[at:]])
+    method._dflash_dispatch = True
+    return method
+
+
+def _dflash_manager(
+    model: Any, drafter: Any, generation_config: Any = None, continuous_batching_config: Any = None,
+    workload_hints: Any = None,
+) -> Any:
+    """`init_continuous_batching` with a drafter: the manager kept by `stop(keep_for_next_session=True)` for this
+    drafter, or a new one. (Workload hints size transformers' cache; the engine is sized by the config.)"""
+    from .dflash_continuous import DFlashContinuousBatchingManager
+
+    kept = getattr(model, "_dflash_continuous_batching_manager", None)
+    if kept is not None and kept.drafter is drafter:
+        return kept
+    return DFlashContinuousBatchingManager(model, drafter, generation_config, continuous_batching_config)
+
+
+@contextmanager
+def _dflash_manager_context(
+    model: Any, drafter: Any, generation_config: Any = None, block: bool = True, timeout: float | None = None,
+    continuous_batching_config: Any = None, persistent_manager: bool = False, warmup: bool = True,
+    workload_hints: Any = None,
+) -> Iterator[Any]:
+    """`continuous_batching_context_manager` with a drafter: a started manager, stopped on the way out."""
+    manager = model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=continuous_batching_config,
+        assistant_model=drafter,
+    )
+    if warmup:
+        manager.warmup()
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager)
+        if not persistent_manager:
+            manager.destroy()
+
+
+def _dflash_generate_batch(
+    model: Any, drafter: Any, inputs: list[list[int]], generation_config: Any = None,
+    continuous_batching_config: Any = None, record_timestamps: bool = False, progress_bar: bool = False,
+    persistent_manager: bool = False, warmup: bool = True, max_new_tokens: int | None = None, **unknown: Any,
+) -> dict[str, Any]:
+    """`generate_batch` with a drafter: every prompt through the manager; {request id: GenerationOutput} in the
+    order of `inputs` (a failed request's output carries its error)."""
+    if unknown:
+        raise ValueError(f"generate_batch takes max_new_tokens and no other generation option ({', '.join(unknown)}); "
+                         "set them in generation_config")
+    if not inputs:
+        return {}
+    with _dflash_manager_context(
+        model, drafter, generation_config, continuous_batching_config=continuous_batching_config,
+        persistent_manager=persistent_manager, warmup=warmup,
+    ) as manager:
+        request_ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
+        results: dict[str, Any] = {}
+        while len(results) < len(request_ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                break
+    return {request_id: results[request_id] for request_id in request_ids if request_id in results}
+
+
+def install_continuous_batching_dispatch() -> None:
+    """Give `ContinuousMixin`'s entry points their `assistant_model` (idempotent)."""
+    for name, run_with_drafter in (
+        ("init_continuous_batching", _dflash_manager),
+        ("continuous_batching_context_manager", _dflash_manager_context),
+        ("generate_batch", _dflash_generate_batch),
+    ):
+        original = getattr(ContinuousMixin, name, None)
+        if original is not None and not getattr(original, "_dflash_dispatch", False):
+            setattr(ContinuousMixin, name, _taking_assistant_model(original, run_with_drafter))
+
+
+__all__ = ["install_continuous_batching_dispatch", "install_generate_dispatch", "is_dflash_drafter"]

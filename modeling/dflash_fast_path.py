@@ -32,26 +32,24 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.utils import logging
 
-from .dflash_acceptance import DecodingRule, accept
+from .dflash_acceptance import DecodingRule
 from .dflash_attention import grouped_attention
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers
-from .dflash_compat import attention_implementation, dynamo_cache_size_limit
-from .dflash_fast_path_blockers import target_layer_types
-from .dflash_linear_state import HYBRID_FAMILIES, HybridStaticCache
-from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
+from .dflash_compat import dynamo_cache_size_limit
+from .dflash_linear_state import HybridStaticCache
 from .dflash_paged_cache import PAGE_SIZE
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
 from .dflash_static_cache import (
-    ContiguousPagedView, StaticTargetCache, contiguous_block_tables, page_slots, reorder_contiguous_rows,
+    ContiguousPagedView, StaticTargetCache, contiguous_block_tables, reorder_contiguous_rows,
 )
+from .dflash_step import DFlashStep, StepRows
 
 logger = logging.get_logger(__name__)
 
@@ -96,30 +94,8 @@ def bucket_size(running: int, batch_size: int) -> int:
     return min(batch_size, 1 << max(running - 1, 0).bit_length())
 
 
-@dataclass
-class StepRows:
-    """The first `n` rows of a `DFlashStaticStep`'s per-sequence buffers, as views of its own memory: the rows one
-    step runs on (the running sequences sit first)."""
-
-    anchor_ids: torch.Tensor  # (n, 1) the last committed token
-    anchor_pos: torch.Tensor  # (n,) its position (real, padding excluded)
-    prev_pos: torch.Tensor  # (n,) the previous step's anchor position, whose verify rows become context now
-    offsets: torch.Tensor  # (n,) left padding
-    active: torch.Tensor  # (n,) 1 while the sequence runs
-    drafts: torch.Tensor  # (n, B - 1)
-    out: torch.Tensor  # (n, B + 1) the target's tokens at the B verified rows, then the accepted count
-    block_tables: torch.Tensor  # (n, pages) the drafter's pages of each sequence
-    verify_rows: torch.Tensor  # (n, B, k * H) the last verify's captured target rows
-    target_slots: torch.Tensor  # (n, B) where the verify's keys/values go
-    target_cache: StaticTargetCache
-    drafter_view: ContiguousPagedView
-    presence: torch.Tensor | None  # (n, V) the tokens the repetition penalty counts
-    scores: torch.Tensor | None  # (n, B, V) float32 the verified rows' processed scores, when the call returns them
-    logits: torch.Tensor | None  # (n, B, V) float32 their raw logits, when the call returns them
-
-
-class DFlashStaticStep:
-    """Buffers and the step function of the fast path for one batch size and one cache length.
+class DFlashStaticStep(DFlashStep):
+    """Buffers of the fast path for one batch size and one cache length, and the step (dflash_step.py) over them.
 
     Every per-sequence buffer has one row per sequence of the batch; `sequence_of_row[i]` is the call's sequence in
     row i. Rows are kept with the running sequences first, and a step runs on the first `live_rows` of them
@@ -134,15 +110,12 @@ class DFlashStaticStep:
         text = target.config.get_text_config()
         block = config.block_size
         device = drafter.fc.weight.device
-        self.target, self.drafter = target, drafter
-        self.batch_size, self.block_size, self.num_slots = batch_size, block, num_slots
         max_length = num_slots - block  # the longest sequence (padding included) this step can hold
-        self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
         # Capture hooks, per-sequence states and the drafter's page pools; prefill reuses the generator's methods.
         # Its scratch is sized for each call's prompt in `prefill` (the steps capture into `verify_rows`).
-        self.generator = generator = DFlashCandidateGenerator(
-            drafter, target, batch_size, max_length, max_rows=0, pending_rows=0
-        )
+        generator = DFlashCandidateGenerator(drafter, target, batch_size, max_length, max_rows=0, pending_rows=0)
+        super().__init__(target, drafter, generator, cache_argument)
+        self.batch_size, self.num_slots = batch_size, num_slots
         for state in self.generator.states:  # every page a sequence may need, once, in row order (the pool is fresh)
             self.generator.cache.reserve(state, num_slots)
         self.block_tables = torch.stack([state.block_table_dev for state in self.generator.states])  # (b, pages)
@@ -152,8 +125,6 @@ class DFlashStaticStep:
         self.draft_key_positions = torch.arange(self.draft_slots_per_row, device=device)  # (S,)
         self.draft_block_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        # hybrid targets: keys/values for the full-attention layers, rolled-back states for the linear ones
-        self.hybrid = text.model_type in HYBRID_FAMILIES
         cache_kind = dict(target=target) if self.hybrid else dict(num_layers=len(decoder_layers(target)))
         self.target_cache = (HybridStaticCache if self.hybrid else StaticTargetCache)(
             **cache_kind,
@@ -166,13 +137,6 @@ class DFlashStaticStep:
         )
         self.target_slots = torch.zeros(batch_size, block, dtype=torch.long, device=device)
         self.key_slots = torch.arange(num_slots, device=device)
-        # The target's forward takes one mask per layer type when its config lists them (a dict), else one for every
-        # layer; a sliding layer's query at position p sees positions p - W + 1 .. p, as plain decoding's does.
-        layer_types = target_layer_types(text)
-        self.mask_types = sorted(set(layer_types)) if getattr(text, "layer_types", None) is not None else None
-        self.target_window = text.sliding_window if SLIDING in layer_types else None
-        self.mask_dtype = target.dtype
-        self.block_offsets = generator.block_offsets  # (B,) 0..B-1
         # Target hidden states of the verified rows land here (the capture hooks' destination during a step).
         self.verify_rows = torch.zeros(
             batch_size, block, config.num_context_features, dtype=drafter.fc.weight.dtype, device=device
@@ -185,12 +149,10 @@ class DFlashStaticStep:
         self.active = torch.zeros(batch_size, **long)
         self.drafts = torch.zeros(batch_size, block - 1, **long)
         self.out = torch.zeros(batch_size, block + 1, **long)
-        self.max_length_now = torch.zeros((), **long)  # this call's max_length (a buffer: the graph reads it)
+        self.max_length_now = torch.zeros(batch_size, **long)  # this call's max_length (a buffer: the graph reads it)
         self.vocab_size = generator.lm_head.weight.shape[0]
-        # The call's decoding rule and processors (`bind`); a recorded graph computes with the ones it was recorded
-        # with, so the graphs are kept only while later calls bring the same.
-        self.rule = DecodingRule(do_sample=False, rejection=False)
-        self.processors = StepProcessors([])
+        # The call's decoding rule and processors are bound by `bind`; a recorded graph computes with the ones it was
+        # recorded with, so the graphs are kept only while later calls bring the same.
         self.presence: torch.Tensor | None = None  # (b, V) bool, the tokens the repetition penalty counts
         # The verify rows' scores / logits (b, B, V) float32, allocated only for a call that returns them
         # (return_dict_in_generate with output_scores / output_logits): 9.7 MB per sequence each at B = 16 and a
@@ -204,7 +166,6 @@ class DFlashStaticStep:
         # Whether calls compile the drafter's pass (`bind`); the pass the step runs per batch size, compiled or eager
         # (`prepare_drafter`); why compiling failed, if it did (the step then stays eager rather than try again).
         self.compile_drafter = False
-        self.drafter_passes: dict[int, Callable[[StepRows], torch.Tensor]] = {}
         self.compile_error: str | None = None
         self._rows: dict[int, StepRows] = {}
 
@@ -217,11 +178,14 @@ class DFlashStaticStep:
                 prev_pos=self.prev_pos[:n],
                 offsets=self.offsets[:n],
                 active=self.active[:n],
+                max_length=self.max_length_now[:n],
                 drafts=self.drafts[:n],
                 out=self.out[:n],
                 block_tables=self.block_tables[:n],
                 verify_rows=self.verify_rows[:n],
                 target_slots=self.target_slots[:n],
+                key_slots=self.key_slots,
+                draft_key_positions=self.draft_key_positions,
                 target_cache=self.target_cache.head(n),
                 drafter_view=ContiguousPagedView(
                     self.generator.cache, self.draft_block_slots[:n], num_rows=n, slots_per_row=self.draft_slots_per_row
@@ -231,54 +195,6 @@ class DFlashStaticStep:
                 logits=None if self.logits is None else self.logits[:n],
             )
         return self._rows[n]
-
-    def target_masks(
-        self, visible: torch.Tensor, query_slots: torch.Tensor, linear_attention: torch.Tensor | None = None
-    ) -> torch.Tensor | dict[str, torch.Tensor | None]:
-        """What the target's forward takes as `attention_mask`, from the slots each query sees under full attention
-        (visible (n, q, L)) and the queries' own slots (n, q). Additive (n, 1, q, L) masks: eager attention adds
-        them and sdpa takes them as they are (a boolean mask would be added as 0/1 by eager attention). A hybrid
-        target's linear-attention layers take `linear_attention` instead: the prompt's padding mask (b, P) in the
-        prefill, none in a verify (a block has no padding)."""
-        windowed = None
-        if self.target_window is not None:  # slot distances are position distances (a sequence's slots are contiguous)
-            windowed = visible & in_window(query_slots, self.key_slots, self.target_window)
-        return target_attention_mask(visible, windowed, self.mask_types, self.mask_dtype, linear_attention)
-
-    # -- one verify step, on device buffers only (recorded once per batch size as a CUDA graph) ----------------
-
-    def step(self, rows: StepRows) -> None:
-        draft_probs = self.propose(rows)
-        self.verify(rows, draft_probs)
-
-    def propose(self, rows: StepRows) -> torch.Tensor | None:
-        """Store the last verify's rows as context, then draft the next block into `rows.drafts`. Returns the
-        distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None."""
-        drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
-        with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
-            draft_logits = drafter_pass(rows)
-        drafts, draft_probs = self.rule.propose(draft_logits)
-        rows.drafts.copy_(drafts)
-        return draft_probs
-
-    def draft(self, rows: StepRows) -> torch.Tensor:
-        """The drafter's pass of `propose`, the part of the step that is compiled: context keys/values, masks, the
-        drafter forward and the lm_head. Returns the draft rows' logits (n, B - 1, V)."""
-        block, generator = self.block_size, self.generator
-        # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
-        #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
-        context_positions = rows.prev_pos[:, None] + self.block_offsets  # (n, B)
-        generator.write_context(rows.verify_rows, context_positions, page_slots(rows.block_tables, context_positions))
-        # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
-        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
-        rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
-        visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
-        masks = {FULL: visible[:, None, :]}  # (n, 1, S)
-        if generator.window is not None:
-            masks[SLIDING] = in_window(positions, self.draft_key_positions, generator.window)  # (n, B, S)
-        # (n, 1, q, S) masks; additive for sdpa, built once here rather than converted from booleans in every layer
-        masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
-        return generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)
 
     def prepare_drafter(self, n: int) -> None:
         """Choose the drafter's pass for the first n rows. When calls compile it, the first call compiles it for every
@@ -324,61 +240,6 @@ class DFlashStaticStep:
                 return
             logger.info(f"DFlash: compiled the drafter's pass for {size} rows in {time.perf_counter() - started:.1f} s")
             self.drafter_passes[size] = compiled
-
-    def drafter_mask(self, visible: torch.Tensor) -> torch.Tensor:
-        """The drafter's mask (n, 1, q, S) from its visibility (n, q, S): sdpa takes an additive one as it is, and
-        would turn a boolean one into an additive one in each of its layers; eager attention takes booleans."""
-        if attention_implementation(self.drafter.config) == "eager":
-            return visible[:, None]
-        return additive_mask(visible, self.drafter.dtype)
-
-    def verify(self, rows: StepRows, draft_probs: torch.Tensor | None) -> None:
-        """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""
-        block, drafts = self.block_size, rows.drafts
-        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
-        # 3. Verify [anchor, drafts] at each sequence's own slots (its padded columns), causally.
-        slots = rows.offsets[:, None] + positions  # (n, B)
-        rows.target_slots.copy_(slots)
-        rows.target_cache.write_slots = rows.target_slots
-        visible = (self.key_slots >= rows.offsets[:, None, None]) & (self.key_slots <= slots[:, :, None])  # (n, B, L)
-        self.generator.capture.destination = rows.verify_rows
-        # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
-        with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
-            with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
-                logits = self.target(
-                    input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
-                    position_ids=positions,
-                    attention_mask=self.target_masks(visible, slots),
-                    use_cache=True,
-                    logits_to_keep=block,
-                    **{self.cache_argument: rows.target_cache},
-                ).logits
-        if self.processors.processors or self.rule.do_sample:
-            # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
-            scores = self.processors(logits, rows.offsets + rows.anchor_pos + 1, rows.presence, drafts)  # (n, B, V)
-        else:  # greedy, nothing to process: the argmax of the logits as they are is that of their exact float32 copy,
-            scores = logits  # which would cost a (n, B, V) float32 write and read (9.7 MB per sequence at Qwen3's V)
-        tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
-        # never commit past max_length: max_length minus the padded length is what a sequence may still commit
-        room = self.max_length_now - rows.offsets - rows.anchor_pos - 1
-        accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
-        # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
-        rows.prev_pos.copy_(rows.anchor_pos)
-        running = rows.active[:, None] > 0
-        rows.anchor_ids.copy_(torch.where(running, tokens.gather(1, accepted[:, None]), rows.anchor_ids))
-        rows.anchor_pos.add_((accepted + 1) * rows.active)
-        if self.hybrid:  # the linear layers advance over the rows each sequence keeps (none for a finished one)
-            rows.target_cache.commit((accepted + 1) * rows.active)
-        if rows.presence is not None:  # the committed tokens join the repetition penalty's set
-            committed = (self.block_offsets <= accepted[:, None]) & running  # (n, B)
-            hits = torch.zeros_like(rows.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
-            rows.presence.logical_or_(hits > 0)
-        rows.out[:, :block].copy_(tokens)
-        rows.out[:, block].copy_(accepted)
-        if rows.scores is not None:
-            rows.scores.copy_(scores)
-        if rows.logits is not None:
-            rows.logits.copy_(logits)
 
     # -- host side ------------------------------------------------------------------------------------------
 
@@ -438,7 +299,7 @@ class DFlashStaticStep:
         real_keys = torch.nn.functional.pad(real.bool(), (0, self.num_slots - prompt_len))  # (b, L)
         visible = (sees & real_keys[:, None, :]) | (self.key_slots == columns[:, None])  # (b, P, L)
         # a hybrid target's linear layers zero the padding's inputs, as in generate, and start from empty states
-        forward_mask = self.target_masks(visible, columns.expand(batch, -1), linear_attention=real)
+        forward_mask = self.target_masks(visible, columns.expand(batch, -1), self.key_slots, linear_attention=real)
         # The prompt's captured rows are held only while its context keys/values are computed from them.
         self.generator.resize_scratch(prompt_len)
         with self.target_cache.prefilling() if self.hybrid else contextlib.nullcontext():

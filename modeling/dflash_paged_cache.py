@@ -92,17 +92,25 @@ class PagedDrafterCache:
         needed = -(-num_slots // PAGE_SIZE) - len(state.block_table)
         if needed <= 0:
             return
-        if needed > len(self.free_pages):
-            raise RuntimeError(
-                f"the drafter page pool is exhausted ({self.num_pages} pages of {PAGE_SIZE}); "
-                "it is sized from max_length and the batch, so this is a bug: please report it"
-            )
-        state.block_table.extend(self.free_pages.pop() for _ in range(needed))
+        state.block_table.extend(self.take(needed))
         state.block_table_dev = torch.tensor(state.block_table, dtype=torch.long, device=self.device)
+
+    def take(self, count: int) -> list[int]:
+        """`count` free pages, now the caller's (low ids first)."""
+        if count > len(self.free_pages):
+            raise RuntimeError(
+                f"the page pool is exhausted ({self.num_pages} pages of {PAGE_SIZE}, {len(self.free_pages)} free, "
+                f"{count} asked for); its callers size it or check room first, so this is a bug: please report it"
+            )
+        return [self.free_pages.pop() for _ in range(count)]
+
+    def give_back(self, pages: list[int]) -> None:
+        """Return pages `take` handed out."""
+        self.free_pages.extend(reversed(pages))
 
     def release(self, state: DflashProposerState) -> None:
         """Return every page of a finished sequence to the pool."""
-        self.free_pages.extend(reversed(state.block_table))
+        self.give_back(state.block_table)
         state.block_table = []
         state.block_table_dev = None
         state.ctx_count_drafter = state.ctx_committed = 0

@@ -44,7 +44,7 @@ from transformers.utils.hub import hf_api
 from .configuration_dflash import DFlashConfig
 from .dflash_acceptance import DecodingRule, Proposal
 from .dflash_compat import attention_implementation, upload_folder
-from .dflash_dispatch import install_generate_dispatch
+from .dflash_dispatch import install_continuous_batching_dispatch, install_generate_dispatch
 from .dflash_draft_vocabulary import (
     DRAFT_VOCAB_FILE,
     checked_draft_vocabulary,
@@ -561,5 +561,6 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 DFlashDraftModel.register_for_auto_class("AutoModel")
 # Importing the drafter makes `target.generate(assistant_model=drafter)` take the DFlash path (dflash_dispatch.py).
 install_generate_dispatch()
+install_continuous_batching_dispatch()
 
 __all__ = ["DFlashDraftModel", "DFlashPreTrainedModel"]

@@ -1,0 +1,491 @@
+"""`DFlashContinuousBatchingManager`: transformers' continuous-batching manager API over the DFlash engine.
+
+`target.init_continuous_batching(..., assistant_model=drafter)` returns one (dflash_dispatch.py), and so code written
+for transformers' continuous batching (`transformers serve`, `generate_batch`, a loop over `add_request` and
+`get_result`) speculates with the drafter and changes nothing else. The public methods and attributes are those of
+transformers' `ContinuousBatchingManager` (5.17 to 5.25): `start`, `stop`, `join`, `is_running`, `destroy`,
+`warmup`, `pause`, `add_request(s)`, `cancel_request`, `get_result`, iteration, `request_id_iter`,
+`register_result_handler`, `background_thread_status.fatal_error`, `logit_processor.supported_keys`, and
+`batch_processor.scheduler` with `active_requests` / `waiting_requests` (None before the worker starts); outputs are
+transformers' `GenerationOutput`, a failed request's with its `error`.
+
+A worker thread runs the loop: take new requests and cancellations, admit waiting requests in arrival order while a
+row and their pages are free (dflash_engine.py), run one verify step over the running rows, hand each request its
+committed tokens (every step when it streams, at the end otherwise; cumulative, as transformers does), and retire
+what ended (its eos, its max_new_tokens, a cancellation) in the same step, so its row and pages serve the next
+request at once. A request that fails in its prefill fails alone; one step that raises fails the requests in it, and
+the worker keeps serving.
+
+Per request: max_new_tokens, eos_token_id, and temperature / top_k / top_p (dflash_row_sampling.py); greedy
+requests equal plain greedy `generate` token for token, sampled ones follow the target's distribution.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+from transformers.utils import logging
+
+from .dflash_engine import DFlashEngine
+from .dflash_row_sampling import PER_REQUEST, SamplingSettings
+
+logger = logging.get_logger(__name__)
+
+# Rows when the continuous-batching config does not say (`max_requests_per_batch`).
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
+@dataclass
+class Request:
+    """One request through its life: waiting, running in a row, finished or failed."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    eos: frozenset[int]
+    sampling: SamplingSettings
+    streaming: bool
+    timestamps: list[float] | None
+    generated: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    error: str | None = None
+    created_time: float = field(default_factory=time.perf_counter)
+    started_time: float = -1.0
+    finished_time: float = -1.0
+
+    def take(self, tokens: list[int]) -> bool:
+        """Append committed tokens up to and including an eos, and at most max_new_tokens in all; True when the
+        request has ended."""
+        for token in tokens:
+            self.generated.append(token)
+            if self.timestamps is not None:
+                self.timestamps.append(time.perf_counter())
+            if token in self.eos or len(self.generated) >= self.max_new_tokens:
+                return True
+        return False
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt),
+            generated_tokens=list(self.generated),
+            error=self.error,
+            status=self.status,
+            created_time=self.created_time,
+            lifespan=(self.started_time, self.finished_time),
+            timestamps=None if self.timestamps is None else list(self.timestamps),
+        )
+
+
+@dataclass
+class WorkerStatus:
+    """What transformers' `background_thread_status` tells callers: the error that stopped the worker, if any."""
+
+    fatal_error: str | None = None
+
+
+class RequestOptions:
+    """`manager.logit_processor` as transformers serve reads it: the sampling options a request may set itself."""
+
+    supported_keys = PER_REQUEST
+
+
+class DFlashScheduler:
+    """The requests the worker holds, by id, as transformers' scheduler shows them."""
+
+    def __init__(self) -> None:
+        self.waiting_requests: OrderedDict[str, Request] = OrderedDict()
+        self.active_requests: dict[str, Request] = {}
+
+
+@dataclass
+class DFlashBatchProcessor:
+    """`manager.batch_processor` while the worker runs: its scheduler, and the engine as its cache."""
+
+    scheduler: DFlashScheduler
+    cache: DFlashEngine
+
+
+class DFlashContinuousBatchingManager:
+    """Continuous batching with a DFlash drafter, with transformers' `ContinuousBatchingManager` API.
+
+    Args:
+        model: the target.
+        drafter: a DFlash drafter trained for it.
+        generation_config: defaults for every request (max_new_tokens, eos_token_id, do_sample, temperature, top_k,
+            top_p); options the engine does not apply per row are refused here with a ValueError.
+        continuous_batching_config: transformers' `ContinuousBatchingConfig`; its `max_requests_per_batch` sets the
+            rows, and `num_blocks` x its page size the tokens each pool holds.
+        max_batch_size, max_tokens: the same, directly (they win over the config).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        drafter: torch.nn.Module,
+        generation_config: Any = None,
+        continuous_batching_config: Any = None,
+        max_batch_size: int | None = None,
+        max_tokens: int | None = None,
+    ):
+        self.model, self.drafter = model, drafter
+        self.generation_config = generation_config if generation_config is not None else model.generation_config
+        config = self.generation_config
+        if (getattr(config, "num_return_sequences", None) or 1) > 1 or (getattr(config, "num_beams", None) or 1) > 1:
+            raise ValueError(
+                "DFlash continuous batching returns one sequence per request; set num_return_sequences=1 and "
+                "num_beams=1 in the generation config"
+            )
+        self.default_sampling = SamplingSettings.from_config(config)
+        cb = continuous_batching_config
+        if max_batch_size is None:
+            max_batch_size = getattr(cb, "max_requests_per_batch", None) or DEFAULT_MAX_BATCH_SIZE
+        if max_tokens is None and getattr(cb, "num_blocks", None):
+            page = getattr(cb, "page_size", None) or getattr(cb, "block_size", None)
+            max_tokens = cb.num_blocks * page if page else None
+        self.continuous_batching_config = cb
+        self.engine = DFlashEngine(model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens)
+        self.logit_processor = RequestOptions()
+        self.background_thread_status = WorkerStatus()
+        self.batch_processor: DFlashBatchProcessor | None = None
+        self.warmed_up = False
+        self.input_queue: queue.Queue[Request] = queue.Queue()
+        self.cancel_queue: queue.Queue[str] = queue.Queue()
+        self.output_queue: queue.Queue[GenerationOutput] = queue.Queue()
+        self.result_handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
+        # The latest output of a request no handler took (a handler registered after it was produced gets it).
+        self._unclaimed: dict[str, GenerationOutput] = {}
+        self._outputs_lock = threading.Lock()
+        self._request_counter = 0
+        self._counter_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop_mode: str | None = None  # "flush" (finish what was sent) or "hard" (fail it)
+        self._step_lock = threading.RLock()  # held by the worker per iteration; `pause` takes it
+        self._generation_thread: threading.Thread | None = None
+
+    # -- control ----------------------------------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Nothing to record: the engine runs eagerly (kept for transformers' API)."""
+        self.warmed_up = True
+
+    def is_running(self) -> bool:
+        """Whether the worker thread has started and is alive."""
+        return self._generation_thread is not None and self._generation_thread.is_alive()
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        if self.is_running():
+            logger.warning("Manager thread is already running.")
+            return
+        self._stop_mode = None
+        self.background_thread_status = WorkerStatus()
+        inference = torch.is_inference_mode_enabled()
+        self._generation_thread = threading.Thread(
+            target=self._run, kwargs={"inference": inference}, name="dflash-continuous-batching", daemon=True
+        )
+        self._generation_thread.start()
+
+    def stop(
+        self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+        hard_stop: bool = False,
+    ) -> None:
+        """Stop the worker: it finishes the requests it holds (or, with hard_stop, fails them) and exits. `block`
+        waits up to `timeout` seconds. `keep_for_next_session` keeps this manager on the model, for the next
+        `init_continuous_batching` with the same drafter."""
+        if self._generation_thread is None:
+            logger.warning("Manager not started.")
+            return
+        self._stop_mode = "hard" if hard_stop else "flush"
+        self._wake.set()
+        if block:
+            self.join(time.perf_counter(), timeout)
+        if keep_for_next_session:
+            self.model._dflash_continuous_batching_manager = self
+        elif not self.is_running():
+            self.batch_processor = None
+
+    def join(self, stop_trigger_time: float, timeout: float | None = None) -> None:
+        """Wait for the worker to exit, for at most `timeout` seconds."""
+        if self._generation_thread is None:
+            return
+        self._generation_thread.join(timeout=timeout)
+        if self._generation_thread.is_alive():
+            logger.warning(f"Generation thread did not exit after join timeout ({timeout}).")
+        else:
+            logger.info(f"Background generation thread stopped after {time.perf_counter() - stop_trigger_time:.2f}s.")
+            self._generation_thread = None
+
+    def destroy(self) -> None:
+        """Stop the worker if it runs. Safe to call more than once."""
+        if self.is_running():
+            self.stop(block=True)
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Hold the worker between two steps while the caller uses the model; its requests resume afterwards."""
+        if not self.is_running():
+            raise RuntimeError("Cannot pause generation while no generation loop is running.")
+        with self._step_lock:
+            yield
+
+    def __enter__(self) -> "DFlashContinuousBatchingManager":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(block=True)
+
+    # -- requests ---------------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        input_ids: list[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
+    ) -> str | None:
+        """Queue a request; returns its id (None, with a warning, once the manager is stopping). Raises ValueError,
+        before queueing, for a request the engine can never hold or options it does not apply per request."""
+        if self._stop_mode is not None:
+            logger.warning(f"The manager is stopping. Request {request_id} will be dropped.")
+            return None
+        prompt = [int(token) for token in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
+        if prompt and isinstance(prompt[0], list):
+            raise ValueError("add_request takes one prompt (a list of token ids); use add_requests for several")
+        sampling = self.default_sampling.with_request(
+            {name: value for name, value in logit_processor_kwargs.items() if value is not None}
+        )
+        if max_new_tokens is None:
+            max_new_tokens = self.generation_config.max_new_tokens
+        if max_new_tokens is None:  # as generate: max_length counts the prompt
+            max_new_tokens = self.generation_config.max_length - len(prompt)
+        self.engine.check_request(len(prompt), max_new_tokens)
+        if request_id is None:
+            with self._counter_lock:
+                request_id = f"req_{self._request_counter}"
+                self._request_counter += 1
+        request = Request(
+            request_id=request_id,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            eos=self._eos(eos_token_id),
+            sampling=sampling,
+            streaming=streaming,
+            timestamps=[] if record_timestamps else None,
+        )
+        self.input_queue.put(request)
+        self._wake.set()
+        return request_id
+
+    def _eos(self, eos_token_id: int | list[int] | None) -> frozenset[int]:
+        """The request's eos ids: its own, else the generation config's, else the model config's (-1: none)."""
+        for candidate in (eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id):
+            if candidate is not None:
+                ids = [candidate] if isinstance(candidate, int) else [int(token) for token in candidate]
+                return frozenset(token for token in ids if token >= 0)
+        return frozenset()
+
+    def add_requests(
+        self,
+        inputs: list[list[int]],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        **logit_processor_kwargs: Any,
+    ) -> list[str]:
+        """`add_request` for each prompt, in order; returns their ids."""
+        return [
+            self.add_request(
+                prompt, max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps,
+                **logit_processor_kwargs,
+            )
+            for prompt in inputs
+        ]
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a request: it leaves the batch (its row and pages freed) before the next step; nothing more is
+        delivered for it."""
+        self.cancel_queue.put(request_id)
+        self._wake.set()
+
+    # -- results ----------------------------------------------------------------------------------------------------
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output (of `request_id`, when given: another request's goes back to the queue and None is
+        returned), waiting up to `timeout` seconds; None at once when none is queued and the worker is gone."""
+        if self.output_queue.empty() and (
+            self._generation_thread is None or self.background_thread_status.fatal_error is not None
+        ):
+            return None
+        try:
+            result = self.output_queue.get(block=True, timeout=timeout)
+        except queue.Empty:
+            return None
+        if request_id is not None and result.request_id != request_id:
+            self.output_queue.put(result)
+            return None
+        with self._outputs_lock:
+            if self._unclaimed.get(result.request_id) is result:
+                del self._unclaimed[result.request_id]
+        return result
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Outputs as they come, while the worker runs."""
+        while self.is_running():
+            result = self.get_result(timeout=0.1)
+            if result is not None:
+                yield result
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """The outputs of one request as they come, until it ends (or the worker stops)."""
+        while self.is_running():
+            result = self.get_result(request_id=request_id, timeout=0.1)
+            if result is not None:
+                yield result
+                if result.is_finished():
+                    return
+
+    def register_result_handler(self, request_id: str, callback: Callable) -> None:
+        """Call `callback(output)` on the running event loop for each output of `request_id` (every step when it
+        streams, once at the end otherwise), until it ends. An output produced before this call is handed over."""
+        loop = asyncio.get_running_loop()
+
+        def deliver_then_forget(result: GenerationOutput) -> None:
+            callback(result)
+            if result.is_finished():
+                with self._outputs_lock:
+                    self.result_handlers.pop(request_id, None)
+
+        with self._outputs_lock:
+            self.result_handlers[request_id] = (deliver_then_forget, loop)
+            earlier = self._unclaimed.pop(request_id, None)
+        if earlier is not None:
+            loop.call_soon_threadsafe(deliver_then_forget, earlier)
+
+    def _deliver(self, request: Request) -> None:
+        output = request.output()
+        with self._outputs_lock:
+            handler = self.result_handlers.get(request.request_id)
+            if handler is None:
+                self._unclaimed[request.request_id] = output
+                self.output_queue.put(output)
+        if handler is not None:
+            callback, loop = handler
+            loop.call_soon_threadsafe(callback, output)
+
+    # -- the worker -------------------------------------------------------------------------------------------------
+
+    def _run(self, inference: bool) -> None:
+        scheduler = DFlashScheduler()
+        self.batch_processor = DFlashBatchProcessor(scheduler, self.engine)
+        try:
+            with torch.inference_mode(inference), torch.no_grad():
+                while (worked := self.iteration(scheduler)) is not None:
+                    if not worked:
+                        self._wake.wait(timeout=0.1)
+                        self._wake.clear()
+            self._fail_all(scheduler, RuntimeError("the manager stopped before this request completed"))
+        except Exception as error:  # the loop itself broke: every request fails, callers see why
+            logger.error(f"Error in the DFlash continuous-batching loop: {error}", exc_info=True)
+            self.background_thread_status.fatal_error = f"{type(error).__name__}: {error}"
+            self._fail_all(scheduler, error)
+
+    def iteration(self, scheduler: DFlashScheduler) -> bool | None:
+        """One turn of the worker's loop: take new requests and cancellations, admit what fits, run one step.
+        Returns whether a step ran (False: nothing to do yet), or None when the loop should end (a stop)."""
+        with self._step_lock:
+            self._take_new(scheduler)
+            if self._stop_mode == "hard":
+                return None
+            self._admit(scheduler)
+            if scheduler.active_requests:
+                self._step(scheduler)
+                return True
+            if self._stop_mode == "flush" and not scheduler.waiting_requests:
+                return None
+            return False
+
+    def _take_new(self, scheduler: DFlashScheduler) -> None:
+        while not self.input_queue.empty():
+            request = self.input_queue.get_nowait()
+            scheduler.waiting_requests[request.request_id] = request
+        while not self.cancel_queue.empty():
+            request_id = self.cancel_queue.get_nowait()
+            if scheduler.waiting_requests.pop(request_id, None) is None and request_id in scheduler.active_requests:
+                del scheduler.active_requests[request_id]
+                self.engine.retire(request_id)
+            with self._outputs_lock:
+                self.result_handlers.pop(request_id, None)
+                self._unclaimed.pop(request_id, None)
+
+    def _admit(self, scheduler: DFlashScheduler) -> None:
+        """Admit waiting requests in arrival order while the engine has room for the first of them."""
+        while scheduler.waiting_requests:
+            request = next(iter(scheduler.waiting_requests.values()))
+            if not self.engine.fits_now(len(request.prompt), request.max_new_tokens):
+                return
+            del scheduler.waiting_requests[request.request_id]
+            request.status, request.started_time = RequestStatus.PREFILLING, time.perf_counter()
+            try:
+                first = self.engine.admit(request.request_id, request.prompt, request.max_new_tokens, request.sampling)
+            except Exception as error:  # this request's prefill failed: it alone fails
+                self._fail(request, error)
+                continue
+            request.status = RequestStatus.DECODING
+            scheduler.active_requests[request.request_id] = request
+            self._commit(scheduler, request, [first])
+
+    def _step(self, scheduler: DFlashScheduler) -> None:
+        try:
+            committed = self.engine.run_step()
+        except Exception as error:  # fails the requests of this step; the worker keeps serving
+            for request_id in list(scheduler.active_requests):
+                self.engine.retire(request_id)
+                self._fail(scheduler.active_requests.pop(request_id), error)
+            return
+        for request_id, tokens in committed.items():
+            self._commit(scheduler, scheduler.active_requests[request_id], tokens)
+
+    def _commit(self, scheduler: DFlashScheduler, request: Request, tokens: list[int]) -> None:
+        if request.take(tokens):
+            request.status, request.finished_time = RequestStatus.FINISHED, time.perf_counter()
+            del scheduler.active_requests[request.request_id]
+            self.engine.retire(request.request_id)
+            self._deliver(request)
+        elif request.streaming:
+            self._deliver(request)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        request.status, request.error = RequestStatus.FAILED, str(error)
+        request.finished_time = time.perf_counter()
+        self._deliver(request)
+
+    def _fail_all(self, scheduler: DFlashScheduler, error: BaseException) -> None:
+        while not self.input_queue.empty():
+            request = self.input_queue.get_nowait()
+            scheduler.waiting_requests[request.request_id] = request
+        for request_id in list(scheduler.active_requests):
+            if any(sequence.key == request_id for sequence in self.engine.sequences):
+                self.engine.retire(request_id)
+            self._fail(scheduler.active_requests.pop(request_id), error)
+        while scheduler.waiting_requests:
+            self._fail(scheduler.waiting_requests.popitem(last=False)[1], error)
+
+
+__all__ = ["DFlashContinuousBatchingManager"]

@@ -1,0 +1,364 @@
+"""The DFlash continuous-batching engine: sequences join and leave a running batch, one verify step at a time.
+
+The engine holds up to `max_batch_size` sequences in rows 0..n-1 and advances them together with the verify step of
+dflash_step.py (the fast path's step: per-row anchors, the same masks, the same acceptance). A sequence is admitted at
+any step (`admit`: its prompt prefilled in one forward into rows nobody else reads, its first token chosen) and
+retired at any step (`retire`: its pages go back, the last row moves into its place, so the running rows stay first
+and a step never computes for an empty row).
+
+Memory is paged, in two pools shared by every row (`PagedDrafterCache`, pages of 16 positions):
+- the target's keys/values: a row's block table maps its positions to pages; `PagedTargetCache` is what the target's
+  attention layers see through the Cache API's `update`, which stores the new rows through the block tables and
+  returns every row's positions 0..span-1, gathered, where span is the batch's longest sequence rounded up to
+  `SPAN_BUCKET` (a 4D mask hides what a row does not hold);
+- the drafter's context keys/values, addressed the same way.
+A request's pages (prompt, max_new_tokens and one block, in both pools) are reserved when it is admitted, so a
+running sequence never waits for memory: a request that does not fit now waits (`fits_now`), one that never can is
+refused with a ValueError naming the limit (`check_request`).
+
+Buffers belong to the engine, which its caller owns (the manager, dflash_continuous.py); the drafter keeps nothing.
+Each step reads the device once (the verified tokens and accepted counts); eagerly on any device.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from .dflash_acceptance import accept
+from .dflash_candidate_generator import DFlashCandidateGenerator
+from .dflash_capture import decoder_layers, one_call_at_a_time
+from .dflash_checks import check_drafter_fits
+from .dflash_compat import cache_argument
+from .dflash_fast_path_blockers import target_layer_types
+from .dflash_linear_state import HYBRID_FAMILIES
+from .dflash_masks import LINEAR
+from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView
+from .dflash_row_sampling import SamplingSettings, warp
+from .dflash_static_cache import page_slots
+from .dflash_step import DFlashStep, StepRows
+
+# The span a step reads is the longest sequence rounded up to this many positions (fewer distinct mask shapes).
+SPAN_BUCKET = 64
+
+
+@dataclass
+class EngineRows(StepRows):
+    """`StepRows` with each row's sampling settings (all None when every row is greedy)."""
+
+    do_sample: torch.Tensor | None = None  # (n,) bool
+    temperature: torch.Tensor | None = None  # (n,) float32
+    top_k: torch.Tensor | None = None  # (n,) long, 0: off
+    top_p: torch.Tensor | None = None  # (n,) float32
+
+
+@dataclass
+class EngineSequence:
+    """A sequence in one of the engine's rows (host side)."""
+
+    key: Hashable  # the caller's name for it
+    position: int  # its anchor's position: prompt and committed tokens held, minus one
+    sampling: SamplingSettings
+    target_pages: list[int] = field(default_factory=list)
+    drafter_pages: list[int] = field(default_factory=list)
+
+
+class PagedTargetCache:
+    """The target's keys/values of rows 0..n-1, in a page pool they share. `write_slots` (n, q) are the positions
+    of the forward in flight (set before it); `update` stores its keys/values (n, g, q, d) there through the block
+    tables (n, pages) and returns each row's positions 0..span-1 (n, g, span, d)."""
+
+    def __init__(self, pool: PagedDrafterCache, block_tables: torch.Tensor, span: int):
+        self.pool = pool
+        self.block_tables = block_tables
+        positions = torch.arange(span, device=block_tables.device).expand(block_tables.shape[0], span)
+        self.read_slots = page_slots(block_tables, positions)  # (n, span)
+        self.write_slots: torch.Tensor | None = None
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.pool.write_rows(layer_idx, page_slots(self.block_tables, self.write_slots), key, value)
+        return self.pool.read(layer_idx, self.read_slots)
+
+
+class DFlashEngine(DFlashStep):
+    """Rows of running sequences over shared page pools, advanced one DFlash verify step at a time.
+
+    Args:
+        target: the causal LM (not a hybrid with linear-attention layers).
+        drafter: a DFlash drafter trained for it.
+        max_batch_size: rows, the most sequences that run together.
+        max_tokens: positions each pool holds, shared by the rows (default: max_batch_size sequences of
+            max_sequence_length, at most 2048 each).
+        max_sequence_length: the longest request, prompt and new tokens (default: the target's context, and the
+            drafter's when it has one).
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        drafter: torch.nn.Module,
+        max_batch_size: int = 8,
+        max_tokens: int | None = None,
+        max_sequence_length: int | None = None,
+    ):
+        text = target.config.get_text_config()
+        if text.model_type in HYBRID_FAMILIES or LINEAR in target_layer_types(text):
+            raise ValueError(
+                f"DFlash continuous batching does not serve hybrid targets with linear-attention layers "
+                f"({text.model_type}) yet; use generate(assistant_model=drafter) for this target"
+            )
+        check_drafter_fits(drafter, target)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        limits = [text.max_position_embeddings, getattr(drafter.config, "max_position_embeddings", None)]
+        context = min(limit for limit in limits if limit)
+        self.max_sequence_length = min(max_sequence_length or context, context)
+        block = drafter.config.block_size
+        if max_tokens is None:
+            max_tokens = max_batch_size * (min(self.max_sequence_length, 2048) + block)
+        self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
+        num_pages = -(-max_tokens // PAGE_SIZE)
+        device = drafter.fc.weight.device
+        generator = DFlashCandidateGenerator(
+            drafter, target, max_batch_size, self.max_sequence_length, max_rows=0, pending_rows=0, num_pages=num_pages
+        )
+        super().__init__(target, drafter, generator, cache_argument(target))
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.target_pool = PagedDrafterCache(
+            num_layers=len(decoder_layers(target)), num_pages=num_pages, num_key_value_heads=text.num_key_value_heads,
+            head_dim=head_dim, dtype=target.dtype, device=device,
+        )
+        self.drafter_pool = generator.cache
+        self.pages_per_row = -(-(self.max_sequence_length + block) // PAGE_SIZE)  # block table width
+        b, long = max_batch_size, dict(dtype=torch.long, device=device)
+        self.target_tables = torch.zeros(b, self.pages_per_row, **long)
+        self.drafter_tables = torch.zeros(b, self.pages_per_row, **long)
+        self.anchor_ids = torch.zeros(b, 1, **long)
+        self.anchor_pos = torch.zeros(b, **long)
+        self.prev_pos = torch.zeros(b, **long)
+        self.max_length = torch.zeros(b, **long)
+        self.offsets = torch.zeros(b, **long)  # no left padding: a row's slot s is its position s
+        self.active = torch.ones(b, **long)  # every row 0..n-1 runs
+        self.drafts = torch.zeros(b, block - 1, **long)
+        self.out = torch.zeros(b, block + 1, **long)
+        self.target_slots = torch.zeros(b, block, **long)
+        self.draft_block_slots = torch.zeros(b, block, **long)
+        self.verify_rows = torch.zeros(b, block, drafter.config.num_context_features, dtype=drafter.fc.weight.dtype,
+                                       device=device)
+        self.do_sample = torch.zeros(b, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(b, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(b, **long)
+        self.top_p = torch.ones(b, dtype=torch.float32, device=device)
+        self.per_row = (
+            self.target_tables, self.drafter_tables, self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length,
+            self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p,
+        )
+        self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
+        # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps).
+        self.row_steps = 0
+        self.accepted_drafts = 0
+
+    # -- room ---------------------------------------------------------------------------------------------------
+
+    def pages_for(self, prompt_length: int, max_new_tokens: int) -> int:
+        """Pages a request reserves in each pool: its prompt, its new tokens and the block after its last anchor."""
+        return -(-(prompt_length + max_new_tokens + self.block_size) // PAGE_SIZE)
+
+    def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
+        """ValueError naming the limit for a request this engine can never hold."""
+        if prompt_length < 1 or max_new_tokens < 1:
+            raise ValueError(
+                f"a request needs a prompt and max_new_tokens >= 1; got {prompt_length} prompt tokens and "
+                f"max_new_tokens={max_new_tokens}"
+            )
+        length = prompt_length + max_new_tokens
+        if length > self.max_sequence_length:
+            raise ValueError(
+                f"the prompt ({prompt_length} tokens) and max_new_tokens ({max_new_tokens}) come to {length} tokens, "
+                f"more than a sequence may hold here ({self.max_sequence_length}: the target's and the drafter's "
+                "context); send a shorter prompt or fewer new tokens"
+            )
+        if self.pages_for(prompt_length, max_new_tokens) > self.target_pool.num_pages:
+            raise ValueError(
+                f"the prompt ({prompt_length} tokens) and max_new_tokens ({max_new_tokens}) need more than the "
+                f"engine's whole memory ({self.max_tokens} tokens per model); raise max_tokens or ask for fewer tokens"
+            )
+
+    def fits_now(self, prompt_length: int, max_new_tokens: int) -> bool:
+        """Whether a free row and the request's pages are there now."""
+        pages = self.pages_for(prompt_length, max_new_tokens)
+        return len(self.sequences) < self.max_batch_size and pages <= min(
+            len(self.target_pool.free_pages), len(self.drafter_pool.free_pages)
+        )
+
+    def pool_usage(self) -> dict[str, int]:
+        """Pages used and held by each pool (used 0 when no sequence runs)."""
+        usage = {}
+        for name, pool in (("drafter", self.drafter_pool), ("target", self.target_pool)):
+            usage[f"{name}_pages_used"] = pool.num_pages - len(pool.free_pages)
+            usage[f"{name}_pages_total"] = pool.num_pages
+        return usage
+
+    def compute_free_capacity(self) -> float:
+        """The fraction of the fuller pool still free (what transformers serve reports of its manager's cache)."""
+        return min(len(pool.free_pages) / pool.num_pages for pool in (self.target_pool, self.drafter_pool))
+
+    # -- joining and leaving -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def admit(self, key: Hashable, prompt: list[int], max_new_tokens: int, sampling: SamplingSettings) -> int:
+        """Prefill `prompt` into the next free row and return its first token; the other rows are untouched. The
+        caller checked `fits_now`. On an error the row and its pages stay free."""
+        self.check_request(len(prompt), max_new_tokens)
+        if not self.fits_now(len(prompt), max_new_tokens):
+            raise RuntimeError("admit called without room (check fits_now first); this is a bug: please report it")
+        row, length, device = len(self.sequences), len(prompt), self.anchor_ids.device
+        pages = self.pages_for(length, max_new_tokens)
+        sequence = EngineSequence(key, length, sampling, self.target_pool.take(pages), self.drafter_pool.take(pages))
+        try:
+            tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
+            for table, taken in tables:
+                table[row].zero_()
+                table[row, :pages] = torch.tensor(taken, device=device)
+            self._set_sampling(row, sampling)
+            with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+                first = self._prefill(row, torch.tensor([prompt], device=device), sampling)
+        except BaseException:
+            self._give_back(sequence)
+            raise
+        self.anchor_ids[row, 0] = first
+        self.anchor_pos[row] = self.prev_pos[row] = length  # the first step has no verify rows to store
+        self.max_length[row] = length + max_new_tokens
+        self.sequences.append(sequence)
+        return int(first)
+
+    def _set_sampling(self, row: int, sampling: SamplingSettings) -> None:
+        sampled = not sampling.greedy
+        self.do_sample[row] = sampled
+        self.temperature[row] = sampling.temperature if sampled else 1.0  # a greedy row's argmax needs no warp
+        self.top_k[row] = sampling.top_k
+        self.top_p[row] = sampling.top_p
+
+    def _prefill(self, row: int, input_ids: torch.LongTensor, sampling: SamplingSettings) -> torch.Tensor:
+        """The prompt forward of one row (1, P): keys/values to its pages, captured rows to the drafter's context,
+        and its first token (a 0-d tensor) under its own sampling settings."""
+        length = input_ids.shape[1]
+        positions = torch.arange(length, device=input_ids.device)[None]  # (1, P)
+        span = self._span(length)
+        cache = PagedTargetCache(self.target_pool, self.target_tables[row : row + 1], span)
+        cache.write_slots = positions
+        keys = torch.arange(span, device=input_ids.device)
+        visible = keys[None, None, :] <= positions[:, :, None]  # (1, P, span)
+        captured = self.verify_rows.new_empty(1, length, self.verify_rows.shape[-1])
+        self.generator.capture.destination = captured
+        try:
+            logits = self.target(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=self.target_masks(visible, positions, keys),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_argument: cache},
+            ).logits[:, -1:]  # (1, 1, V)
+        finally:
+            self.generator.capture.destination = None
+        self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
+        scores, do_sample = self._scores(logits, **self._sampling(slice(row, row + 1), not sampling.greedy))
+        tokens, _ = accept(scores, positions[:, :0], do_sample, None)
+        return tokens[0, 0]
+
+    def retire(self, key: Hashable) -> None:
+        """Free `key`'s row and pages at once; the last row moves into its place."""
+        row = next(i for i, sequence in enumerate(self.sequences) if sequence.key == key)
+        last = len(self.sequences) - 1
+        self._give_back(self.sequences[row])
+        if row != last:
+            for buffer in self.per_row:
+                buffer[row] = buffer[last]
+            self.sequences[row] = self.sequences[last]
+        self.sequences.pop()
+
+    def _give_back(self, sequence: EngineSequence) -> None:
+        self.target_pool.give_back(sequence.target_pages)
+        self.drafter_pool.give_back(sequence.drafter_pages)
+        sequence.target_pages, sequence.drafter_pages = [], []
+
+    # -- the step ---------------------------------------------------------------------------------------------------
+
+    def _span(self, longest: int) -> int:
+        """Positions a forward reads back: `longest` rounded up to SPAN_BUCKET, within the block tables."""
+        return min(-(-longest // SPAN_BUCKET) * SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
+
+    def _sampling(self, rows: slice, sampled: bool) -> dict[str, torch.Tensor | None]:
+        """`EngineRows`' sampling fields for `rows`: their settings when any of them samples, else None."""
+        names = ("do_sample", "temperature", "top_k", "top_p")
+        return {name: getattr(self, name)[rows] if sampled else None for name in names}
+
+    @staticmethod
+    def _scores(
+        logits: torch.Tensor, do_sample: torch.Tensor | None, temperature: torch.Tensor | None,
+        top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, bool | torch.Tensor]:
+        """Scores (n, q, V) to choose tokens from, and do_sample: False where no row samples, else per row (n,)."""
+        if do_sample is None:
+            return logits, False
+        return warp(logits, temperature, top_k, top_p), do_sample
+
+    def choose(
+        self, rows: EngineRows, logits: torch.Tensor, draft_probs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
+        """Each row's own sampling settings (greedy rows: the argmax), with the drafter's argmax as its proposal."""
+        scores, do_sample = self._scores(logits, rows.do_sample, rows.temperature, rows.top_k, rows.top_p)
+        tokens, accepted = accept(scores, rows.drafts, do_sample, None)
+        return scores, tokens, accepted
+
+    @torch.no_grad()
+    def run_step(self) -> dict[Hashable, list[int]]:
+        """One verify step over every row; returns per sequence the tokens it committed (1 to B; the step reads the
+        device once). The caller retires what ended (eos, its max_new_tokens) before the next step."""
+        n = len(self.sequences)
+        if n == 0:
+            return {}
+        span = self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
+        positions = torch.arange(span, device=self.anchor_ids.device)
+        rows = EngineRows(
+            anchor_ids=self.anchor_ids[:n],
+            anchor_pos=self.anchor_pos[:n],
+            prev_pos=self.prev_pos[:n],
+            offsets=self.offsets[:n],
+            active=self.active[:n],
+            max_length=self.max_length[:n],
+            drafts=self.drafts[:n],
+            out=self.out[:n],
+            block_tables=self.drafter_tables[:n],
+            verify_rows=self.verify_rows[:n],
+            target_slots=self.target_slots[:n],
+            key_slots=positions,
+            draft_key_positions=positions,
+            target_cache=PagedTargetCache(self.target_pool, self.target_tables[:n], span),
+            drafter_view=PagedView(
+                self.drafter_pool, self.draft_block_slots[:n],
+                read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
+            ),
+            **self._sampling(slice(0, n), any(not sequence.sampling.greedy for sequence in self.sequences)),
+        )
+        with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+            self.step(rows)
+        out = self.out[:n].tolist()  # the step's one host synchronization
+        committed = {}
+        self.row_steps += n
+        for sequence, row in zip(self.sequences, out):
+            accepted = row[self.block_size]
+            sequence.position += accepted + 1
+            self.accepted_drafts += accepted
+            committed[sequence.key] = row[: accepted + 1]
+        return committed
+
+
+__all__ = ["DFlashEngine", "EngineRows", "EngineSequence", "PagedTargetCache", "SPAN_BUCKET"]

@@ -1,0 +1,203 @@
+"""One DFlash verify step on device tensors, written once for the fast path and the continuous-batching engine.
+
+A step, for every row of a batch at once: the rows the last verify captured become drafter context, the drafter
+drafts a block after each row's anchor, the target verifies [anchor, drafts], and each row's anchor moves past the
+tokens it accepted plus the target's own next token. Every index lives on the device and no shape depends on what
+was accepted, so the fast path records the step as a CUDA graph (dflash_fast_path.py) and the engine
+(dflash_engine.py) runs it eagerly over the rows it holds.
+
+The two differ only in memory and sampling, which reach the step through `StepRows`:
+- the fast path: a (b, g, L, d) target cache whose slot s is column s of a left-padded row (`offsets`), and a
+  drafter pool laid out row by row (read as views);
+- the engine: one page pool per model shared by every row; its caches gather each row's pages through its block
+  table up to the batch's span (`offsets` 0: slot s is position s).
+How the target's scores become tokens is `choose` (the call's logits processors in the fast path, per-row sampling
+settings in the engine); the acceptance rule is dflash_acceptance.py's.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .dflash_acceptance import DecodingRule, accept
+from .dflash_attention import grouped_attention
+from .dflash_compat import attention_implementation
+from .dflash_fast_path_blockers import target_layer_types
+from .dflash_linear_state import HYBRID_FAMILIES
+from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
+from .dflash_processors import StepProcessors
+from .dflash_static_cache import page_slots
+
+
+@dataclass
+class StepRows:
+    """The rows one step runs on: views of a step's per-sequence buffers (the running sequences sit first)."""
+
+    anchor_ids: torch.Tensor  # (n, 1) the last committed token
+    anchor_pos: torch.Tensor  # (n,) its position (real, padding excluded)
+    prev_pos: torch.Tensor  # (n,) the previous step's anchor position, whose verify rows become context now
+    offsets: torch.Tensor  # (n,) left padding (target slot = offset + position)
+    active: torch.Tensor  # (n,) 1 while the sequence runs
+    max_length: torch.Tensor  # (n,) the padded length no sequence commits past
+    drafts: torch.Tensor  # (n, B - 1)
+    out: torch.Tensor  # (n, B + 1) the target's tokens at the B verified rows, then the accepted count
+    block_tables: torch.Tensor  # (n, pages) the drafter's pages of each sequence
+    verify_rows: torch.Tensor  # (n, B, k * H) the last verify's captured target rows
+    target_slots: torch.Tensor  # (n, B) where the verify's keys/values go
+    key_slots: torch.Tensor  # (L,) the target slots every layer reads back, in order
+    draft_key_positions: torch.Tensor  # (S,) the drafter positions every layer reads back, in order
+    target_cache: Any  # a Cache-API object: `update` stores at `write_slots` and returns (n, g, L, d)
+    drafter_view: Any  # a Cache-API object over the drafter's pages, block rows written to `block_slots`
+    presence: torch.Tensor | None = None  # (n, V) the tokens the repetition penalty counts
+    scores: torch.Tensor | None = None  # (n, B, V) float32 the verified rows' processed scores, when kept
+    logits: torch.Tensor | None = None  # (n, B, V) float32 their raw logits, when kept
+
+
+class DFlashStep:
+    """The step's math over `StepRows`, for a target and a drafter. Subclasses own the buffers and the caches."""
+
+    def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module, generator: Any, cache_argument: str):
+        text = target.config.get_text_config()
+        self.target, self.drafter, self.generator = target, drafter, generator
+        self.block_size = drafter.config.block_size
+        self.block_offsets = generator.block_offsets  # (B,) 0..B-1
+        self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
+        # hybrid targets: keys/values for the full-attention layers, rolled-back states for the linear ones
+        self.hybrid = text.model_type in HYBRID_FAMILIES
+        # The target's forward takes one mask per layer type when its config lists them (a dict), else one for every
+        # layer; a sliding layer's query at position p sees positions p - W + 1 .. p, as plain decoding's does.
+        layer_types = target_layer_types(text)
+        self.mask_types = sorted(set(layer_types)) if getattr(text, "layer_types", None) is not None else None
+        self.target_window = text.sliding_window if SLIDING in layer_types else None
+        self.mask_dtype = target.dtype
+        # How drafts are proposed and accepted, and the processors of the target's scores (`choose`).
+        self.rule = DecodingRule(do_sample=False, rejection=False)
+        self.processors = StepProcessors([])
+        # The drafter's pass per batch size (the fast path may compile it); the eager one by default.
+        self.drafter_passes: dict[int, Any] = {}
+
+    def target_masks(
+        self,
+        visible: torch.Tensor,
+        query_slots: torch.Tensor,
+        key_slots: torch.Tensor,
+        linear_attention: torch.Tensor | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor | None]:
+        """What the target's forward takes as `attention_mask`, from the slots each query sees under full attention
+        (visible (n, q, L)), the queries' own slots (n, q) and the slots read back (L,). Additive (n, 1, q, L)
+        masks: eager attention adds them and sdpa takes them as they are (a boolean mask would be added as 0/1 by
+        eager attention). A hybrid target's linear-attention layers take `linear_attention` instead: the prompt's
+        padding mask (b, P) in the prefill, none in a verify (a block has no padding)."""
+        windowed = None
+        if self.target_window is not None:  # slot distances are position distances (a sequence's slots are contiguous)
+            windowed = visible & in_window(query_slots, key_slots, self.target_window)
+        return target_attention_mask(visible, windowed, self.mask_types, self.mask_dtype, linear_attention)
+
+    def drafter_mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """The drafter's mask (n, 1, q, S) from its visibility (n, q, S): sdpa takes an additive one as it is, and
+        would turn a boolean one into an additive one in each of its layers; eager attention takes booleans."""
+        if attention_implementation(self.drafter.config) == "eager":
+            return visible[:, None]
+        return additive_mask(visible, self.drafter.dtype)
+
+    # -- one verify step, on device buffers only --------------------------------------------------------------
+
+    def step(self, rows: StepRows) -> None:
+        draft_probs = self.propose(rows)
+        self.verify(rows, draft_probs)
+
+    def propose(self, rows: StepRows) -> torch.Tensor | None:
+        """Store the last verify's rows as context, then draft the next block into `rows.drafts`. Returns the
+        distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None."""
+        drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
+        with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
+            draft_logits = drafter_pass(rows)
+        drafts, draft_probs = self.rule.propose(draft_logits)
+        rows.drafts.copy_(drafts)
+        return draft_probs
+
+    def draft(self, rows: StepRows) -> torch.Tensor:
+        """The drafter's pass of `propose` (the part of the step the fast path compiles): context keys/values, masks,
+        the drafter forward and the lm_head. Returns the draft rows' logits (n, B - 1, V)."""
+        block, generator = self.block_size, self.generator
+        # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
+        #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
+        context_positions = rows.prev_pos[:, None] + self.block_offsets  # (n, B)
+        generator.write_context(rows.verify_rows, context_positions, page_slots(rows.block_tables, context_positions))
+        # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
+        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
+        rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
+        visible = rows.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
+        masks = {FULL: visible[:, None, :]}  # (n, 1, S)
+        if generator.window is not None:
+            masks[SLIDING] = in_window(positions, rows.draft_key_positions, generator.window)  # (n, B, S)
+        # (n, 1, q, S) masks; additive for sdpa, built once here rather than converted from booleans in every layer
+        masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
+        return generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)
+
+    def verify(self, rows: StepRows, draft_probs: torch.Tensor | None) -> None:
+        """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""
+        block, drafts = self.block_size, rows.drafts
+        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
+        # 3. Verify [anchor, drafts] at each sequence's own slots (its padded columns), causally.
+        slots = rows.offsets[:, None] + positions  # (n, B)
+        rows.target_slots.copy_(slots)
+        rows.target_cache.write_slots = rows.target_slots
+        keys = rows.key_slots
+        visible = (keys >= rows.offsets[:, None, None]) & (keys <= slots[:, :, None])  # (n, B, L)
+        self.generator.capture.destination = rows.verify_rows
+        # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
+        with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
+            with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
+                logits = self.target(
+                    input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
+                    position_ids=positions,
+                    attention_mask=self.target_masks(visible, slots, keys),
+                    use_cache=True,
+                    logits_to_keep=block,
+                    **{self.cache_argument: rows.target_cache},
+                ).logits
+        scores, tokens, accepted = self.choose(rows, logits, draft_probs)
+        # never commit past max_length: max_length minus the padded length is what a sequence may still commit
+        room = rows.max_length - rows.offsets - rows.anchor_pos - 1
+        accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
+        # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
+        rows.prev_pos.copy_(rows.anchor_pos)
+        running = rows.active[:, None] > 0
+        rows.anchor_ids.copy_(torch.where(running, tokens.gather(1, accepted[:, None]), rows.anchor_ids))
+        rows.anchor_pos.add_((accepted + 1) * rows.active)
+        if self.hybrid:  # the linear layers advance over the rows each sequence keeps (none for a finished one)
+            rows.target_cache.commit((accepted + 1) * rows.active)
+        if rows.presence is not None:  # the committed tokens join the repetition penalty's set
+            committed = (self.block_offsets <= accepted[:, None]) & running  # (n, B)
+            hits = torch.zeros_like(rows.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
+            rows.presence.logical_or_(hits > 0)
+        rows.out[:, :block].copy_(tokens)
+        rows.out[:, block].copy_(accepted)
+        if rows.scores is not None:
+            rows.scores.copy_(scores)
+        if rows.logits is not None:
+            rows.logits.copy_(logits)
+
+    def choose(
+        self, rows: StepRows, logits: torch.Tensor, draft_probs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
+        """The target's scores of the verify rows, its tokens there and the accepted drafts (`accept`), under the
+        bound processors and decoding rule. logits (n, B, V) -> (scores (n, B, V), tokens (n, B), accepted (n,))."""
+        if self.processors.processors or self.rule.do_sample:
+            # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
+            lengths = rows.offsets + rows.anchor_pos + 1
+            scores = self.processors(logits, lengths, rows.presence, rows.drafts)  # (n, B, V)
+        else:  # greedy, nothing to process: the argmax of the logits as they are is that of their exact float32 copy,
+            scores = logits  # which would cost a (n, B, V) float32 write and read (9.7 MB per sequence at Qwen3's V)
+        tokens, accepted = accept(scores, rows.drafts, self.rule.do_sample, draft_probs)
+        return scores, tokens, accepted
+
+
+__all__ = ["DFlashStep", "StepRows"]

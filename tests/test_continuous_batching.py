@@ -1,0 +1,466 @@
+"""Continuous batching with a DFlash drafter: transformers' manager API over the engine (modeling/dflash_engine.py,
+modeling/dflash_continuous.py).
+
+Exactness first: in float32 every greedy request's tokens equal its own plain greedy `generate`, whatever else
+shares the batch, under arrival schedules hypothesis draws (staggered arrivals, cancellations, eos inside a block,
+prompts and max_new_tokens of every length, requests waiting for rows or pages and admitted the step another ends).
+Most schedules run the manager's own loop body (`iteration`) one turn at a time, so that a schedule is exact and
+repeatable; the threaded worker runs in the tests of the API, faults and the 1,000-request soak.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from hf_dflash import DFlashDraftModel
+from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
+from hf_dflash.modeling.dflash_engine import DFlashEngine
+from hf_dflash.modeling.dflash_row_sampling import warp
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
+from tests.test_families import HYBRID, family_target
+
+# eos -1: none (as in transformers' manager; None would fall back to the model config's eos)
+GREEDY = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=-1, pad_token_id=0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Tiny models are bound by per-op overhead: one thread each (see conftest.one_thread)."""
+
+
+_PAIRS: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+
+def pair(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny float32 target of `family` and a random drafter for it (built once per module)."""
+    if family not in _PAIRS:
+        target = tiny_target(family) if family in ("llama", "qwen3") else family_target(family)
+        _PAIRS[family] = (target, tiny_drafter(target))
+    return _PAIRS[family]
+
+
+@torch.no_grad()
+def plain_greedy(target: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """Plain greedy generate's new tokens, up to and including the first eos."""
+    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    return new[: new.index(eos) + 1] if eos is not None and eos in new else new
+
+
+def drain(manager: DFlashContinuousBatchingManager) -> list:
+    outputs = []
+    while not manager.output_queue.empty():
+        outputs.append(manager.output_queue.get_nowait())
+    return outputs
+
+
+def run_schedule(manager: DFlashContinuousBatchingManager, arrivals: dict[int, list[dict]],
+                 cancels: dict[int, list[str]], turns: int = 500) -> tuple[dict[str, list], DFlashScheduler, int]:
+    """Run the manager's loop body turn by turn: before turn t the requests of arrivals[t] are added and those of
+    cancels[t] cancelled. Returns every output per request id, the scheduler, and the turns run."""
+    scheduler, outputs = DFlashScheduler(), {}
+    last = max([*arrivals, *cancels, 0])
+    turn = 0
+    waited_while_running = False
+    for turn in range(turns):
+        for request in arrivals.get(turn, []):
+            manager.add_request(**request)
+        for request_id in cancels.get(turn, []):
+            manager.cancel_request(request_id)
+        manager.iteration(scheduler)
+        waited_while_running |= bool(scheduler.waiting_requests) and bool(scheduler.active_requests)
+        for output in drain(manager):
+            outputs.setdefault(output.request_id, []).append(output)
+        if turn >= last and not scheduler.active_requests and not scheduler.waiting_requests:
+            break
+    scheduler.waited_while_running = waited_while_running
+    return outputs, scheduler, turn
+
+
+# --------------------------------------------------------------------------------------------------
+# Greedy identity under drawn arrival schedules
+# --------------------------------------------------------------------------------------------------
+
+request_plans = st.lists(
+    st.fixed_dictionaries(dict(
+        prompt_length=st.integers(1, 40),
+        max_new_tokens=st.integers(1, 24),
+        arrival=st.integers(0, 6),
+        cancel_after=st.one_of(st.none(), st.integers(0, 4)),
+        eos_at=st.one_of(st.none(), st.integers(0, 23)),  # the reference's token there becomes the request's eos
+        seed=st.integers(0, 10_000),
+    )),
+    min_size=1, max_size=6,
+)
+
+
+def check_schedule(family: str, plans: list[dict], max_batch_size: int, small_pool: bool) -> None:
+    target, drafter = pair(family)
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=max_batch_size,
+                                              max_tokens=128 if small_pool else None)
+    arrivals, cancels, expected = {}, {}, {}
+    for i, plan in enumerate(plans):
+        prompt = random_prompt(plan["prompt_length"], seed=plan["seed"])[0].tolist()
+        reference = plain_greedy(target, prompt, plan["max_new_tokens"])
+        eos = reference[plan["eos_at"]] if plan["eos_at"] is not None and plan["eos_at"] < len(reference) else None
+        expected[f"r{i}"] = reference[: reference.index(eos) + 1] if eos is not None else reference
+        arrivals.setdefault(plan["arrival"], []).append(dict(
+            input_ids=prompt, request_id=f"r{i}", max_new_tokens=plan["max_new_tokens"], streaming=True,
+            eos_token_id=-1 if eos is None else eos,
+        ))
+        if plan["cancel_after"] is not None:
+            cancels.setdefault(plan["arrival"] + plan["cancel_after"], []).append(f"r{i}")
+    outputs, scheduler, _ = run_schedule(manager, arrivals, cancels)
+    cancelled = {request_id for ids in cancels.values() for request_id in ids}
+    for request_id, reference in expected.items():
+        got = outputs.get(request_id, [])
+        for output in got:  # every streamed output is a prefix of the request's own greedy answer
+            assert output.error is None, output.error
+            assert output.generated_tokens == reference[: len(output.generated_tokens)], (request_id, family)
+        if request_id not in cancelled:
+            assert got and got[-1].is_finished() and got[-1].generated_tokens == reference, (request_id, family)
+    assert not scheduler.active_requests and not scheduler.waiting_requests
+    usage = manager.engine.pool_usage()
+    assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0
+    assert manager.engine.row_steps > 0 or all(len(r) <= 1 for r in expected.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(plans=request_plans, max_batch_size=st.integers(1, 4), small_pool=st.booleans())
+def test_greedy_identity_under_drawn_arrival_schedules(family, plans, max_batch_size, small_pool):
+    check_schedule(family, plans, max_batch_size, small_pool)
+
+
+FIXED_PLANS = [
+    dict(prompt_length=5, max_new_tokens=20, arrival=0, cancel_after=None, eos_at=None, seed=1),
+    dict(prompt_length=23, max_new_tokens=7, arrival=0, cancel_after=None, eos_at=3, seed=2),
+    dict(prompt_length=2, max_new_tokens=15, arrival=1, cancel_after=2, eos_at=None, seed=3),
+    dict(prompt_length=31, max_new_tokens=12, arrival=2, cancel_after=None, eos_at=None, seed=4),
+    dict(prompt_length=9, max_new_tokens=18, arrival=3, cancel_after=None, eos_at=None, seed=5),
+]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mistral"])
+def test_greedy_identity_other_families(family):
+    check_schedule(family, FIXED_PLANS, max_batch_size=3, small_pool=False)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_targets_are_refused_with_one_line(family):
+    target = family_target(family)
+    with pytest.raises(ValueError, match="hybrid targets with linear-attention layers") as error:
+        target.init_continuous_batching(generation_config=GREEDY, assistant_model=tiny_drafter(target))
+    assert "\n" not in str(error.value)
+
+
+def test_a_request_admitted_the_step_another_ends_and_one_waiting_for_pages():
+    """One row's worth of pages: each request waits until the one before it ends, and is admitted at once."""
+    target, drafter = pair("llama")
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=4, max_tokens=64)
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (20, 11, 30)]
+    arrivals = {0: [dict(input_ids=p, request_id=f"r{i}", max_new_tokens=12) for i, p in enumerate(prompts)]}
+    outputs, scheduler, turns = run_schedule(manager, arrivals, {})
+    assert scheduler.waited_while_running
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"][-1].generated_tokens == plain_greedy(target, prompt, 12)
+
+
+# --------------------------------------------------------------------------------------------------
+# The drafter runs, and with the trained pair its drafts are accepted
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_drafter_runs():
+    target, drafter = pair("qwen3")
+    calls = []
+    handle = drafter.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        prompts = [random_prompt(n, seed=n)[0].tolist() for n in (4, 9)]
+        out = target.generate_batch(prompts, generation_config=GREEDY, assistant_model=drafter)
+    finally:
+        handle.remove()
+    assert [o.generated_tokens for o in out.values()] == [plain_greedy(target, p, 16) for p in prompts]
+    assert len(calls) > 0
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from hf_dflash.bundled_models import load_smollm2
+
+    return load_smollm2()
+
+
+def test_smollm2_with_the_shipped_drafter_is_exact_and_accepts_drafts(smollm2):
+    from hf_dflash.generate_cli import DEFAULT_DRAFTER
+
+    target, tokenizer = smollm2
+    drafter = DFlashDraftModel.from_pretrained(DEFAULT_DRAFTER, dtype=torch.float32).eval()
+    prompts = [
+        tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True))["input_ids"]
+        for text in ("Write a Python function that returns the factorial of n.", "What is the capital of France?",
+                     "Give me three tips for sleeping better.")
+    ]
+    config = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=tokenizer.eos_token_id)
+    manager = DFlashContinuousBatchingManager(target, drafter, config, max_batch_size=2)
+    arrivals = {0: [dict(input_ids=prompts[0], request_id="r0")], 2: [dict(input_ids=prompts[1], request_id="r1")],
+                3: [dict(input_ids=prompts[2], request_id="r2")]}
+    outputs, _, _ = run_schedule(manager, arrivals, {})
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"][-1].generated_tokens == plain_greedy(target, prompt, 24, tokenizer.eos_token_id)
+    engine = manager.engine
+    assert engine.accepted_drafts / engine.row_steps > 0.3, (engine.accepted_drafts, engine.row_steps)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling: each request's own settings, target-distributed; a seeded run repeats
+# --------------------------------------------------------------------------------------------------
+
+
+def test_per_row_warp_equals_transformers_warpers():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 50) * 3
+    settings_ = [(0.7, 0, 0.9), (1.3, 5, 1.0), (1.0, 1, 0.5), (2.0, 12, 0.3)]
+    warped = warp(logits, torch.tensor([s[0] for s in settings_]), torch.tensor([s[1] for s in settings_]),
+                  torch.tensor([s[2] for s in settings_]))
+    for row, (temperature, top_k, top_p) in enumerate(settings_):
+        scores = logits[row].clone()
+        for processor in (TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k) if top_k else None,
+                          TopPLogitsWarper(top_p) if top_p < 1 else None):
+            if processor is not None:
+                scores = processor(None, scores)
+        assert torch.equal(torch.isinf(warped[row]), torch.isinf(scores))
+        torch.testing.assert_close(warped[row][~torch.isinf(scores)], scores[~torch.isinf(scores)])
+
+
+def chi_square_upper(degrees: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 1 - 0.001, by Wilson and Hilferty's approximation."""
+    return degrees * (1 - 2 / (9 * degrees) + z * math.sqrt(2 / (9 * degrees))) ** 3
+
+
+@torch.no_grad()
+def exact_distribution(target: torch.nn.Module, prompt: list[int], length: int, temperature: float) -> dict:
+    """P(the next `length` tokens) under plain sampling at `temperature`, every continuation enumerated."""
+    probabilities = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, p in probabilities.items():
+            logits = target(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            for token, q in enumerate(torch.softmax(logits / temperature, dim=-1).tolist()):
+                grown[prefix + (token,)] = p * q
+        probabilities = grown
+    return probabilities
+
+
+def statistic(counts: Counter, probabilities: dict, total: int) -> tuple[float, int]:
+    big = {key for key, p in probabilities.items() if p * total >= 5}
+    value = sum((counts.get(key, 0) - probabilities[key] * total) ** 2 / (probabilities[key] * total) for key in big)
+    rest_expected = total * sum(p for key, p in probabilities.items() if key not in big)
+    rest = sum(n for key, n in counts.items() if key not in big)
+    if rest_expected > 0:
+        value += (rest - rest_expected) ** 2 / rest_expected
+    return value, len(big) - (0 if rest_expected > 0 else 1)
+
+
+def test_sampled_requests_follow_their_own_temperature_and_greedy_ones_stay_exact():
+    """Vocabulary 4, three new tokens (the last two from verify steps, drafts accepted or not): requests at
+    temperature 0.6 and 1.6 and greedy ones share the batch; each sampled set fits its own distribution."""
+    target = tiny_target("llama", seed=3, vocab_size=4)
+    with torch.no_grad():  # sharper logits, so that the two temperatures' distributions differ clearly
+        target.lm_head.weight.mul_(4)
+    drafter = tiny_drafter(target, mask_token_id=3)
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=3, eos_token_id=-1)
+    manager = DFlashContinuousBatchingManager(target, drafter, config, max_batch_size=16)
+    prompt, samples = [0, 1, 2, 1], 700
+    requests = []
+    for i in range(samples):
+        for temperature in (0.6, 1.6):
+            requests.append(dict(input_ids=prompt, request_id=f"t{temperature}-{i}", temperature=temperature))
+        if i % 50 == 0:
+            requests.append(dict(input_ids=prompt, request_id=f"greedy-{i}", top_k=1))
+    torch.manual_seed(0)
+    outputs, _, _ = run_schedule(manager, {0: requests}, {}, turns=10_000)
+    greedy = plain_greedy(target, prompt, 3)
+    assert all(outputs[r["request_id"]][-1].generated_tokens == greedy for r in requests if "greedy" in r["request_id"])
+    assert manager.engine.accepted_drafts > 0  # the steps accepted drafts under sampling too
+    for own, other in ((0.6, 1.6), (1.6, 0.6)):
+        counts = Counter(tuple(outputs[f"t{own}-{i}"][-1].generated_tokens) for i in range(samples))
+        value, degrees = statistic(counts, exact_distribution(target, prompt, 3, own), samples)
+        assert value < chi_square_upper(degrees), (own, value, degrees)
+        value, degrees = statistic(counts, exact_distribution(target, prompt, 3, other), samples)
+        assert value > chi_square_upper(degrees), (own, "fits the other temperature too")
+
+
+def test_a_seeded_sampled_run_repeats():
+    target, drafter = pair("llama")
+    config = GenerationConfig(do_sample=True, temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=12, eos_token_id=-1)
+
+    def run() -> list[list[int]]:
+        manager = DFlashContinuousBatchingManager(target, drafter, config, max_batch_size=3)
+        arrivals = {t: [dict(input_ids=random_prompt(3 + t, seed=t)[0].tolist(), request_id=f"r{t}")] for t in range(5)}
+        torch.manual_seed(1234)
+        outputs, _, _ = run_schedule(manager, arrivals, {})
+        return [outputs[f"r{t}"][-1].generated_tokens for t in range(5)]
+
+    first = run()
+    assert run() == first
+    assert len({tuple(tokens) for tokens in first}) > 1
+
+
+# --------------------------------------------------------------------------------------------------
+# The threaded manager: transformers' API, faults, and 1,000 requests
+# --------------------------------------------------------------------------------------------------
+
+
+def test_generate_batch_with_the_drafter_equals_plain_greedy():
+    target, drafter = pair("llama")
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (3, 12, 7, 25, 1)]
+    out = target.generate_batch(prompts, generation_config=GREEDY, assistant_model=drafter, max_new_tokens=10)
+    assert list(out) == [f"req_{i}" for i in range(len(prompts))]
+    assert [o.generated_tokens for o in out.values()] == [plain_greedy(target, p, 10) for p in prompts]
+
+
+def test_the_api_streams_cancels_and_passes_through_without_a_drafter():
+    # transformers' own manager, without a drafter (on a model of its own: it switches the model to paged attention)
+    assert isinstance(tiny_target().init_continuous_batching(generation_config=GREEDY), ContinuousBatchingManager)
+    target, drafter = pair("qwen3")
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (6, 14)]
+    with target.continuous_batching_context_manager(generation_config=GREEDY, assistant_model=drafter) as manager:
+        assert manager.is_running() and manager.batch_processor is not None
+        streamed = manager.add_request(prompts[0], max_new_tokens=16, streaming=True)
+        cancelled = manager.add_request(prompts[1], max_new_tokens=400)
+        manager.cancel_request(cancelled)
+        outputs = list(manager.request_id_iter(streamed))
+    assert not manager.is_running()
+    assert len(outputs) > 1 and outputs[-1].generated_tokens == plain_greedy(target, prompts[0], 16)
+    assert all(a.generated_tokens == b.generated_tokens[: len(a.generated_tokens)]
+               for a, b in zip(outputs, outputs[1:]))
+    assert manager.engine.pool_usage()["target_pages_used"] == 0
+
+
+def test_two_managers_on_one_drafter_keep_their_own_buffers():
+    """The engine's buffers belong to its manager, not to the drafter: two running at once stay exact."""
+    target, drafter = pair("llama")
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (4, 13, 8, 21)]
+    managers = [target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter) for _ in range(2)]
+    for manager in managers:
+        manager.start()
+    ids = [[manager.add_request(p, max_new_tokens=14) for p in prompts[i::2]] for i, manager in enumerate(managers)]
+    answers = [finished_results(manager, len(request_ids)) for manager, request_ids in zip(managers, ids)]
+    for manager in managers:
+        manager.stop()
+    for i, request_ids in enumerate(ids):
+        for request_id, prompt in zip(request_ids, prompts[i::2]):
+            assert answers[i][request_id].generated_tokens == plain_greedy(target, prompt, 14)
+
+
+def finished_results(manager: DFlashContinuousBatchingManager, count: int, seconds: float = 60) -> dict:
+    """The first `count` finished outputs of a running manager, by request id."""
+    finished, deadline = {}, time.monotonic() + seconds
+    while len(finished) < count and time.monotonic() < deadline:
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            finished[result.request_id] = result
+    return finished
+
+
+def test_bad_requests_are_refused_before_any_work():
+    target, drafter = pair("llama")
+    manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter)
+    with pytest.raises(ValueError, match="more than a sequence may hold"):
+        manager.add_request([1] * 1000, max_new_tokens=100)
+    with pytest.raises(ValueError, match="min_p is not served per request"):
+        manager.add_request([1, 2], min_p=0.1)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        target.init_continuous_batching(generation_config=GenerationConfig(repetition_penalty=1.3),
+                                        assistant_model=drafter)
+    with pytest.raises(ValueError, match="takes a DFlash drafter"):
+        target.init_continuous_batching(generation_config=GREEDY, assistant_model=target)
+    assert manager.input_queue.empty()
+
+
+def test_a_failing_prefill_fails_its_request_alone_and_a_failing_step_fails_its_requests():
+    target, drafter = pair("llama")
+    poison, fail_next_step = 200, threading.Event()
+
+    def faults(_module, args):  # prompts are not a block long; a verify's and a draft's rows are
+        if args[0].shape[1] != drafter.config.block_size and bool((args[0] == poison).any()):
+            raise RuntimeError("injected fault")
+        if args[0].shape[1] == drafter.config.block_size and fail_next_step.is_set():
+            fail_next_step.clear()
+            raise RuntimeError("injected step fault")
+
+    good = [1, 2, 3, 4, 7]
+    expected = plain_greedy(target, good, 8)
+    handle = target.get_input_embeddings().register_forward_pre_hook(faults)
+    try:
+        manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter)
+        manager.start()
+        ids = [manager.add_request([5, poison, 6], max_new_tokens=8), manager.add_request(good, max_new_tokens=8)]
+        results = finished_results(manager, len(ids))
+        assert "injected fault" in results[ids[0]].error
+        assert results[ids[1]].error is None and results[ids[1]].generated_tokens == expected
+        fail_next_step.set()
+        failed = manager.add_request(good, max_new_tokens=8)
+        assert "injected step fault" in manager.get_result(failed, timeout=30).error
+        again = manager.add_request(good, max_new_tokens=8)
+        assert manager.get_result(again, timeout=30).generated_tokens == expected
+        assert manager.is_running() and manager.background_thread_status.fatal_error is None
+        manager.stop()
+    finally:
+        handle.remove()
+    assert manager.engine.pool_usage()["target_pages_used"] == manager.engine.pool_usage()["drafter_pages_used"] == 0
+
+
+def test_a_thousand_short_requests_with_cancellations_leave_both_pools_whole():
+    target, drafter = pair("llama")
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=8, max_tokens=512)
+    manager.start()
+    expected = {}
+    for i in range(1000):
+        request_id = manager.add_request(random_prompt(1 + i % 6, seed=i)[0].tolist(), max_new_tokens=1 + i % 5)
+        if i % 5 == 2:
+            manager.cancel_request(request_id)
+        else:
+            expected[request_id] = i
+    finished = {}
+    deadline = time.monotonic() + 300
+    while len(finished) < len(expected) and time.monotonic() < deadline:
+        result = manager.get_result(timeout=1)
+        if result is not None:
+            assert result.error is None and result.request_id in expected, result
+            finished[result.request_id] = result
+    scheduler = manager.batch_processor.scheduler
+    manager.stop()
+    assert len(finished) == len(expected)
+    assert not scheduler.active_requests and not scheduler.waiting_requests and not manager.engine.sequences
+    usage = manager.engine.pool_usage()
+    assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0
+    assert manager.engine.compute_free_capacity() == 1.0  # what transformers serve's stats line reads
+    assert len(manager.engine.target_pool.free_pages) == len(set(manager.engine.target_pool.free_pages))
+    assert not manager.result_handlers and not manager._unclaimed
+    for request_id in list(expected)[:: 50]:  # a sample of them against plain greedy
+        i = expected[request_id]
+        assert finished[request_id].generated_tokens == plain_greedy(
+            target, random_prompt(1 + i % 6, seed=i)[0].tolist(), 1 + i % 5)
+
+
+def test_the_engine_refuses_what_it_can_never_hold():
+    target, drafter = pair("llama")
+    engine = DFlashEngine(target, drafter, max_batch_size=2, max_tokens=64)
+    with pytest.raises(ValueError, match="engine's whole memory"):
+        engine.check_request(40, 30)
+    assert not engine.fits_now(40, 30)
