@@ -74,6 +74,19 @@ DFLASH_DEFAULTS: dict[str, Any] = {
     "attention_dropout": 0.0,
     "vocab_size": 151936,
 }
+# What a DFlash2 drafter adds (modeling_dflash2.py), with the values of every published DFlash2 drafter (z-lab's
+# Qwen3.8-27B-DFlash2, speculators' and SpecForge's training defaults): two-tap convolutions over groups of 16 channels,
+# a selector of rank 256 choosing among 16 candidates per row, and no logit scaling. A DFlash2 config that leaves one
+# out takes this value.
+DFLASH2_DEFAULTS: dict[str, Any] = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "input_embedding_scale": 1.0,
+}
 # The DFlash fields: the drafter's block, its mask token and the target layers it reads.
 DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
 # Every field of our config that a layout holds (DFlashConfig's own, target_model and draft_vocab_size, stay ours).
@@ -178,13 +191,16 @@ class GatheredFields:
     given: every field of the layout's `read_fields`, as the dict sets it (None where it leaves it out), the DFlash
         fields taken from `dflash_config` and captured layers from `aux_hidden_state_layer_ids` where those hold them;
     other: the rest (PreTrainedConfig's own fields, and `rope_theta` / `rope_scaling` as written);
-    declared_causal: one causality the dict declares for every layer (`is_causal`, or `dflash_config.causal`), or None.
+    declared_causal: one causality the dict declares for every layer (`is_causal`, or `dflash_config.causal`), or None;
+    dflash2: the DFlash2 fields (`DFLASH2_DEFAULTS`' names) that `dflash_config` holds, where z-lab's files keep them
+        (None where it leaves one out; the same name at the top level, a keyword of DFlashConfig, wins).
     """
 
     model_type: str | None
     given: dict[str, Any]
     other: dict[str, Any]
     declared_causal: bool | None
+    dflash2: dict[str, Any]
 
 
 @dataclass
@@ -340,7 +356,8 @@ class FlatLayout(DrafterLayout):
                 "drafter's config.json"
             )
         given = {name: other.pop(name, None) for name in cls.read_fields}
-        return GatheredFields(model_type, given, other, declared_causal)
+        dflash2 = {name: nested.get(name) for name in DFLASH2_DEFAULTS}
+        return GatheredFields(model_type, given, other, declared_causal, dflash2)
 
     @classmethod
     def resolve(cls, gathered: GatheredFields) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -784,6 +801,7 @@ def loading_key_mapping() -> dict[str, str]:
 __all__ = [
     "CONFIG_FILE",
     "DECODER_FIELDS",
+    "DFLASH2_DEFAULTS",
     "DFLASH_DEFAULTS",
     "DFLASH_FIELDS",
     "Drafter",

@@ -18,9 +18,9 @@ the block rows, the target's embedding and lm_head) and adds, as z-lab's referen
 Shapes: b = batch, n = block rows (B, or B - 1 after the anchor), H = hidden size, K = conv taps, G = channel groups,
 k = selector_top_k, r = selector_rank, V = target vocabulary.
 
-The DFlash2 fields are read as config attributes (`DFlash2Settings.from_config`): conv_kernel_size, conv_group_size,
-selector_rank, selector_top_k (required); output_multiplier, final_logit_softcapping, input_embedding_scale
-(optional).
+The DFlash2 fields are `DFlashConfig`'s (conv_kernel_size, conv_group_size, selector_rank, selector_top_k,
+output_multiplier, final_logit_softcapping, input_embedding_scale; checked there, published defaults for those a config
+leaves out), read once into `DFlash2Settings`.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -44,7 +44,7 @@ from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 
 @dataclass(frozen=True)
 class DFlash2Settings:
-    """The fields DFlash2 adds to a DFlash config, checked once."""
+    """The fields DFlash2 adds to a DFlash config, read once."""
 
     conv_kernel_size: int
     """Taps of each convolution (2 in every published drafter): the row itself and the K - 1 rows before it."""
@@ -63,58 +63,22 @@ class DFlash2Settings:
 
     @classmethod
     def from_config(cls, config: DFlashConfig) -> "DFlash2Settings":
-        required = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-        missing = [name for name in required if getattr(config, name, None) is None]
-        if missing:
+        """The settings of a DFlash2 config (`DFlashConfig` has checked every field, alone and against the others)."""
+        if not config.is_dflash2:
             raise ValueError(
-                f"a DFlash2 drafter config needs {', '.join(missing)}; the published drafters set conv_kernel_size 2, "
-                "conv_group_size 16, selector_rank 256, selector_top_k 16 (in dflash_config)"
+                "this is a DFlash drafter config (no DFlash2 fields); build a DFlashDraftModel from it, or give it the "
+                "DFlash2 fields (conv_kernel_size, conv_group_size, selector_rank, selector_top_k, ...)"
             )
-        def optional(name: str, default: float) -> float:
-            value = getattr(config, name, None)
-            return default if value is None else float(value)
-
-        softcap = optional("final_logit_softcapping", 0.0)
-        settings = cls(
-            conv_kernel_size=int(config.conv_kernel_size),
-            conv_group_size=int(config.conv_group_size),
-            selector_rank=int(config.selector_rank),
-            selector_top_k=int(config.selector_top_k),
-            output_multiplier=optional("output_multiplier", 1.0),
-            final_logit_softcapping=None if softcap == 0.0 else softcap,
-            input_embedding_scale=optional("input_embedding_scale", 1.0),
+        return cls(
+            conv_kernel_size=config.conv_kernel_size,
+            conv_group_size=config.conv_group_size,
+            selector_rank=config.selector_rank,
+            selector_top_k=config.selector_top_k,
+            output_multiplier=float(config.output_multiplier),
+            final_logit_softcapping=None if config.final_logit_softcapping is None
+            else float(config.final_logit_softcapping),
+            input_embedding_scale=float(config.input_embedding_scale),
         )
-        settings.check(config)
-        return settings
-
-    def check(self, config: DFlashConfig) -> None:
-        if self.conv_group_size < 1 or config.hidden_size % self.conv_group_size:
-            raise ValueError(
-                f"conv_group_size {self.conv_group_size} must divide hidden_size {config.hidden_size}; set it to a "
-                "divisor (16 in the published drafters)"
-            )
-        if not 1 <= self.conv_kernel_size <= config.block_size:
-            raise ValueError(
-                f"conv_kernel_size {self.conv_kernel_size} must be between 1 and block_size {config.block_size}"
-            )
-        if self.selector_rank < 1:
-            raise ValueError(f"selector_rank must be at least 1, got {self.selector_rank}")
-        if not 1 <= self.selector_top_k <= config.vocab_size:
-            raise ValueError(
-                f"selector_top_k {self.selector_top_k} must be between 1 and vocab_size {config.vocab_size}"
-            )
-        # The selector takes its candidates from the raw logits: the same set as from the scaled ones only when the
-        # scale keeps their order, which is how every engine runs it.
-        for name in ("output_multiplier", "input_embedding_scale"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value}")
-        if self.final_logit_softcapping is not None and not (
-            math.isfinite(self.final_logit_softcapping) and self.final_logit_softcapping > 0
-        ):
-            raise ValueError(
-                f"final_logit_softcapping must be positive (or absent for no cap), got {self.final_logit_softcapping}"
-            )
 
     def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """lm_head logits (...) -> float32 c * tanh(logits * output_multiplier / c), the scores the selector starts
