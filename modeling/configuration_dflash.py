@@ -23,6 +23,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging
 
 from .dflash_layouts import (
+    DFLASH,
+    DFLASH2,
+    DFLASH2_CLASS,
     DFLASH2_DEFAULTS,
     DFLASH_DEFAULTS,
     LAYOUT_READ_FIELDS,
@@ -139,8 +142,7 @@ FIELD_RULES: dict[str, FieldRule] = {
     "final_logit_softcapping": FieldRule("number", "c of c * tanh(logits / c) (0 or null: no cap)", low=0),
     "input_embedding_scale": FieldRule("number", "the scale of the block rows' embeddings", above=0),
 }
-# The class name a DFlash2 drafter's config.json lists in `architectures`.
-DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -287,7 +289,7 @@ class DFlashConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         self.target_model = target_model
         self.draft_vocab_size = draft_vocab_size
-        is_dflash2 = any(v is not None for v in dflash2.values()) or DFLASH2_ARCHITECTURE in (
+        is_dflash2 = any(v is not None for v in dflash2.values()) or DFLASH2_CLASS in (
             kwargs.get("architectures") or []
         )
         for name, value in dflash2.items():
@@ -306,6 +308,11 @@ class DFlashConfig(PreTrainedConfig):
     def is_dflash2(self) -> bool:
         """Whether this is a DFlash2 drafter's config (`DFlash2DraftModel`), which sets every DFlash2 field."""
         return self.conv_kernel_size is not None
+
+    @property
+    def architecture(self) -> str:
+        """The drafter this config builds, as the layouts name it: "dflash" or "dflash2"."""
+        return DFLASH2 if self.is_dflash2 else DFLASH
 
     def to_dict(self) -> dict[str, Any]:
         """PreTrainedConfig's dict, without the DFlash2 fields of a DFlash config (all None), so that a DFlash
@@ -412,15 +419,15 @@ class DFlashConfig(PreTrainedConfig):
             self.check_field_types({"rope_theta": theta})
 
     def _check_declared_causality(self, declared_causal: bool | None) -> None:
-        """What we run: a sliding layer is causal (a block row sees the `sliding_window` positions up to its own), a
-        full layer bidirectional (block rows see each other). A config that declares one causality for every layer
-        asks for something else as soon as one layer's type disagrees with it; it is refused rather than run
-        differently from the reader it was published for."""
+        """What we run: a DFlash drafter's sliding layer is causal (a block row sees the `sliding_window` positions up
+        to its own), a full layer bidirectional (block rows see each other); every DFlash2 layer is bidirectional (a
+        sliding one within a symmetric window). A config that declares one causality for every layer asks for
+        something else as soon as one layer disagrees with it; it is refused rather than run differently from the
+        reader it was published for."""
         if declared_causal is None:
             return
-        differing = [
-            i for i, kind in enumerate(self.layer_types) if (kind == "sliding_attention") != bool(declared_causal)
-        ]
+        causal = [kind == "sliding_attention" and not self.is_dflash2 for kind in self.layer_types]
+        differing = [i for i, layer_causal in enumerate(causal) if layer_causal != bool(declared_causal)]
         if differing:
             kind = "causal" if declared_causal else "bidirectional"
             raise ValueError(
