@@ -76,13 +76,16 @@ def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def compile_drafter_pass(fn: Callable[["StepRows"], torch.Tensor]) -> Callable[["StepRows"], torch.Tensor]:
+DrafterPass = Callable[["StepRows"], tuple[torch.Tensor, torch.Tensor]]  # `DFlashStaticStep.draft`
+
+
+def compile_drafter_pass(fn: DrafterPass) -> DrafterPass:
     """`fn` compiled by inductor for fixed shapes, as one graph (a break is an error, not a silent eager piece), and
     without CUDA graphs of its own: the fast path records the whole step as one. Its calls may keep up to
     `DRAFTER_RECOMPILE_LIMIT` compiled versions."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
 
-    def run(rows: StepRows) -> torch.Tensor:
+    def run(rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
         with dynamo_cache_size_limit(DRAFTER_RECOMPILE_LIMIT):
             return compiled(rows)
 
@@ -204,7 +207,7 @@ class DFlashStaticStep:
         # Whether calls compile the drafter's pass (`bind`); the pass the step runs per batch size, compiled or eager
         # (`prepare_drafter`); why compiling failed, if it did (the step then stays eager rather than try again).
         self.compile_drafter = False
-        self.drafter_passes: dict[int, Callable[[StepRows], torch.Tensor]] = {}
+        self.drafter_passes: dict[int, DrafterPass] = {}
         self.compile_error: str | None = None
         self._rows: dict[int, StepRows] = {}
 
@@ -252,18 +255,19 @@ class DFlashStaticStep:
         self.verify(rows, draft_probs)
 
     def propose(self, rows: StepRows) -> torch.Tensor | None:
-        """Store the last verify's rows as context, then draft the next block into `rows.drafts`. Returns the
-        distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None."""
+        """Store the last verify's rows as context, then draft the next block into `rows.drafts` (the drafter's
+        `propose`: DFlash2's selector runs here, inside the step's graph). Returns the distribution the drafts were
+        sampled from (n, B - 1, V) under rejection sampling, else None."""
         drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
         with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
-            draft_logits = drafter_pass(rows)
-        drafts, draft_probs = self.rule.propose(draft_logits)
-        rows.drafts.copy_(drafts)
-        return draft_probs
+            hidden, draft_logits = drafter_pass(rows)
+        proposal = self.generator.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
+        rows.drafts.copy_(proposal.drafts)
+        return proposal.probs
 
-    def draft(self, rows: StepRows) -> torch.Tensor:
+    def draft(self, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's pass of `propose`, the part of the step that is compiled: context keys/values, masks, the
-        drafter forward and the lm_head. Returns the draft rows' logits (n, B - 1, V)."""
+        drafter forward and the lm_head. Returns the draft rows (n, B - 1, H) and their logits (n, B - 1, V)."""
         block, generator = self.block_size, self.generator
         # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
         #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
@@ -274,11 +278,12 @@ class DFlashStaticStep:
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
         visible = self.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
         masks = {FULL: visible[:, None, :]}  # (n, 1, S)
-        if generator.window is not None:
-            masks[SLIDING] = in_window(positions, self.draft_key_positions, generator.window)  # (n, B, S)
+        if generator.window is not None:  # (n, B, S); a symmetric window also needs the block's bound
+            window = in_window(positions, self.draft_key_positions, generator.window, generator.causal_window)
+            masks[SLIDING] = window if generator.causal_window else window & visible[:, None, :]
         # (n, 1, q, S) masks; additive for sdpa, built once here rather than converted from booleans in every layer
         masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
-        return generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)
+        return generator.draft_rows(rows.anchor_ids, positions, masks, rows.drafter_view)
 
     def prepare_drafter(self, n: int) -> None:
         """Choose the drafter's pass for the first n rows. When calls compile it, the first call compiles it for every

@@ -321,6 +321,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     # The layer a subclass swaps in (DFlash2's wraps attention and the MLP in convolutions), built once in __init__.
     decoder_layer_class: type[nn.Module] = DFlashDecoderLayer
+    # Whether a sliding layer's block rows see only the rows up to their own (DFlash) or each other both ways
+    # within the window (DFlash2); the runtime builds the masks (dflash_masks.in_window).
+    causal_sliding_window: bool = True
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)

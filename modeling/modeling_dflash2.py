@@ -213,6 +213,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     """
 
     decoder_layer_class = DFlash2DecoderLayer
+    causal_sliding_window = False  # a symmetric window: block rows see each other both ways (is_causal: false)
     _no_split_modules = ["DFlash2DecoderLayer"]
 
     def __init__(self, config: DFlashConfig):
@@ -264,6 +265,21 @@ class DFlash2DraftModel(DFlashDraftModel):
         given the drafts before it. `confidence` is q of the draft (at temperature 1 when greedy).
 
         Fixed-shape tensor work without host synchronization (one step per row), so a CUDA graph can hold it.
+
+        The proposal distribution, and why sampling stays exact. Row i's q is the selector's own sampling
+        distribution given the draft actually drawn at row i - 1: softmax(S_i(d_{i-1}, c) / T) over the row's k
+        candidates, 0 on every other token. That is how the engines that serve DFlash2 define it: vLLM (pull request
+        52816) writes the candidates' scores into a row of -inf draft logits and Gumbel-samples it at the request's
+        temperature, the rejection sampler taking q as that row's softmax; SGLang (pull request 35371) walks the rows
+        by inverse CDF and returns q over the k candidates (one-hot for greedy rows). Rejection sampling is exact for
+        any proposal as long as (1) each draft is drawn from the very q handed to the verifier, (2) q_i is the
+        distribution given the tokens before row i, which are the committed ones exactly when row i is examined (the
+        rows before it were all accepted; rows after a rejection are never read), and (3) the drafter's random numbers
+        are independent of the verifier's (vLLM salts its draft noise for this reason; here every draw takes fresh
+        numbers from the default generator). q may give 0 to most of the vocabulary: those tokens are never drafted,
+        and the residual max(p - q, 0) returns their target mass. The temperature is the call's, so q is as sharp as
+        the target's p, which is what keeps acceptance high; top-k / top-p shape only p. Greedy drafting (and the
+        point-mass rule) takes each row's best score and needs no q.
 
         hidden (b, B - 1, H) the final-norm rows; anchor_ids (b, 1); head maps rows to the target vocabulary's
         logits (b, B - 1, V), -inf outside a draft vocabulary (such tokens are never drafted)."""
