@@ -152,6 +152,11 @@ def drop_front_slots(layer: Any, count: int) -> None:
     layer.values = layer.values[:, :, count:]
 
 
+def forward_hook_count(module: torch.nn.Module) -> int:
+    """The forward hooks and pre-hooks registered on `module` itself (torch keeps them in private dicts)."""
+    return len(module._forward_hooks) + len(module._forward_pre_hooks)
+
+
 def linear_states(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear-attention cache layer's conv state (b, conv_dim, K) and recurrent state (b, heads, dk, dv): entry 0 of
     its `conv_states` / `recurrent_states` (all versions; the Gated DeltaNet layers keep one state of each)."""
@@ -392,8 +397,9 @@ __all__ = [
     "CACHE_ARGUMENTS", "CHUNK_RULE", "LinearAttentionCacheMethods", "LinearLayerView", "accelerate_hook",
     "attention_implementation", "cache_argument", "cache_from_kwargs", "chunk_rule_reachable",
     "default_generation_params", "distribution_checks_default", "drop_front_slots", "dynamo_cache_size_limit",
-    "experts_implementation", "forwards_wrapped", "full_history_layer", "has_attention_implementation",
-    "is_dynamic_layer", "is_linear_cache_layer", "linear_states", "linear_token_count", "model_from_config",
-    "pad_token_tensor", "recording_chunk_rule", "register_attention", "sdpa_backend_choice", "sdpa_backends_enabled",
-    "set_attention_implementation", "set_linear_states", "set_linear_token_count", "tensor_version", "upload_folder",
+    "experts_implementation", "forward_hook_count", "forwards_wrapped", "full_history_layer",
+    "has_attention_implementation", "is_dynamic_layer", "is_linear_cache_layer", "linear_states",
+    "linear_token_count", "model_from_config", "pad_token_tensor", "recording_chunk_rule", "register_attention",
+    "sdpa_backend_choice", "sdpa_backends_enabled", "set_attention_implementation", "set_linear_states",
+    "set_linear_token_count", "tensor_version", "upload_folder",
 ]

@@ -23,9 +23,8 @@ from .dflash_capture import one_call_at_a_time
 
 
 def is_dflash_drafter(model: Any) -> bool:
-    """True for any copy of our drafter class (the installed library's or a remote-code bundle's). The config's class
-    says so, not the instance: a published z-lab file's `model_type` ("qwen3", "gpt_oss") names its layout and stays
-    on the loaded config."""
+    """True for any copy of our drafter class (the installed library's or a remote-code bundle's): its config's class
+    is a DFlashConfig of one copy or another, whatever layout the files were written in."""
     return model is not None and getattr(type(getattr(model, "config", None)), "model_type", None) == "dflash"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -437,6 +438,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if not kwargs.get("is_main_process", True):
             return
         out = Path(save_directory)
+        # transformers copies this file and what it imports; the rest of the bundle (DFlash2's model, imported only
+        # when a DFlash2 config asks for it) is copied too, so every saved drafter carries the whole runtime.
+        for module in Path(__file__).parent.glob("*.py"):
+            if module.name != "__init__.py" and not (out / module.name).exists():
+                shutil.copyfile(module, out / module.name)
         if self.draft_vocabulary is None:
             (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)  # an older save's, which would no longer match
         else:

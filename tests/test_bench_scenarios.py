@@ -221,9 +221,22 @@ def test_draft_vocabulary_times_the_head_and_whole_calls(pair, tmp_path):
 
 
 def test_quantized_compares_each_variant_with_its_own_greedy(pair, tmp_path):
+    """On a target whose widths are multiples of 64, as bitsandbytes' 4-bit CPU kernels need (stories260K's MLP is
+    172 wide), with stories260K's tokenizer for the prompts."""
     pytest.importorskip("bitsandbytes")
-    report = run_scenario("quantized", tmp_path, *with_pair(pair, "--target", "--drafter", "--prompts"), "--limit",
-                          "1", "--max-new-tokens", "6", "--variants", "none", "nf4", "--device", "cpu")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = load_stories260k()
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    report = run_scenario("quantized", tmp_path, "--target", str(tmp_path / "target"), "--drafter",
+                          str(tmp_path / "drafter"), "--prompts", pair["--prompts"], "--limit", "1",
+                          "--max-new-tokens", "6", "--variants", "none", "nf4", "--device", "cpu")
     runs = {r["variant"]: r for r in report["runs"]}
     assert set(runs) == {"none", "nf4"} and runs["none"]["identical_to_plain_greedy"]
     assert runs["nf4"]["weights_mb"] < runs["none"]["weights_mb"]
@@ -273,3 +286,12 @@ def test_every_scenarios_recorded_command_parses_back_to_its_arguments(name):
     args = build_parser().parse_args(["bench", name, *REQUIRED.get(name, [])])
     again = build_parser().parse_args(shlex.split(harness.command_line(args))[1:])
     assert vars(again) == vars(args)
+
+
+def test_quantized_refuses_4_bit_on_a_cpu_where_bitsandbytes_cannot_run_it(pair, tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "quantized", *with_pair(pair, "--target", "--drafter", "--prompts"), "--variants", "none",
+              "nf4", "--device", "cpu", "--out", str(tmp_path / "q.json")])
+    assert refused.value.code == 2 and "intermediate_size 172; run on a GPU or pick int8" in capsys.readouterr().err
+    assert not (tmp_path / "q.json").exists()

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import shlex
@@ -34,8 +35,12 @@ def blocks(page: Path, language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", page.read_text(), flags=re.DOTALL | re.MULTILINE)
 
 
+# serving.md's examples talk to, or start, a server: tests/test_serve_smollm2.py runs its client example against a
+# live one, and tests/test_serve*.py cover the Python ways in.
+SERVER_PAGES = {REPO / "docs" / "serving.md"}
 PYTHON_BLOCKS = [pytest.param(block, id=f"{page.relative_to(REPO)}:{number}")
-                 for page in PAGES for number, block in enumerate(blocks(page, "python"), 1)]
+                 for page in PAGES if page not in SERVER_PAGES
+                 for number, block in enumerate(blocks(page, "python"), 1)]
 
 
 def test_the_pages_hold_examples():
@@ -121,6 +126,8 @@ def test_every_documented_command_exists(command):
             build_parser().parse_args(words[len(cli):])
         except SystemExit as exit_:
             pytest.fail(f"`{command}` does not parse (exit {exit_.code})")
+    elif words[0] in ("python", "python3") and words[1] == "-m" and words[2] != "pytest":
+        assert importlib.util.find_spec(words[2]) is not None, f"`{command}` runs a module not here"
     elif words[0] == "curl":  # requests to a running server: tests/test_serve_smollm2.py sends them
         assert any(word.startswith("http://127.0.0.1:") for word in words), f"`{command}` asks a remote host"
     elif words[:2] != ["pip", "install"]:  # installs are not run here; their extras are checked below

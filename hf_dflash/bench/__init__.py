@@ -42,6 +42,7 @@ SCENARIOS = {
     "quantized": "hf_dflash.bench.quantized",
     "closeness": "hf_dflash.bench.closeness",
     "soak": "hf_dflash.bench.soak",
+    "continuous": "hf_dflash.bench.continuous",
     "training-throughput": "hf_dflash.bench.training_throughput",
     "training-curves": "hf_dflash.bench.training_curves",
 }

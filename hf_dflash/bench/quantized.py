@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     import importlib.util
 
-    from ..cli_checks import BadArgument, at_least, check_device, check_drafter, check_model, check_prompts
+    from ..cli_checks import (
+        BadArgument, at_least, check_device, check_drafter, check_model, check_prompts, read_target,
+    )
 
     at_least("--limit", args.limit, 1)
     check_prompts("--prompts", args.prompts)
@@ -59,6 +61,16 @@ def check(args: argparse.Namespace) -> None:
     check_drafter("--drafter", args.drafter)
     if importlib.util.find_spec("bitsandbytes") is None:
         raise BadArgument("quantized targets need bitsandbytes: pip install 'hf-dflash[quant]'")
+    four_bit = [variant for variant in args.variants if variant in ("nf4", "fp4")]
+    if four_bit and (args.device or harness.default_device()) == "cpu":
+        # bitsandbytes' 4-bit CPU kernels take only widths that are multiples of their block of 64
+        text = read_target("--target", args.target).config.get_text_config()
+        widths = {"hidden_size": text.hidden_size, "intermediate_size": getattr(text, "intermediate_size", None)}
+        odd = {name: width for name, width in widths.items() if width is not None and width % 64}
+        if odd:
+            listed = ", ".join(f"{name} {width}" for name, width in odd.items())
+            raise BadArgument(f"--variants {' '.join(four_bit)} on a CPU: bitsandbytes' 4-bit CPU kernels need widths "
+                              f"that are multiples of 64, and {args.target} has {listed}; run on a GPU or pick int8")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..modeling.dflash_compat import linear_states, set_linear_states
 from . import harness
 
 SHAPES = {
@@ -67,12 +68,12 @@ def eager_loop_ways(model_type: str, overrides: dict, time: Any) -> dict[str, An
     keyword = cache_keyword(layer)
     layer(torch.randn(1, PROMPT, config.hidden_size), **{keyword: cache})
     state = cache.layers[0]
-    conv0, rec0 = state.conv_states[0].clone(), state.recurrent_states[0].clone()
+    conv0, rec0 = (t.clone() for t in linear_states(state))
     block = torch.randn(1, BLOCK, config.hidden_size)
 
     def restore() -> None:
-        state.conv_states[0].copy_(conv0)
-        state.recurrent_states[0].copy_(rec0)
+        for held, saved in zip(linear_states(state), (conv0, rec0)):
+            held.copy_(saved)
 
     def one_token() -> None:
         restore()
@@ -87,20 +88,21 @@ def eager_loop_ways(model_type: str, overrides: dict, time: Any) -> dict[str, An
         kept = []
         for row in range(BLOCK):
             layer(block[:, row : row + 1], **{keyword: cache})
-            kept.append((state.conv_states[0].clone(), state.recurrent_states[0].clone()))
-        state.conv_states[0].copy_(kept[ACCEPTED][0])
-        state.recurrent_states[0].copy_(kept[ACCEPTED][1])
+            kept.append(tuple(t.clone() for t in linear_states(state)))
+        for held, saved in zip(linear_states(state), kept[ACCEPTED]):
+            held.copy_(saved)
 
     def re_advance() -> None:
         restore()
-        before = (state.conv_states[0].clone(), state.recurrent_states[0].clone())
+        before = tuple(t.clone() for t in linear_states(state))
         layer(block, **{keyword: cache})
-        state.conv_states[0].copy_(before[0])
-        state.recurrent_states[0].copy_(before[1])
+        for held, saved in zip(linear_states(state), before):
+            held.copy_(saved)
         layer(block[:, : ACCEPTED + 1], **{keyword: cache})
 
-    conv_bytes = state.conv_states[0].numel() * 2  # bf16 in a bf16 model
-    recurrent_bytes = state.recurrent_states[0].numel() * state.recurrent_states[0].element_size()
+    conv_state, recurrent_state = linear_states(state)
+    conv_bytes = conv_state.numel() * 2  # bf16 in a bf16 model
+    recurrent_bytes = recurrent_state.numel() * recurrent_state.element_size()
     full_depth = AutoConfig.for_model(model_type, **overrides).layer_types
     return {
         "accepted": ACCEPTED,
@@ -165,7 +167,7 @@ def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> d
     def re_advance() -> None:
         for count in sorted(set(KEPT[batch])):
             rows = [row for row, c in enumerate(KEPT[batch]) if c == count]
-            state.conv_states[0], state.recurrent_states[0] = conv0[rows[:1]].clone(), recurrent0[rows[:1]].clone()
+            set_linear_states(state, conv0[rows[:1]].clone(), recurrent0[rows[:1]].clone())
             layer(block[rows][:, :count], **{keyword: cache})
 
     masked_chunk()

@@ -23,6 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from ..modeling import DFlashConfig, DFlashDraftModel
+from ..modeling.dflash_compat import forward_hook_count
 from . import harness
 
 VOCAB = 512
@@ -68,7 +69,7 @@ def small_pair(device: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Mo
 
 
 def hook_count(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return sum(forward_hook_count(m) for m in model.modules())
 
 
 def live_generators() -> int:

@@ -1,0 +1,165 @@
+"""`hf-dflash bench continuous` on stories260K and a random 1-layer drafter, a few requests: the report's fields, every
+arm's tokens against plain greedy, the drafter arm run or said to be unavailable, and bad arguments refused before any
+model loads. These runs check what the scenario measures and records, never how fast anything is."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from hf_dflash import DFlashConfig, DFlashDraftModel
+from hf_dflash.bench import continuous
+from hf_dflash.bundled_models import load_stories260k
+from hf_dflash.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DRAFTER_ARM = "assistant_model" in inspect.signature(LlamaForCausalLM.init_continuous_batching).parameters
+
+
+@pytest.fixture(scope="module")
+def options(tmp_path_factory) -> list[str]:
+    """stories260K, a random drafter for it and a file of three chat turns, as the scenario's arguments."""
+    root = tmp_path_factory.mktemp("continuous")
+    target, _ = load_stories260k()
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
+    DFlashDraftModel(config).save_pretrained(root / "drafter")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": text}) for text in
+                                 ["Once upon a time", "Tom saw a big dog in the park", "The sun"]))
+    return ["--target", "stories260k", "--drafter", str(root / "drafter"), "--prompts", str(prompts), "--device", "cpu"]
+
+
+@pytest.fixture
+def drafter_forwards(monkeypatch) -> list[int]:
+    """Counts the drafter's forward calls: an arm that claims the drafter must have called it."""
+    calls = []
+    forward = DFlashDraftModel.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DFlashDraftModel, "forward", counted)
+    return calls
+
+
+def run_continuous(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "continuous.json"
+    assert main(["bench", "continuous", *argv, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_every_arm_at_every_concurrency_reports_its_figures_and_plain_greedy_tokens(options, tmp_path,
+                                                                                      drafter_forwards):
+    report = run_continuous(tmp_path, *options, "--requests", "4", "--concurrency", "1", "3", "--max-new-tokens", "6",
+                            "--check", "4")
+    assert report["scenario"] == "continuous" and {"date", "machine", "versions", "command"} <= report.keys()
+    assert report["command"].startswith("hf-dflash bench continuous ") and "--concurrency 1 3" in report["command"]
+    assert report["arrival"] == "all at once" and report["distinct_prompts"] == 3
+    arms = ["cb", "cb-drafter", "generate-batches"] if DRAFTER_ARM else ["cb", "generate-batches"]
+    assert [(r["arm"], r["concurrency"]) for r in report["runs"]] == [(a, c) for c in (1, 3) for a in arms]
+    for run in report["runs"]:
+        assert run["requests"] == run["sent"] == run["completed"] == 4 and run["errors"] == []
+        assert run["output_tokens"] == 4 * 6 and run["requests_per_s"] > 0 and run["output_tokens_per_s"] > 0
+        for key in ("ttft_s", "itl_s", "latency_s"):
+            assert 0 <= run[key]["p50"] <= run[key]["p99"]
+        # request 3 repeats prompt 0 (requests cycle the prompts): checked too
+        assert run["identical_to_plain"] == {"checked": 4, "identical": 4, "mismatches": []}
+    assert report["mismatches"] == 0
+    assert drafter_forwards  # the fixed batches decoded with the drafter
+    if DRAFTER_ARM:
+        assert report["arms"]["cb-drafter"]["available"] is True
+    else:
+        drafter_arm = report["arms"]["cb-drafter"]
+        assert drafter_arm["available"] is False and "takes no assistant_model" in drafter_arm["reason"]
+
+
+def test_a_request_that_ends_on_eos_ends_there_in_every_arm(options, tmp_path, monkeypatch):
+    """eos is made the third token plain greedy answers the first prompt with: every arm must stop that request
+    there, eos included, as plain generate does, while the other requests run on."""
+    from hf_dflash import generate_cli
+    from hf_dflash.training.data import encode_prompt
+
+    target, tokenizer = load_stories260k()
+    prompt = encode_prompt(tokenizer, "Once upon a time")
+    answer = target.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, len(prompt):].tolist()
+    target.generation_config.eos_token_id = answer[2]
+    monkeypatch.setattr(generate_cli, "load_target", lambda *args: (target, tokenizer))
+    report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "3", "--max-new-tokens", "8")
+    for run in report["runs"]:
+        assert run["completed"] == 3 and run["identical_to_plain"] == {"checked": 3, "identical": 3, "mismatches": []}
+        assert run["output_tokens"] < 3 * 8  # request 0 ended on eos
+
+
+def test_a_poisson_arrival_and_one_arm(options, tmp_path):
+    report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "2", "--max-new-tokens", "4",
+                            "--rate", "20", "--seed", "1", "--arms", "cb")
+    assert report["arrival"] == "Poisson, 20.0 requests/s (seed 1)" and set(report["arms"]) == {"cb"}
+    (run,) = report["runs"]
+    assert run["completed"] == 3 and run["identical_to_plain"]["identical"] == 3
+
+
+def test_max_seconds_stops_sending_and_says_so(options, tmp_path):
+    report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "1", "--max-new-tokens", "4",
+                            "--max-seconds", "1e-9", "--arms", "generate-batches")
+    (run,) = report["runs"]
+    assert run["not_sent"] == 3 and run["completed"] == 0 and run["requests_per_s"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "4", "0"], "--concurrency must be at least 1, got 0"),
+    (["--requests", "0"], "--requests must be at least 1"),
+    (["--rate", "0"], "--rate must be greater than 0"),
+    (["--arrival", "poisson"], "--arrival poisson needs --rate R"),
+    (["--arrival", "all-at-once", "--rate", "2"], "--rate sets a Poisson arrival"),
+    (["--max-seconds", "0"], "--max-seconds must be greater than 0"),
+    (["--prompts", "no-such-file.jsonl"], "no such file"),
+    (["--max-new-tokens", "100000"], "do not fit"),
+])
+def test_a_bad_argument_is_refused_in_one_line_before_any_model_loads(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(continuous, "benchmark", lambda args: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "continuous", "--target", "stories260k", *argv])
+    error = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and message in error and len(error.splitlines()) == 1
+
+
+def test_inter_token_gaps_share_a_delivery_among_its_tokens():
+    # first token at 0.1; one delivery of three tokens 0.3 s later; one of one token 0.3 s after that
+    assert continuous.inter_token_gaps([0.1, 0.4, 0.4, 0.4, 0.7]) == pytest.approx([0.1, 0.1, 0.1, 0.3])
+    assert continuous.inter_token_gaps([0.5]) == []
+
+
+def test_the_token_clock_names_each_sequence_by_its_prompt_and_stops_at_the_deadline():
+    start = time.perf_counter()
+    clock = continuous.TokenClock(width=2, start=start, deadline=60)
+    batch = torch.tensor([[0, 5, 7], [4, 6, 8]])
+    assert not clock(batch).any()  # plain generate: the whole batch, once per step
+    assert not clock(torch.tensor([[4, 6, 8, 9]])).any()  # ours: one sequence, once per token
+    time.sleep(2 * clock.STEP_GAP_S)  # the next step
+    assert not clock(torch.tensor([[4, 6, 8, 9, 10]])).any()
+    assert set(clock.times) == {(0, 5), (4, 6)}
+    first, same_step, next_step = (clock.times[(4, 6)][n] for n in (1, 2, 3))
+    assert first == same_step == clock.times[(0, 5)][1] < next_step
+    late = continuous.TokenClock(width=2, start=start - 120, deadline=60)
+    assert late(batch).all() and late.cut
+
+
+def test_the_drafter_arm_is_available_only_where_init_continuous_batching_takes_a_drafter():
+    target, _ = load_stories260k()
+    reason = continuous.drafter_arm_unavailable(target)
+    assert (reason is None) == DRAFTER_ARM
+
+    class TakesADrafter(type(target)):
+        def init_continuous_batching(self, generation_config=None, assistant_model=None, **kwargs):
+            raise AssertionError("not called")
+
+    target.__class__ = TakesADrafter
+    assert continuous.drafter_arm_unavailable(target) is None
