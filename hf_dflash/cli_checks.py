@@ -33,7 +33,6 @@ BUNDLED_TARGETS = {
 }
 LOCAL_EXTRA = 'pip install "hf-dflash[local]"'
 DRAFTER_AS_TARGET = "this is a DFlash drafter; pass it as --drafter and give the target model as --target"
-DEFAULT_BLOCK_SIZE = 16  # `train`'s block size for a new drafter
 PROMPT_SOURCES = "a {\"prompt\": ...} .jsonl file, sharegpt:N, sharegpt-turns:N or humaneval"
 
 
@@ -544,6 +543,10 @@ def init_from_config(args: argparse.Namespace) -> Any:
         if value is not None:
             raise BadArgument(f"--init-from keeps that drafter's {option[2:].replace('-', ' ')}: leave out {option}")
     config = drafter_config("--init-from", args.init_from)
+    arch = "dflash2" if config.is_dflash2 else "dflash"
+    if args.arch not in (None, arch):
+        raise BadArgument(f"--arch {args.arch}: --init-from {args.init_from} is a {arch} drafter, and training keeps "
+                          f"its architecture; leave out --arch")
     if args.num_layers is not None and args.num_layers < config.num_hidden_layers:
         raise BadArgument(
             f"--num-layers {args.num_layers}: {args.init_from} has {config.num_hidden_layers} layers, and a drafter "
@@ -555,7 +558,7 @@ def init_from_config(args: argparse.Namespace) -> Any:
 def new_drafter_config(args: argparse.Namespace, target: TargetFiles) -> Any:
     """The config `train` gives a new drafter for the target (`new_drafter`'s), built here so that a
     --target-layer-ids or --mask-token-id the target does not have is refused before every answer is regenerated."""
-    from .modeling import DFlashConfig
+    from .training.drafter import new_drafter_config as drafter_config_for
 
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     depth, rows, used = text.num_hidden_layers, text.vocab_size, len(target.tokenizer)
@@ -571,10 +574,9 @@ def new_drafter_config(args: argparse.Namespace, target: TargetFiles) -> Any:
                           "embedding, so there is no spare row to take; pass an id that real text never uses, such as "
                           "an unused reserved special token")
     try:
-        return DFlashConfig.for_target(target.config, num_hidden_layers=args.num_layers or 1,
-                                       block_size=args.block_size or DEFAULT_BLOCK_SIZE,
-                                       mask_token_id=args.mask_token_id, tokenizer_size=used,
-                                       target_layer_ids=args.target_layer_ids)
+        return drafter_config_for(target.config, args.arch or "dflash", num_layers=args.num_layers or 1,
+                                  block_size=args.block_size, mask_token_id=args.mask_token_id, tokenizer_size=used,
+                                  target_layer_ids=args.target_layer_ids)
     except ValueError as error:
         raise BadArgument(f"--target {args.target}: {one_line(error)}") from None
 
@@ -658,9 +660,15 @@ def check_train(args: argparse.Namespace) -> None:
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     at_least("--block-size", args.block_size, 2, " (the anchor and one draft)")
     started = init_from_config(args) if args.init_from else None
-    block_size = started.block_size if started else args.block_size or DEFAULT_BLOCK_SIZE
+    from .training.drafter import DEFAULT_BLOCK_SIZES
+
+    arch = ("dflash2" if started.is_dflash2 else "dflash") if started else args.arch or "dflash"
+    block_size = started.block_size if started else args.block_size or DEFAULT_BLOCK_SIZES[arch]
     at_least("--max-length", args.max_length, block_size, " (one block)")
     at_least("--distill-topk", args.distill_topk, 0)
+    if args.distill_topk and arch == "dflash2":
+        raise BadArgument("--distill-topk trains DFlash drafters only; a DFlash2 drafter learns from the hard labels, "
+                          "as published: leave out --distill-topk")
     if not 0 <= args.distill_weight <= 1:
         raise BadArgument(f"--distill-weight must be in [0, 1], got {args.distill_weight:g}")
     check_shard_size("--max-shard-size", args.max_shard_size)

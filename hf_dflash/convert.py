@@ -1,4 +1,4 @@
-"""Conversion between the four on-disk layouts of a DFlash drafter, both ways, without loss.
+"""Conversion between the four on-disk layouts of a DFlash (or DFlash2) drafter, both ways, without loss.
 
 Every layout holds the same drafter tensors (fc, hidden_norm, layers.*, norm); they differ in names and config:
 - `ours`: model_type "dflash", the DFlash fields at the top level, the remote-code bundle beside the weights;
@@ -12,6 +12,9 @@ Every layout holds the same drafter tensors (fc, hidden_norm, layers.*, norm); t
   in `hidden_states` indices (ours + 1); the checkpoint also holds copies of the target's embedding and lm_head,
   the lm_head cut to a reduced draft vocabulary when there is one, with `d2t` (target id = draft id + d2t[draft id])
   and `t2d` (which target ids the draft vocabulary keeps).
+A DFlash2 drafter converts the same way between `ours`, `zlab` (`architectures: ["DFlash2DraftModel"]`, its fields
+in `dflash_config`, `is_causal: false`) and `speculators` (`speculators_model_type: "dflash2"`, its fields at the top
+level, `sliding_window_non_causal: true`); `native` has no DFlash2 form and refuses it.
 Our drafter borrows the target's embedding and lm_head, so writing `speculators` needs the target's weights
 (`target=`). A reduced draft vocabulary's maps are kept in our layout as `draft_vocab.safetensors` (the config records
 `draft_vocab_size`): our runtime drafts over those tokens only, as vLLM does, and a conversion back to speculators is
@@ -52,6 +55,7 @@ from .modeling import DFlashConfig
 from .modeling.dflash_draft_vocabulary import DRAFT_VOCAB_FILE
 from .modeling.dflash_layouts import (
     DECODER_FIELDS,
+    DFLASH2_DEFAULTS,
     LAYOUT_NAMES,
     Drafter,
     DrafterLayout,
@@ -68,7 +72,7 @@ CORE_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias", "layer_types",
     "sliding_window", "vocab_size", "target_hidden_size", "num_target_layers", "target_layer_ids", "block_size",
-    "mask_token_id",
+    "mask_token_id", *DFLASH2_DEFAULTS,  # None in a DFlash drafter's config
 )
 
 
@@ -245,7 +249,7 @@ def save(
     of its embedding and lm_head that layout holds. Everything that can refuse runs before anything is written, and the
     files are written to a temporary folder that becomes `out` only when all are written."""
     _check_layout_argument(layout, target)
-    writer = layout_named(layout, type(drafter.config).model_type)
+    writer = layout_named(layout, drafter.config.architecture)
     out = Path(out)
     _check_new_folder(out)
     writer.check_writable(drafter)

@@ -23,6 +23,7 @@ from .hub import published_drafters
 from .modeling import DFlashConfig, DFlashDraftModel
 from .modeling.dflash_checks import fit_problems
 from .modeling.dflash_layouts import read_config_file
+from .modeling.modeling_dflash2 import DFlash2DraftModel
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -111,8 +112,9 @@ def _read_target(name: str) -> tuple[Any, int | None, int | None]:
 
 def run_info(args: argparse.Namespace) -> int:
     config, layout, weights, training_args = _read_drafter(args.drafter)
+    model_class = DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in DFlashDraftModel(config).parameters())
+        parameters = sum(p.numel() for p in model_class(config).parameters())
     attention = ", ".join(f"{config.layer_types.count(t)} {t}" for t in sorted(set(config.layer_types)))
     print(f"drafter     {args.drafter} ({layout}; weights {weights})")
     print(f"target      {recorded_target(config, training_args)}")
@@ -126,6 +128,14 @@ def run_info(args: argparse.Namespace) -> int:
         f"(width {config.target_hidden_size})"
     )
     print(f"block       {config.block_size}, mask token {config.mask_token_id}, vocabulary {config.vocab_size}")
+    if config.is_dflash2:
+        softcap = config.final_logit_softcapping
+        cap = "no cap" if softcap is None else f"soft-capped at {softcap:g}"
+        print(
+            f"DFlash2     convolutions of {config.conv_kernel_size} taps over groups of {config.conv_group_size} "
+            f"channels; selector of rank {config.selector_rank} over {config.selector_top_k} candidates; logits x "
+            f"{config.output_multiplier:g}, {cap}; block embeddings x {config.input_embedding_scale:g}"
+        )
     published = published_drafters().get(args.drafter)
     if published is not None:
         print(f"published   https://huggingface.co/{published.repo_id}/blob/main/config.json")

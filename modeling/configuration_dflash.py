@@ -22,7 +22,16 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging
 
-from .dflash_layouts import DFLASH_DEFAULTS, LAYOUT_READ_FIELDS, config_fields_layout, detect_layout
+from .dflash_layouts import (
+    DFLASH,
+    DFLASH2,
+    DFLASH2_CLASS,
+    DFLASH2_DEFAULTS,
+    DFLASH_DEFAULTS,
+    LAYOUT_READ_FIELDS,
+    config_fields_layout,
+    detect_layout,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -124,7 +133,16 @@ FIELD_RULES: dict[str, FieldRule] = {
     "tie_word_embeddings": FieldRule("boolean", "whether the model ties embeddings (a drafter has none)"),
     "target_model": FieldRule("string", "the target's Hub id or name"),
     "draft_vocab_size": FieldRule("integer", "the number of target ids the drafter drafts over", low=1),
+    # DFlash2 (modeling_dflash2.py)
+    "conv_kernel_size": FieldRule("integer", "the taps of each DFlash2 convolution along the block", low=1),
+    "conv_group_size": FieldRule("integer", "the channels sharing one dynamic convolution weight", low=1),
+    "selector_rank": FieldRule("integer", "the width of the candidate selector's codebooks", low=1),
+    "selector_top_k": FieldRule("integer", "the candidates per block row the selector chooses among", low=1),
+    "output_multiplier": FieldRule("number", "the scale of the drafter's logits before the soft cap", above=0),
+    "final_logit_softcapping": FieldRule("number", "c of c * tanh(logits / c) (0 or null: no cap)", low=0),
+    "input_embedding_scale": FieldRule("number", "the scale of the block rows' embeddings", above=0),
 }
+
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -173,6 +191,10 @@ class DFlashConfig(PreTrainedConfig):
         draft_vocab_size: number of target ids the drafter drafts over when it has a reduced draft vocabulary (their
             ids are in `draft_vocab.safetensors` beside the weights; `DFlashDraftModel.set_draft_vocabulary`); None
             drafts over the full vocabulary.
+        conv_kernel_size, conv_group_size, selector_rank, selector_top_k, output_multiplier, final_logit_softcapping,
+            input_embedding_scale: the fields of a DFlash2 drafter (modeling_dflash2.py). A config is a DFlash2 one
+            when it sets any of them or its `architectures` lists DFlash2DraftModel; those it leaves out then take
+            the published values (`DFLASH2_DEFAULTS`). A DFlash config holds None in each and does not write them.
     """
 
     model_type = "dflash"
@@ -207,6 +229,13 @@ class DFlashConfig(PreTrainedConfig):
         tie_word_embeddings: bool = False,
         target_model: str | None = None,
         draft_vocab_size: int | None = None,
+        conv_kernel_size: int | None = None,
+        conv_group_size: int | None = None,
+        selector_rank: int | None = None,
+        selector_top_k: int | None = None,
+        output_multiplier: float | None = None,
+        final_logit_softcapping: float | None = None,
+        input_embedding_scale: float | None = None,
         **kwargs: Any,
     ):
         layout = config_fields_layout(kwargs, self.model_type)
@@ -223,7 +252,11 @@ class DFlashConfig(PreTrainedConfig):
         # with its own message, which names no fix.
         own = dict(initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings,
                    target_model=target_model, draft_vocab_size=draft_vocab_size)
-        self.check_field_types({**gathered.other, **gathered.given, **own})
+        dflash2 = dict(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size, selector_rank=selector_rank,
+                       selector_top_k=selector_top_k, output_multiplier=output_multiplier,
+                       final_logit_softcapping=final_logit_softcapping, input_embedding_scale=input_embedding_scale)
+        dflash2.update({k: v for k, v in gathered.dflash2.items() if dflash2[k] is None})
+        self.check_field_types({**gathered.other, **gathered.given, **own, **dflash2})
         # Fields the file left out take the defaults of its layout's reader (dflash_layouts.py).
         fields, kwargs = layout.resolve(gathered)
         self.hidden_size = fields["hidden_size"]
@@ -256,11 +289,39 @@ class DFlashConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         self.target_model = target_model
         self.draft_vocab_size = draft_vocab_size
+        is_dflash2 = any(v is not None for v in dflash2.values()) or DFLASH2_CLASS in (
+            kwargs.get("architectures") or []
+        )
+        for name, value in dflash2.items():
+            setattr(self, name, value if value is not None or not is_dflash2 else DFLASH2_DEFAULTS[name])
+        if is_dflash2 and self.final_logit_softcapping == 0:  # z-lab's and vLLM's readers take 0 as "no cap"
+            self.final_logit_softcapping = None
         # Resolved defaults pass the same checks (a reader's default can be wrong for this drafter).
         self.check_field_types({name: getattr(self, name) for name in LAYOUT_READ_FIELDS})
         self._validate_dflash_fields()  # before the base class, whose own checks give vaguer messages
+        if self.is_dflash2:
+            self._validate_dflash2_fields()
         self._check_declared_causality(gathered.declared_causal)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Whether this is a DFlash2 drafter's config (`DFlash2DraftModel`), which sets every DFlash2 field."""
+        return self.conv_kernel_size is not None
+
+    @property
+    def architecture(self) -> str:
+        """The drafter this config builds, as the layouts name it: "dflash" or "dflash2"."""
+        return DFLASH2 if self.is_dflash2 else DFLASH
+
+    def to_dict(self) -> dict[str, Any]:
+        """PreTrainedConfig's dict, without the DFlash2 fields of a DFlash config (all None), so that a DFlash
+        drafter's config.json stays what it was before DFlash2."""
+        output = super().to_dict()
+        if not self.is_dflash2:
+            for name in DFLASH2_DEFAULTS:
+                output.pop(name, None)
+        return output
 
     @staticmethod
     def check_field_types(fields: Mapping[str, Any]) -> None:
@@ -326,6 +387,24 @@ class DFlashConfig(PreTrainedConfig):
                     f"target_layer_ids {bad} are outside the target's {self.num_target_layers} layers (0-based)"
                 )
 
+    def _validate_dflash2_fields(self) -> None:
+        """A DFlash2 config's fields against the rest (each has passed its FIELD_RULES already)."""
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}: each dynamic "
+                "convolution weight covers a group of that many channels; set it to a divisor (16 in the published "
+                "drafters)"
+            )
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(
+                f"conv_kernel_size {self.conv_kernel_size} must be between 1 and block_size {self.block_size}: a tap "
+                "never reaches past the block's first row"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(
+                f"selector_top_k {self.selector_top_k} must be between 1 and vocab_size {self.vocab_size}"
+            )
+
     def _check_rope(self) -> None:
         if self.rope_parameters is None:
             return
@@ -340,15 +419,15 @@ class DFlashConfig(PreTrainedConfig):
             self.check_field_types({"rope_theta": theta})
 
     def _check_declared_causality(self, declared_causal: bool | None) -> None:
-        """What we run: a sliding layer is causal (a block row sees the `sliding_window` positions up to its own), a
-        full layer bidirectional (block rows see each other). A config that declares one causality for every layer
-        asks for something else as soon as one layer's type disagrees with it; it is refused rather than run
-        differently from the reader it was published for."""
+        """What we run: a DFlash drafter's sliding layer is causal (a block row sees the `sliding_window` positions up
+        to its own), a full layer bidirectional (block rows see each other); every DFlash2 layer is bidirectional (a
+        sliding one within a symmetric window). A config that declares one causality for every layer asks for
+        something else as soon as one layer disagrees with it; it is refused rather than run differently from the
+        reader it was published for."""
         if declared_causal is None:
             return
-        differing = [
-            i for i, kind in enumerate(self.layer_types) if (kind == "sliding_attention") != bool(declared_causal)
-        ]
+        causal = [kind == "sliding_attention" and not self.is_dflash2 for kind in self.layer_types]
+        differing = [i for i, layer_causal in enumerate(causal) if layer_causal != bool(declared_causal)]
         if differing:
             kind = "causal" if declared_causal else "bidirectional"
             raise ValueError(

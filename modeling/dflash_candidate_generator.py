@@ -1,9 +1,11 @@
 """`DFlashCandidateGenerator`: transformers' CandidateGenerator API over the drafter, its states and its paged cache.
 
 Per verify step the decoding loop (dflash_decoding.py) calls:
-1. `get_candidates(input_ids)`: compute keys/values of the context rows appended since the last propose (and only
-   those), then one drafter forward over the block [anchor, mask x (B - 1)] per sequence; drafts = argmax of the
-   target's lm_head on block rows 1..B-1 (over the drafter's draft vocabulary only, when it has one).
+1. `get_candidates(input_ids, rule)`: compute keys/values of the context rows appended since the last propose (and
+   only those), then one drafter forward over the block [anchor, mask x (B - 1)] per sequence; the drafts are the
+   drafter's `propose` from block rows 1..B-1 and their logits under the target's lm_head (over the drafter's draft
+   vocabulary only, when it has one): each row's argmax or a sample of its softmax (DFlash), the candidate
+   selector's path (DFlash2).
 2. the target verifies [anchor, drafts] while `capture` copies the chosen layers' rows into `scratch`;
 3. `update_candidate_strategy(input_ids, scores, num_matches)`: rows 0..a of the scratch (anchor and accepted
    drafts) become the next context slots, held in the accumulator until that propose; the block rows' page slots
@@ -19,10 +21,27 @@ from collections.abc import Sequence
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .dflash_acceptance import DecodingRule, Proposal
 from .dflash_capture import TargetHiddenCapture
 from .dflash_devices import check_drafter_device, execution_device
 from .dflash_draft_vocabulary import DraftVocabularyHead
 from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedCacheView, PagedDrafterCache, PagedView
+
+
+GREEDY = DecodingRule(do_sample=False, rejection=False)
+
+
+class _Logits:
+    """The `head` a drafter's `propose` takes, for rows whose logits are already computed: `draft_rows` gives both,
+    and the lm_head (the largest matrix of a step) runs once."""
+
+    def __init__(self, hidden: torch.Tensor, logits: torch.Tensor):
+        self.hidden, self.logits = hidden, logits
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows is not self.hidden:
+            raise ValueError("these logits belong to other rows; this is a bug: please report it")
+        return self.logits
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -90,6 +109,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.block_offsets = torch.arange(self.block_size, device=device)
         sliding = [t == "sliding_attention" for t in config.layer_types]
         self.window = config.sliding_window if any(sliding) else None
+        self.causal_window = drafter.causal_sliding_window
+        # The last `get_candidates` proposal (the eager loop reads its draft distribution under rejection sampling).
+        self.proposal: Proposal | None = None
 
     def capture_rows(self, num_rows: int) -> None:
         """Point the hooks at the scratch for the next target forward of `num_rows` rows per live sequence."""
@@ -141,12 +163,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
         for layer, (key, value) in enumerate(self.drafter.context_key_values(rows, positions)):
             self.cache.write_rows(layer, slots, key, value)  # (b, g, n, d) at (b, n) slots
 
-    def draft_logits(
+    def draft_rows(
         self, anchor_ids: torch.LongTensor, positions: torch.LongTensor, attention_mask: object, view: PagedView
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter forward over the blocks [anchor, mask x (B - 1)] at `positions` (b, B), reading context
-        through `view` under `attention_mask`; returns the target lm_head's logits of block rows 1..B-1
-        (b, B - 1, V). The one propose forward, for both loops. anchor_ids (b, 1)."""
+        through `view` under `attention_mask`; returns block rows 1..B-1 (b, B - 1, H), on the lm_head's device and
+        in its dtype, and their logits under the target's lm_head (b, B - 1, V; -inf outside a draft vocabulary).
+        The one propose forward, for both loops. anchor_ids (b, 1)."""
         mask_ids = self.mask_ids[: anchor_ids.shape[0]].to(anchor_ids.device)
         noise_embeds = self.input_embeddings(torch.cat([anchor_ids, mask_ids], dim=1)).to(self.device)
         hidden = self.drafter(
@@ -154,11 +177,22 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ).last_hidden_state
         # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
         hidden = hidden[:, 1:].to(self.head_device, self.head_dtype)
-        return self.lm_head(hidden) if self.draft_head is None else self.draft_head(hidden)
+        return hidden, self.lm_head(hidden) if self.draft_head is None else self.draft_head(hidden)
+
+    def propose(
+        self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.LongTensor, rule: DecodingRule
+    ) -> Proposal:
+        """The drafter's proposal for block rows 1..B-1 (`propose` of its class: each row's argmax, or DFlash2's
+        selector path), from `draft_rows`' rows and logits, under the call's rule. The one place drafts are made,
+        for both loops."""
+        return self.drafter.propose(hidden, anchor_ids, _Logits(hidden, logits), rule)
 
     @torch.no_grad()
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs: object) -> tuple[torch.LongTensor, torch.Tensor]:
-        """input_ids (b, t), last column the anchors -> (input_ids + B - 1 drafts, draft logits (b, B - 1, V))."""
+    def get_candidates(
+        self, input_ids: torch.LongTensor, rule: DecodingRule = GREEDY, **kwargs: object
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """input_ids (b, t), last column the anchors -> (input_ids + B - 1 drafts, draft logits (b, B - 1, V)). The
+        drafts are the drafter's proposal under `rule` (`propose`), kept whole in `self.proposal`."""
         for state in self.states:
             if not state.context_ready:
                 raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
@@ -166,10 +200,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.store_new_context(self.states)
         anchor_positions = torch.tensor([s.ctx_len for s in self.states], device=self.device)
         position_ids = anchor_positions[:, None] + self.block_offsets  # (b, B)
-        view = PagedCacheView(self.cache, self.states, self.block_size, self.window)
-        draft_logits = self.draft_logits(input_ids[:, -1:], position_ids, view.attention_masks, view)
-        drafts = draft_logits.argmax(dim=-1).to(input_ids.device)
-        return torch.cat([input_ids, drafts], dim=1), draft_logits
+        view = PagedCacheView(self.cache, self.states, self.block_size, self.window, self.causal_window)
+        anchor_ids = input_ids[:, -1:]
+        hidden, draft_logits = self.draft_rows(anchor_ids, position_ids, view.attention_masks, view)
+        self.proposal = self.propose(hidden, draft_logits, anchor_ids, rule)
+        return torch.cat([input_ids, self.proposal.drafts.to(input_ids.device)], dim=1), draft_logits
 
     def update_candidate_strategy(
         self, input_ids: torch.LongTensor, scores: torch.Tensor | None, num_matches: int | Sequence[int]

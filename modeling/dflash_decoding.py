@@ -6,11 +6,11 @@ and runs one of two loops over the same step parts:
 1. prefill (dflash_prefill.py): the target reads the prompt, hooks capture the chosen layers, the target picks the
    first token under the call's processors;
 2. per step: the drafter proposes a block after the anchor (the last committed token;
-   `DFlashCandidateGenerator.draft_logits`); the target verifies [anchor, drafts] in one forward; its scores at every
-   row go through the call's processors (dflash_processors.py); acceptance (dflash_acceptance.py) keeps drafts while
-   the target agrees (greedy, point-mass or rejection sampling) and adds the target's own token after them; the
-   target cache goes back to the committed length (dflash_target_cache.py: full, sliding-window and Gated DeltaNet
-   layers) and the accepted rows become drafter context.
+   `DFlashCandidateGenerator.draft_rows`, then the drafter's `propose`); the target verifies [anchor, drafts] in one
+   forward; its scores at every row go through the call's processors (dflash_processors.py); acceptance
+   (dflash_acceptance.py) keeps drafts while the target agrees (greedy, point-mass or rejection sampling) and adds
+   the target's own token after them; the target cache goes back to the committed length (dflash_target_cache.py:
+   full, sliding-window and Gated DeltaNet layers) and the accepted rows become drafter context.
 The fast path (dflash_fast_path.py) runs a step on fixed device buffers, as a CUDA graph on a GPU; `EagerDecoding`
 runs it around transformers' own cache. Either way the committed tokens then pass the same host hooks
 (dflash_host_hooks.py): stopping criteria called one token at a time (so stop strings and custom criteria end
@@ -163,11 +163,13 @@ class EagerDecoding:
         room = [self.host_hooks.max_length - len(tokens) for tokens in sequences]
         num_rows = min(self.verify_rows, max(room))
         anchors = torch.tensor([tokens[-1:] for tokens in sequences], device=device)  # (b, 1)
-        candidates, draft_logits = self.generator.get_candidates(anchors)  # [anchor, argmax drafts], their logits
+        candidates, _ = self.generator.get_candidates(anchors, rule=self.rule)  # [anchor, the drafter's proposal]
         drafts, draft_probs = candidates[:, 1:num_rows], None
-        if self.rule.rejection:  # drafts sampled from the drafter's own distribution instead of its argmax
-            # the drafter's logits come from the lm_head's device; the target's scores are on the inputs'
-            drafts, draft_probs = self.rule.propose(draft_logits[:, : num_rows - 1].to(device))
+        if self.rule.rejection:  # the sampled drafts together with the distributions they were drawn from
+            # the drafter's proposal comes from the lm_head's device; the target's scores are on the inputs'
+            proposal = self.generator.proposal
+            drafts = proposal.drafts[:, : num_rows - 1].to(device)
+            draft_probs = proposal.probs[:, : num_rows - 1].to(device)
         block = torch.cat([anchors, drafts], dim=1)  # (b, n): [anchor, drafts]
         anchor_positions = torch.tensor([s.ctx_len for s in self.generator.states], device=device)  # padding excluded
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(live), num_rows)], dim=1)

@@ -74,13 +74,16 @@ def record_cuda_graph(fn: Any, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def compile_drafter_pass(fn: Callable[["StepRows"], torch.Tensor]) -> Callable[["StepRows"], torch.Tensor]:
+DrafterPass = Callable[["StepRows"], tuple[torch.Tensor, torch.Tensor]]  # `DFlashStaticStep.draft`
+
+
+def compile_drafter_pass(fn: DrafterPass) -> DrafterPass:
     """`fn` compiled by inductor for fixed shapes, as one graph (a break is an error, not a silent eager piece), and
     without CUDA graphs of its own: the fast path records the whole step as one. Its calls may keep up to
     `DRAFTER_RECOMPILE_LIMIT` compiled versions."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
 
-    def run(rows: StepRows) -> torch.Tensor:
+    def run(rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
         with dynamo_cache_size_limit(DRAFTER_RECOMPILE_LIMIT):
             return compiled(rows)
 

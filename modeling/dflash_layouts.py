@@ -74,6 +74,25 @@ DFLASH_DEFAULTS: dict[str, Any] = {
     "attention_dropout": 0.0,
     "vocab_size": 151936,
 }
+# What a DFlash2 drafter adds (modeling_dflash2.py), with the values of every published DFlash2 drafter (z-lab's
+# Qwen3.8-27B-DFlash2, speculators' and SpecForge's training defaults): two-tap convolutions over groups of 16 channels,
+# a selector of rank 256 choosing among 16 candidates per row, and no logit scaling. A DFlash2 config that leaves one
+# out takes this value.
+DFLASH2_DEFAULTS: dict[str, Any] = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "input_embedding_scale": 1.0,
+}
+# Our names of the two drafter architectures, and the class a DFlash2 drafter's files list in `architectures`.
+DFLASH, DFLASH2 = "dflash", "dflash2"
+DFLASH2_CLASS = "DFlash2DraftModel"
+# What z-lab's DFlash2 files keep in `dflash_config`; any other key there is refused, naming it (it would change
+# the drafter in a way this reader does not know).
+DFLASH2_NESTED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "causal", *DFLASH2_DEFAULTS)
 # The DFlash fields: the drafter's block, its mask token and the target layers it reads.
 DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
 # Every field of our config that a layout holds (DFlashConfig's own, target_model and draft_vocab_size, stay ours).
@@ -178,13 +197,16 @@ class GatheredFields:
     given: every field of the layout's `read_fields`, as the dict sets it (None where it leaves it out), the DFlash
         fields taken from `dflash_config` and captured layers from `aux_hidden_state_layer_ids` where those hold them;
     other: the rest (PreTrainedConfig's own fields, and `rope_theta` / `rope_scaling` as written);
-    declared_causal: one causality the dict declares for every layer (`is_causal`, or `dflash_config.causal`), or None.
+    declared_causal: one causality the dict declares for every layer (`is_causal`, or `dflash_config.causal`), or None;
+    dflash2: the DFlash2 fields (`DFLASH2_DEFAULTS`' names) that `dflash_config` holds, where z-lab's files keep them
+        (None where it leaves one out; the same name at the top level, a keyword of DFlashConfig, wins).
     """
 
     model_type: str | None
     given: dict[str, Any]
     other: dict[str, Any]
     declared_causal: bool | None
+    dflash2: dict[str, Any]
 
 
 @dataclass
@@ -218,7 +240,7 @@ class DrafterLayout:
     classmethods, compared and looked up as classes (`LAYOUTS`)."""
 
     name: ClassVar[str]  # what `hf-dflash convert --to` calls it
-    architecture: ClassVar[str] = "dflash"  # the model_type of our config for the drafter it holds
+    architecture: ClassVar[str] = "dflash"  # the drafter it holds, as our config names it (`DFlashConfig.architecture`)
     drafter_class: ClassVar[str] = "DFlashDraftModel"  # the class its files name in `architectures`
     # Our tensor name prefixes that this layout spells otherwise, ours -> theirs.
     renamed_tensors: ClassVar[dict[str, str]] = {}
@@ -233,7 +255,12 @@ class DrafterLayout:
 
     @classmethod
     def model_class(cls) -> type[DFlashDraftModel]:
-        from .modeling_dflash import DFlashDraftModel  # imported here: modeling_dflash imports this file
+        # imported here: both modeling files import this one
+        if cls.architecture == DFLASH2:
+            from .modeling_dflash2 import DFlash2DraftModel
+
+            return DFlash2DraftModel
+        from .modeling_dflash import DFlashDraftModel
 
         return DFlashDraftModel
 
@@ -340,7 +367,8 @@ class FlatLayout(DrafterLayout):
                 "drafter's config.json"
             )
         given = {name: other.pop(name, None) for name in cls.read_fields}
-        return GatheredFields(model_type, given, other, declared_causal)
+        dflash2 = {name: nested.get(name) for name in DFLASH2_DEFAULTS}
+        return GatheredFields(model_type, given, other, declared_causal, dflash2)
 
     @classmethod
     def resolve(cls, gathered: GatheredFields) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -367,7 +395,7 @@ class OursLayout(FlatLayout):
 
     @classmethod
     def detects(cls, config: Mapping[str, Any]) -> bool:
-        return config.get("model_type") == cls.architecture
+        return config.get("model_type") == DFLASH and not names_dflash2(config)
 
     @classmethod
     def resolve(cls, gathered: GatheredFields) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -459,7 +487,10 @@ class ZLabLayout(ReferenceLayout):
     @classmethod
     def detects(cls, config: Mapping[str, Any]) -> bool:
         names = config.get("architectures") or []
-        return cls.declares_drafter(config) and ("dflash_config" in config or cls.drafter_class in names)
+        return (
+            cls.declares_drafter(config) and ("dflash_config" in config or cls.drafter_class in names)
+            and not names_dflash2(config)
+        )
 
     @classmethod
     def write_config(cls, drafter: Drafter, target: TargetVocabulary | None = None) -> dict[str, Any]:
@@ -569,6 +600,15 @@ class SpeculatorsLayout(DrafterLayout):
     }
     TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
     VOCAB_TENSORS = ("d2t", "t2d")
+    # How we run the block rows of a sliding layer, in speculators' words: causal (a row sees the rows up to its own)
+    # for DFlash, as speculators' default, vLLM and z-lab's reference do.
+    sliding_non_causal: ClassVar[bool] = False
+    SLIDING_MISMATCH: ClassVar[str] = (
+        "this speculators drafter's sliding-window layers let every block row see the whole block "
+        "(sliding_window_non_causal: true); hf-dflash runs a DFlash drafter's sliding layers causally (a block row "
+        "sees the rows up to its own), as speculators' default, vLLM and z-lab's reference do, so it has no hf-dflash "
+        "equivalent"
+    )
 
     @classmethod
     def detects(cls, config: Mapping[str, Any]) -> bool:
@@ -620,13 +660,8 @@ class SpeculatorsLayout(DrafterLayout):
         sliding = [t == SLIDING for t in (getattr(layer, "layer_types", None) or [])]
         if any(sliding) and layer.sliding_window is None:
             fields.update(layer_types=[FULL] * layer.num_hidden_layers, sliding_window=None)
-        elif any(sliding) and config["sliding_window_non_causal"]:
-            raise ValueError(
-                "this speculators drafter's sliding-window layers let every block row see the whole block "
-                "(sliding_window_non_causal: true); hf-dflash runs sliding layers causally (a block row sees the rows "
-                "up to its own), as speculators' default, vLLM and z-lab's reference do, so it has no hf-dflash "
-                "equivalent"
-            )
+        elif any(sliding) and config["sliding_window_non_causal"] != cls.sliding_non_causal:
+            raise ValueError(cls.SLIDING_MISMATCH)
         elif any(sliding) and layer.sliding_window < layer.max_position_embeddings:
             raise ValueError(f"this speculators drafter has sliding-window layers; {WINDOW_MISMATCH}")
         if config.get("target_hidden_size") not in (None, layer.hidden_size):
@@ -645,7 +680,12 @@ class SpeculatorsLayout(DrafterLayout):
             fields["num_target_layers"] = config["num_target_layers"]
         if config["draft_vocab_size"] != layer.vocab_size:
             fields["draft_vocab_size"] = config["draft_vocab_size"]
-        return cls.config_class()(**fields)
+        return cls.config_class()(**fields, **cls.architecture_fields(config))
+
+    @classmethod
+    def architecture_fields(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The fields of our config that the drafter's architecture adds, from a config dict with `DEFAULTS`."""
+        return {}
 
     @classmethod
     def read(
@@ -717,11 +757,12 @@ class SpeculatorsLayout(DrafterLayout):
             "num_target_layers": config.num_target_layers,  # not speculators': kept so a conversion back is exact
             "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
             "mask_token_id": config.mask_token_id,
-            # Our sliding layers are causal inside the block too (full layers bidirectional), as speculators' default.
-            "sliding_window_non_causal": False,
+            # How we run a sliding layer's block rows (DFlash: causal, as speculators' default; full layers are
+            # bidirectional either way).
+            "sliding_window_non_causal": cls.sliding_non_causal,
             "sample_from_anchor": False,
             "speculators_config": {
-                "algorithm": "dflash",
+                "algorithm": cls.speculators_model_type,
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}],
                 "default_proposal_method": "greedy",
                 # The target the drafter records (a Hub id) over the path its embedding was read from, which may be a
@@ -732,9 +773,143 @@ class SpeculatorsLayout(DrafterLayout):
         }
 
 
+# --------------------------------------------------------------------------------------------------
+# DFlash2 (modeling_dflash2.py): the same layouts, with the fields and tensors it adds. Its tensors (layers.{i}.
+# attention_conv.*, layers.{i}.mlp_conv.*, candidate_selector.*) carry the same names in every layout; its sliding
+# layers let the block rows see each other both ways (a symmetric window), as z-lab's files say with
+# `is_causal: false` and speculators' with `sliding_window_non_causal: true`. transformers' assistant has no DFlash2
+# form.
+# --------------------------------------------------------------------------------------------------
+
+
+def names_dflash2(config: Mapping[str, Any]) -> bool:
+    """Whether a config.json dict (of a flat layout) is a DFlash2 drafter's: `architectures` lists DFlash2DraftModel,
+    or a DFlash2 field is set, at the top level or in `dflash_config`. One that sets DFlash2 fields while naming
+    another drafter class is refused."""
+    names = config.get("architectures") or []
+    nested = config.get("dflash_config")
+    nested = nested if isinstance(nested, Mapping) else {}
+    fields = [name for name in DFLASH2_DEFAULTS if config.get(name) is not None or nested.get(name) is not None]
+    if fields and names and DFLASH2_CLASS not in names:
+        raise ValueError(
+            f"this drafter config sets the DFlash2 fields {fields} but its architectures {names} name no "
+            f"{DFLASH2_CLASS}; correct the architectures, or remove those fields, in its config.json"
+        )
+    return bool(fields) or DFLASH2_CLASS in names
+
+
+class Ours2Layout(OursLayout):
+    """Our layout of a DFlash2 drafter: `DFlash2DraftModel.save_pretrained`'s folder, the DFlash2 fields at the top
+    level beside the DFlash ones, `architectures: ["DFlash2DraftModel"]` and `auto_map` to modeling_dflash2."""
+
+    architecture = DFLASH2
+    drafter_class = DFLASH2_CLASS
+
+    @classmethod
+    def detects(cls, config: Mapping[str, Any]) -> bool:
+        return config.get("model_type") == DFLASH and names_dflash2(config)
+
+
+class ZLab2Layout(ZLabLayout):
+    """z-lab's DFlash2 layout (z-lab/dflash tests/fixtures/dflash2-config.json, and the published DFlash2 drafters):
+    `architectures: ["DFlash2DraftModel"]`, the decoder family's model_type, the DFlash and DFlash2 fields in
+    `dflash_config` (block_size included), `is_causal: false`. A key of `dflash_config` this reader does not know is
+    refused, naming it."""
+
+    architecture = DFLASH2
+    drafter_class = DFLASH2_CLASS
+
+    @classmethod
+    def detects(cls, config: Mapping[str, Any]) -> bool:
+        if config.get("model_type") in (DFLASH, NativeLayout.model_type) or SpeculatorsLayout.is_speculators_config(
+            config
+        ):
+            return False
+        return names_dflash2(config)
+
+    @classmethod
+    def check_file(cls, config: Mapping[str, Any]) -> None:
+        super().check_file(config)
+        nested = config.get("dflash_config") or {}
+        unknown = sorted(set(nested) - set(DFLASH2_NESTED_FIELDS)) if isinstance(nested, Mapping) else []
+        if unknown:
+            raise ValueError(
+                f"this DFlash2 config's dflash_config holds {unknown}, which hf-dflash does not know (it reads "
+                f"{', '.join(DFLASH2_NESTED_FIELDS)}); a newer DFlash2 variant, or a typo: this drafter is not "
+                "supported as written"
+            )
+
+    @classmethod
+    def write_config(cls, drafter: Drafter, target: TargetVocabulary | None = None) -> dict[str, Any]:
+        config = drafter.config
+        out = super().write_config(drafter, target)
+        out["architectures"] = [cls.drafter_class]
+        out["is_causal"] = False  # every layer lets the block rows see each other (sliding ones within the window)
+        nested = {"block_size": out.pop("block_size"), **out["dflash_config"]}
+        nested.update({name: getattr(config, name) for name in DFLASH2_DEFAULTS if getattr(config, name) is not None})
+        out["dflash_config"] = nested
+        return out
+
+
+class Speculators2Layout(SpeculatorsLayout):
+    """speculators' DFlash2 checkpoint (`speculators_model_type: "dflash2"`, speculators' DFlash2SpeculatorConfig):
+    DFlash's speculators layout plus the DFlash2 fields at the top level (its defaults are the published ones), and
+    `sliding_window_non_causal` true by default, which is how we run DFlash2's sliding layers. speculators trains
+    DFlash2 over the full vocabulary only, so a reduced draft vocabulary is refused both ways."""
+
+    architecture = DFLASH2
+    drafter_class = DFLASH2_CLASS
+    speculators_model_type = DFLASH2
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        **SpeculatorsLayout.DEFAULTS,
+        "sliding_window_non_causal": True,
+        **{name: DFLASH2_DEFAULTS[name] for name in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                      "selector_top_k")},
+    }
+    sliding_non_causal = True
+    SLIDING_MISMATCH = (
+        "this speculators DFlash2 drafter runs its sliding layers causally inside the block "
+        "(sliding_window_non_causal: false); hf-dflash, as z-lab's reference and speculators' DFlash2 default do, lets "
+        "a DFlash2 drafter's block rows see each other both ways there, so it has no hf-dflash equivalent"
+    )
+
+    @classmethod
+    def read_config(cls, config: Mapping[str, Any]) -> DFlashConfig:
+        ours = super().read_config(config)
+        if ours.draft_vocab_size is not None:
+            raise ValueError(
+                f"this speculators DFlash2 checkpoint drafts over {ours.draft_vocab_size} of the target's "
+                f"{ours.vocab_size} tokens; DFlash2's selector scores the full vocabulary (speculators trains it so "
+                "only), so this checkpoint is inconsistent"
+            )
+        return ours
+
+    @classmethod
+    def architecture_fields(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: config.get(name, cls.DEFAULTS.get(name)) for name in DFLASH2_DEFAULTS}
+
+    @classmethod
+    def check_writable(cls, drafter: Drafter) -> None:
+        super().check_writable(drafter)
+        if drafter.draft_vocab is not None:
+            raise ValueError(
+                "speculators' DFlash2 drafters draft over the full vocabulary; this one has a reduced draft "
+                "vocabulary: load it, call drafter.set_draft_vocabulary(None), save it, and convert that copy"
+            )
+
+    @classmethod
+    def write_config(cls, drafter: Drafter, target: TargetVocabulary | None = None) -> dict[str, Any]:
+        config = drafter.config
+        out = super().write_config(drafter, target)
+        out.update({name: getattr(config, name) for name in DFLASH2_DEFAULTS if getattr(config, name) is not None})
+        return out
+
+
 # Every layout, in the order detection tries them (a layout of a further architecture goes ahead of the one it
 # extends, so that each claims only its own files).
-LAYOUTS: tuple[type[DrafterLayout], ...] = (SpeculatorsLayout, NativeLayout, OursLayout, ZLabLayout)
+LAYOUTS: tuple[type[DrafterLayout], ...] = (
+    Speculators2Layout, SpeculatorsLayout, NativeLayout, Ours2Layout, OursLayout, ZLab2Layout, ZLabLayout,
+)
 LAYOUT_NAMES = tuple(dict.fromkeys(layout.name for layout in LAYOUTS))
 
 
@@ -751,7 +926,8 @@ def detect_layout(config: Mapping[str, Any]) -> type[DrafterLayout]:
 
 
 def layout_named(name: str, architecture: str = "dflash") -> type[DrafterLayout]:
-    """The layout `hf-dflash convert --to name` writes for a drafter of `architecture` (our config's model_type)."""
+    """The layout `hf-dflash convert --to name` writes for a drafter of `architecture` (`DFlashConfig.architecture`:
+    dflash or dflash2)."""
     for layout in LAYOUTS:
         if layout.name == name and layout.architecture == architecture:
             return layout
@@ -783,7 +959,12 @@ def loading_key_mapping() -> dict[str, str]:
 
 __all__ = [
     "CONFIG_FILE",
+    "DFLASH",
+    "DFLASH2",
+    "DFLASH2_CLASS",
+    "DFLASH2_NESTED_FIELDS",
     "DECODER_FIELDS",
+    "DFLASH2_DEFAULTS",
     "DFLASH_DEFAULTS",
     "DFLASH_FIELDS",
     "Drafter",
@@ -795,9 +976,13 @@ __all__ = [
     "NativeLayout",
     "OursLayout",
     "ReferenceLayout",
+    "Ours2Layout",
+    "Speculators2Layout",
     "SpeculatorsLayout",
     "TargetVocabulary",
+    "ZLab2Layout",
     "ZLabLayout",
+    "names_dflash2",
     "config_fields_layout",
     "detect_layout",
     "layers_of_hidden_states",

@@ -157,10 +157,14 @@ class PagedView:
 class PagedCacheView(PagedView):
     """The eager loop's view for one propose over a batch of states: the block rows go to slots
     [ctx_committed, ctx_committed + q) of each sequence, and each reads its valid slots, padded to the longest
-    sequence. `attention_masks` says which padded slots each block row may see.
+    sequence. `attention_masks` says which padded slots each block row may see (`causal_window`: how a sliding
+    layer's block rows see each other, `DFlashDraftModel.causal_sliding_window`).
     """
 
-    def __init__(self, cache: PagedDrafterCache, states: list[DflashProposerState], block_size: int, window: int | None):
+    def __init__(
+        self, cache: PagedDrafterCache, states: list[DflashProposerState], block_size: int, window: int | None,
+        causal_window: bool = True,
+    ):
         for state in states:  # the block rows follow the committed context
             state.ctx_count_drafter = state.ctx_committed + block_size
             cache.reserve(state, state.ctx_count_drafter)
@@ -187,7 +191,7 @@ class PagedCacheView(PagedView):
         self.full_mask = None if all(n == kv_len for n in lengths) else valid[:, None, None, :]
         self.window_mask = None
         if window is not None:
-            self.window_mask = (in_window(query_pos, key_pos, window) & valid[:, None, :])[:, None]
+            self.window_mask = (in_window(query_pos, key_pos, window, causal_window) & valid[:, None, :])[:, None]
 
     @property
     def attention_masks(self) -> dict[str, torch.Tensor | None]:

@@ -113,18 +113,19 @@ class DFlashStep:
         self.verify(rows, draft_probs)
 
     def propose(self, rows: StepRows) -> torch.Tensor | None:
-        """Store the last verify's rows as context, then draft the next block into `rows.drafts`. Returns the
-        distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None."""
+        """Store the last verify's rows as context, then draft the next block into `rows.drafts` (the drafter's
+        `propose`: DFlash2's selector runs here, inside the step). Returns the distribution the drafts were sampled
+        from (n, B - 1, V) under rejection sampling, else None."""
         drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
         with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
-            draft_logits = drafter_pass(rows)
-        drafts, draft_probs = self.rule.propose(draft_logits)
-        rows.drafts.copy_(drafts)
-        return draft_probs
+            hidden, draft_logits = drafter_pass(rows)
+        proposal = self.generator.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
+        rows.drafts.copy_(proposal.drafts)
+        return proposal.probs
 
-    def draft(self, rows: StepRows) -> torch.Tensor:
+    def draft(self, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's pass of `propose` (the part of the step the fast path compiles): context keys/values, masks,
-        the drafter forward and the lm_head. Returns the draft rows' logits (n, B - 1, V)."""
+        the drafter forward and the lm_head. Returns the draft rows (n, B - 1, H) and their logits (n, B - 1, V)."""
         block, generator = self.block_size, self.generator
         # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
         #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
@@ -135,11 +136,12 @@ class DFlashStep:
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
         visible = rows.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
         masks = {FULL: visible[:, None, :]}  # (n, 1, S)
-        if generator.window is not None:
-            masks[SLIDING] = in_window(positions, rows.draft_key_positions, generator.window)  # (n, B, S)
+        if generator.window is not None:  # (n, B, S); a symmetric window also needs the block's bound
+            window = in_window(positions, rows.draft_key_positions, generator.window, generator.causal_window)
+            masks[SLIDING] = window if generator.causal_window else window & visible[:, None, :]
         # (n, 1, q, S) masks; additive for sdpa, built once here rather than converted from booleans in every layer
         masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
-        return generator.draft_logits(rows.anchor_ids, positions, masks, rows.drafter_view)
+        return generator.draft_rows(rows.anchor_ids, positions, masks, rows.drafter_view)
 
     def verify(self, rows: StepRows, draft_probs: torch.Tensor | None) -> None:
         """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""

@@ -275,6 +275,19 @@ def _read_draft_vocabulary(source: Any, config: DFlashConfig, kwargs: dict[str, 
     return draft_vocabulary_from_maps(load_file(path), config.vocab_size, config.draft_vocab_size, path)
 
 
+def _names_dflash2(source: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the drafter at `source` (folder or Hub id; `config=` when given) is a DFlash2 one. A config that
+    cannot be read here answers False: the load itself then fails with its own message."""
+    config = kwargs.get("config")
+    if not isinstance(config, DFlashConfig):
+        options = {name: kwargs[name] for name in FILE_LOOKUP_OPTIONS if name in kwargs}
+        try:
+            config = DFlashConfig.from_pretrained(source, **options)
+        except Exception:
+            return False
+    return config.is_dflash2
+
+
 class DFlashPreTrainedModel(PreTrainedModel):
     config_class = DFlashConfig
     config: DFlashConfig
@@ -309,6 +322,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     # The layer a subclass swaps in (DFlash2's wraps attention and the MLP in convolutions), built once in __init__.
     decoder_layer_class: type[nn.Module] = DFlashDecoderLayer
+    # Whether a sliding layer's block rows see only the rows up to their own (DFlash) or each other both ways
+    # within the window (DFlash2); the runtime builds the masks (dflash_masks.in_window).
+    causal_sliding_window: bool = True
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
@@ -329,7 +345,15 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         and every parameter filled: a missing, unexpected or mis-shaped tensor is an error, not a warning.
 
         Weights load from safetensors only. A pickled `pytorch_model.bin` can run code while it is read, so it is
-        refused unless `allow_pickle=True`, and then read with `torch.load(weights_only=True)`."""
+        refused unless `allow_pickle=True`, and then read with `torch.load(weights_only=True)`.
+
+        `DFlashDraftModel.from_pretrained` of a DFlash2 drafter returns a `DFlash2DraftModel`."""
+        if cls is DFlashDraftModel and _names_dflash2(pretrained_model_name_or_path, kwargs):
+            from .modeling_dflash2 import DFlash2DraftModel  # imported here: modeling_dflash2 imports this file
+
+            return DFlash2DraftModel.from_pretrained(
+                pretrained_model_name_or_path, *args, allow_pickle=allow_pickle, **kwargs
+            )
         wants_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("key_mapping", loading_key_mapping())  # the layouts' names of fc and hidden_norm
         _choose_weight_format(pretrained_model_name_or_path, allow_pickle, kwargs)

@@ -18,9 +18,9 @@ the block rows, the target's embedding and lm_head) and adds, as z-lab's referen
 Shapes: b = batch, n = block rows (B, or B - 1 after the anchor), H = hidden size, K = conv taps, G = channel groups,
 k = selector_top_k, r = selector_rank, V = target vocabulary.
 
-The DFlash2 fields are read as config attributes (`DFlash2Settings.from_config`): conv_kernel_size, conv_group_size,
-selector_rank, selector_top_k (required); output_multiplier, final_logit_softcapping, input_embedding_scale
-(optional).
+The DFlash2 fields are `DFlashConfig`'s (conv_kernel_size, conv_group_size, selector_rank, selector_top_k,
+output_multiplier, final_logit_softcapping, input_embedding_scale; checked there, published defaults for those a config
+leaves out), read once into `DFlash2Settings`.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -44,7 +44,7 @@ from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 
 @dataclass(frozen=True)
 class DFlash2Settings:
-    """The fields DFlash2 adds to a DFlash config, checked once."""
+    """The fields DFlash2 adds to a DFlash config, read once."""
 
     conv_kernel_size: int
     """Taps of each convolution (2 in every published drafter): the row itself and the K - 1 rows before it."""
@@ -63,58 +63,22 @@ class DFlash2Settings:
 
     @classmethod
     def from_config(cls, config: DFlashConfig) -> "DFlash2Settings":
-        required = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-        missing = [name for name in required if getattr(config, name, None) is None]
-        if missing:
+        """The settings of a DFlash2 config (`DFlashConfig` has checked every field, alone and against the others)."""
+        if not config.is_dflash2:
             raise ValueError(
-                f"a DFlash2 drafter config needs {', '.join(missing)}; the published drafters set conv_kernel_size 2, "
-                "conv_group_size 16, selector_rank 256, selector_top_k 16 (in dflash_config)"
+                "this is a DFlash drafter config (no DFlash2 fields); build a DFlashDraftModel from it, or give it the "
+                "DFlash2 fields (conv_kernel_size, conv_group_size, selector_rank, selector_top_k, ...)"
             )
-        def optional(name: str, default: float) -> float:
-            value = getattr(config, name, None)
-            return default if value is None else float(value)
-
-        softcap = optional("final_logit_softcapping", 0.0)
-        settings = cls(
-            conv_kernel_size=int(config.conv_kernel_size),
-            conv_group_size=int(config.conv_group_size),
-            selector_rank=int(config.selector_rank),
-            selector_top_k=int(config.selector_top_k),
-            output_multiplier=optional("output_multiplier", 1.0),
-            final_logit_softcapping=None if softcap == 0.0 else softcap,
-            input_embedding_scale=optional("input_embedding_scale", 1.0),
+        return cls(
+            conv_kernel_size=config.conv_kernel_size,
+            conv_group_size=config.conv_group_size,
+            selector_rank=config.selector_rank,
+            selector_top_k=config.selector_top_k,
+            output_multiplier=float(config.output_multiplier),
+            final_logit_softcapping=None if config.final_logit_softcapping is None
+            else float(config.final_logit_softcapping),
+            input_embedding_scale=float(config.input_embedding_scale),
         )
-        settings.check(config)
-        return settings
-
-    def check(self, config: DFlashConfig) -> None:
-        if self.conv_group_size < 1 or config.hidden_size % self.conv_group_size:
-            raise ValueError(
-                f"conv_group_size {self.conv_group_size} must divide hidden_size {config.hidden_size}; set it to a "
-                "divisor (16 in the published drafters)"
-            )
-        if not 1 <= self.conv_kernel_size <= config.block_size:
-            raise ValueError(
-                f"conv_kernel_size {self.conv_kernel_size} must be between 1 and block_size {config.block_size}"
-            )
-        if self.selector_rank < 1:
-            raise ValueError(f"selector_rank must be at least 1, got {self.selector_rank}")
-        if not 1 <= self.selector_top_k <= config.vocab_size:
-            raise ValueError(
-                f"selector_top_k {self.selector_top_k} must be between 1 and vocab_size {config.vocab_size}"
-            )
-        # The selector takes its candidates from the raw logits: the same set as from the scaled ones only when the
-        # scale keeps their order, which is how every engine runs it.
-        for name in ("output_multiplier", "input_embedding_scale"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value}")
-        if self.final_logit_softcapping is not None and not (
-            math.isfinite(self.final_logit_softcapping) and self.final_logit_softcapping > 0
-        ):
-            raise ValueError(
-                f"final_logit_softcapping must be positive (or absent for no cap), got {self.final_logit_softcapping}"
-            )
 
     def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """lm_head logits (...) -> float32 c * tanh(logits * output_multiplier / c), the scores the selector starts
@@ -249,6 +213,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     """
 
     decoder_layer_class = DFlash2DecoderLayer
+    causal_sliding_window = False  # a symmetric window: block rows see each other both ways (is_causal: false)
     _no_split_modules = ["DFlash2DecoderLayer"]
 
     def __init__(self, config: DFlashConfig):
@@ -300,6 +265,21 @@ class DFlash2DraftModel(DFlashDraftModel):
         given the drafts before it. `confidence` is q of the draft (at temperature 1 when greedy).
 
         Fixed-shape tensor work without host synchronization (one step per row), so a CUDA graph can hold it.
+
+        The proposal distribution, and why sampling stays exact. Row i's q is the selector's own sampling
+        distribution given the draft actually drawn at row i - 1: softmax(S_i(d_{i-1}, c) / T) over the row's k
+        candidates, 0 on every other token. That is how the engines that serve DFlash2 define it: vLLM (pull request
+        52816) writes the candidates' scores into a row of -inf draft logits and Gumbel-samples it at the request's
+        temperature, the rejection sampler taking q as that row's softmax; SGLang (pull request 35371) walks the rows
+        by inverse CDF and returns q over the k candidates (one-hot for greedy rows). Rejection sampling is exact for
+        any proposal as long as (1) each draft is drawn from the very q handed to the verifier, (2) q_i is the
+        distribution given the tokens before row i, which are the committed ones exactly when row i is examined (the
+        rows before it were all accepted; rows after a rejection are never read), and (3) the drafter's random numbers
+        are independent of the verifier's (vLLM salts its draft noise for this reason; here every draw takes fresh
+        numbers from the default generator). q may give 0 to most of the vocabulary: those tokens are never drafted,
+        and the residual max(p - q, 0) returns their target mass. The temperature is the call's, so q is as sharp as
+        the target's p, which is what keeps acceptance high; top-k / top-p shape only p. Greedy drafting (and the
+        point-mass rule) takes each row's best score and needs no q.
 
         hidden (b, B - 1, H) the final-norm rows; anchor_ids (b, 1); head maps rows to the target vocabulary's
         logits (b, B - 1, V), -inf outside a draft vocabulary (such tokens are never drafted)."""

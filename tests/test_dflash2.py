@@ -14,6 +14,7 @@ import torch
 
 from hf_dflash.modeling import DFlashConfig, DFlashDraftModel, DflashProposerState, PagedDrafterCache
 from hf_dflash.modeling.dflash_acceptance import DecodingRule
+from hf_dflash.modeling.dflash_layouts import DFLASH2_DEFAULTS
 from hf_dflash.modeling.dflash_paged_cache import PagedCacheView
 from hf_dflash.modeling.modeling_dflash2 import DFlash2DraftModel
 from tests.test_sampling import chi_square_p_value
@@ -522,10 +523,11 @@ def test_propose_traces_as_one_graph_without_a_host_sync(rejection):
         (dict(conv_group_size=6), "conv_group_size 6 must divide hidden_size 64"),
         (dict(conv_kernel_size=9), "conv_kernel_size 9 must be between 1 and block_size 8"),
         (dict(selector_top_k=51), "selector_top_k 51 must be between 1 and vocab_size 50"),
-        (dict(selector_rank=0), "selector_rank must be at least 1"),
-        (dict(output_multiplier=0.0), "output_multiplier must be a positive finite number"),
-        (dict(final_logit_softcapping=-1.0), "final_logit_softcapping must be positive"),
-        (dict(selector_rank=None), "needs selector_rank"),
+        (dict(selector_rank=0), r"selector_rank must be an integer >= 1 \(the width of the candidate selector"),
+        (dict(output_multiplier=0.0), "output_multiplier must be a number > 0"),
+        (dict(final_logit_softcapping=-1.0), "final_logit_softcapping must be a number >= 0"),
+        (dict(conv_kernel_size=2.5), "conv_kernel_size must be an integer >= 1"),
+        (dict(input_embedding_scale="2"), "input_embedding_scale must be a number > 0"),
     ],
 )
 def test_bad_dflash2_fields_are_refused_with_the_fix(change, message):
@@ -533,3 +535,19 @@ def test_bad_dflash2_fields_are_refused_with_the_fix(change, message):
     fields.update(change)
     with pytest.raises(ValueError, match=message):
         DFlash2DraftModel(DFlashConfig(**{k: v for k, v in fields.items() if k != "model_type"}))
+
+
+def test_a_dflash2_config_takes_the_published_value_of_a_field_it_leaves_out():
+    fields = {k: v for k, v in make_config(SHAPES["gqa_b8"]).to_dict().items() if k != "model_type"}
+    for name in ("conv_group_size", "selector_rank", "final_logit_softcapping"):
+        del fields[name]
+    config = DFlashConfig(**fields)
+    assert config.is_dflash2
+    assert (config.conv_group_size, config.selector_rank, config.final_logit_softcapping) == (16, 256, None)
+    # the class named in architectures alone makes a config DFlash2's, every field at its published value
+    plain = {k: v for k, v in fields.items() if k not in DFLASH2_DEFAULTS}
+    assert not DFlashConfig(**plain).is_dflash2
+    named = DFlashConfig(**{**plain, "architectures": ["DFlash2DraftModel"]})
+    assert {name: getattr(named, name) for name in DFLASH2_DEFAULTS} == DFLASH2_DEFAULTS
+    with pytest.raises(ValueError, match="this is a DFlash drafter config"):
+        DFlash2DraftModel(DFlashConfig(**plain))

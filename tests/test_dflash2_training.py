@@ -3,7 +3,11 @@ greedy walk, and its relation to DFlash's objective for a fresh drafter."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch.nn.functional as F
 
 from hf_dflash.modeling import DFlashConfig, DFlashDraftModel
 from hf_dflash.modeling.dflash_acceptance import DecodingRule
+from hf_dflash.modeling.dflash_layouts import DFLASH2_DEFAULTS
 from hf_dflash.modeling.modeling_dflash2 import DFlash2DraftModel
 from hf_dflash.training.objective import IGNORE, DFlashObjective, row_weights
 from hf_dflash.training.objective_dflash2 import DFlash2Objective, dflash2_block_loss, predecessor_ids
@@ -207,3 +212,89 @@ def test_a_dflash_drafter_is_refused_by_the_dflash2_objective():
     config = drafter_config(target)
     with pytest.raises(ValueError, match="DFlash2Objective trains a DFlash2 drafter"):
         DFlash2Objective(target, config)(DFlashDraftModel(config), random_batch(0, batch=1, seq_len=20))
+
+
+# --------------------------------------------------------------------------------------------------
+# hf-dflash train --arch dflash2: stories260K, two steps, reloaded every way a user loads a drafter
+# --------------------------------------------------------------------------------------------------
+
+REMOTE_CODE_GENERATE = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_dflash"] = None  # this interpreter cannot import the library
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+    drafter = AutoModel.from_pretrained(sys.argv[2], trust_remote_code=True).eval()
+    assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+    prompt = torch.tensor([[1, 403, 407, 261, 378, 284]])
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    assert torch.equal(plain, out.sequences)
+    print("remote-code", type(drafter).__name__, "ok")
+    """
+)
+
+
+def test_train_arch_dflash2_saves_a_drafter_that_loads_back_as_dflash2(tmp_path):
+    """Both architectures train two steps on the same answers; the DFlash2 one is saved as a DFlash2DraftModel (its
+    published fields in config.json, its trained convolutions and selector in the weights) and loads back as one
+    through DFlashDraftModel.from_pretrained and through the remote-code bundle alone; the DFlash one is unchanged."""
+    from hf_dflash.bundled_models import load_stories260k
+    from hf_dflash.cli import main as cli_main
+    from hf_dflash.training import write_jsonl_prompts
+
+    prompts = [f"Once upon a time, {name} had a {thing}." for name in ("Lily", "Tom") for thing in ("ball", "dog")]
+    write_jsonl_prompts(prompts, tmp_path / "p.jsonl.gz", sources=["made up here"] * len(prompts))
+    common = ["train", "--target", "stories260k", "--prompts", str(tmp_path / "p.jsonl.gz"), "--max-new-tokens", "16",
+              "--batch-size", "2", "--max-anchors", "4", "--regenerated", str(tmp_path / "data.safetensors"),
+              "--mask-token-id", "0", "--steps", "2", "--lr", "1e-2"]
+    assert cli_main([*common, "--out", str(tmp_path / "dflash")]) == 0
+    assert cli_main([*common, "--out", str(tmp_path / "dflash2"), "--arch", "dflash2"]) == 0
+
+    plain = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    assert plain["architectures"] == ["DFlashDraftModel"] and plain["block_size"] == 16
+    assert not set(DFLASH2_DEFAULTS) & set(plain)
+    assert type(DFlashDraftModel.from_pretrained(tmp_path / "dflash")) is DFlashDraftModel
+
+    saved = json.loads((tmp_path / "dflash2" / "config.json").read_text())
+    assert saved["architectures"] == ["DFlash2DraftModel"] and saved["block_size"] == 8
+    assert saved["auto_map"]["AutoModel"] == "modeling_dflash2.DFlash2DraftModel"
+    assert {k: saved.get(k) for k in DFLASH2_DEFAULTS} == DFLASH2_DEFAULTS
+    assert json.loads((tmp_path / "dflash2" / "training_args.json").read_text())["arch"] == "dflash2"
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "dflash2")
+    assert type(drafter) is DFlash2DraftModel
+    # trained with the DFlash2 objective: a fresh drafter's convolutions are the identity (kernel_projection zero;
+    # the selector learns only once labels reach its candidates, which two steps do not promise)
+    for conv in (drafter.layers[0].attention_conv, drafter.layers[0].mlp_conv):
+        assert float(conv.kernel_projection.weight.detach().abs().max()) > 0
+
+    target, tokenizer = load_stories260k()
+    prompt = tokenizer("Once upon a time, Tom had a ball.", return_tensors="pt")["input_ids"]
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter.eval(),
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected) and len(out.acceptance_lengths[0]) >= 1
+
+    target.save_pretrained(tmp_path / "target")
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_CODE_GENERATE, str(tmp_path / "target"), str(tmp_path / "dflash2")],
+        capture_output=True, text=True, timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remote-code DFlash2DraftModel ok" in result.stdout
+
+
+def test_train_arch_dflash2_refuses_what_it_cannot_do(tmp_path, capsys):
+    from hf_dflash.cli import main as cli_main
+
+    base = ["train", "--target", "stories260k", "--prompts", "humaneval", "--mask-token-id", "0", "--steps", "1"]
+    for extra, message in (
+        (["--arch", "dflash2", "--distill-topk", "4"], "--distill-topk trains DFlash drafters only"),
+        (["--arch", "dflash3"], "invalid choice: 'dflash3'"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            cli_main([*base, "--out", str(tmp_path / "out"), *extra])
+        assert refused.value.code == 2 and message in capsys.readouterr().err

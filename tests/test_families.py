@@ -296,14 +296,14 @@ def test_fast_path_drafter_sliding_window_drafts_as_the_eager_loop(monkeypatch):
     layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     batch = left_pad([random_prompt(n, seed=n) for n in (7, 3)])
     recorded: list[list[torch.Tensor]] = []
-    original = DFlashCandidateGenerator.draft_logits
+    original = DFlashCandidateGenerator.draft_rows
 
     def record(self, *args):
-        logits = original(self, *args)
+        hidden, logits = original(self, *args)
         recorded[-1].append(logits.clone())
-        return logits
+        return hidden, logits
 
-    monkeypatch.setattr(DFlashCandidateGenerator, "draft_logits", record)
+    monkeypatch.setattr(DFlashCandidateGenerator, "draft_rows", record)
     outputs = []
     for window, fast in ((3, False), (3, True), (100, True)):
         drafter = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **dict(layout, sliding_window=window))

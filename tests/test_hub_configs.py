@@ -9,13 +9,15 @@ import torch
 
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.hub import HUB_CONFIGS, published_drafters
+from hf_dflash.modeling.modeling_dflash2 import DFlash2DraftModel
 
 PUBLISHED = published_drafters()
 
 
 def build(repo_id: str) -> DFlashDraftModel:
+    config = DFlashConfig(**PUBLISHED[repo_id].config)
     with torch.device("meta"):
-        return DFlashDraftModel(DFlashConfig(**PUBLISHED[repo_id].config))
+        return (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config)
 
 
 @pytest.mark.parametrize("repo_id", sorted(PUBLISHED))
@@ -43,6 +45,16 @@ def test_qwen3_8b_drafter_has_the_published_size():
     params = sum(p.numel() for p in drafter.parameters())
     assert 1.04e9 < params < 1.06e9  # "about 1.05B parameters"
     assert drafter.config.target_layer_ids == [1, 9, 17, 25, 33] and drafter.config.mask_token_id == 151669
+
+
+def test_the_published_dflash2_drafter_reads_as_one():
+    drafter = build("z-lab/Qwen3.8-27B-DFlash2")
+    config = drafter.config
+    assert type(drafter) is DFlash2DraftModel and config.block_size == 8
+    assert (config.conv_kernel_size, config.conv_group_size, config.selector_rank, config.selector_top_k) == (
+        2, 16, 256, 16
+    )
+    assert drafter.candidate_selector.successor_codebook.shape == (248320, 256)
 
 
 def test_published_configs_answer_offline_config_requests():

@@ -84,21 +84,27 @@ def test_our_layout_round_trips_through_its_class(target, tmp_path):
 
 
 def test_every_layout_is_detected_as_itself_and_no_other():
-    written = {"ours": {"model_type": "dflash"}, "zlab": {"model_type": "qwen3", "dflash_config": {}},
-               "native": {"model_type": "muse_glimmer_assistant"},
-               "speculators": {"speculators_model_type": "dflash", "transformer_layer_config": {}}}
+    dflash2 = {"architectures": ["DFlash2DraftModel"]}
+    written = {
+        ("ours", "dflash"): {"model_type": "dflash"},
+        ("ours", "dflash2"): {"model_type": "dflash", **dflash2},
+        ("zlab", "dflash"): {"model_type": "qwen3", "dflash_config": {}},
+        ("zlab", "dflash2"): {"model_type": "qwen3", "dflash_config": {}, **dflash2},
+        ("native", "dflash"): {"model_type": "muse_glimmer_assistant"},
+        ("speculators", "dflash"): {"speculators_model_type": "dflash", "transformer_layer_config": {}},
+        ("speculators", "dflash2"): {"speculators_model_type": "dflash2", "transformer_layer_config": {}, **dflash2},
+    }
+    assert len(written) == len(LAYOUTS)
     for layout in LAYOUTS:
-        assert [other.name for other in LAYOUTS if other.detects(written[layout.name])] == [layout.name]
+        assert [other for other in LAYOUTS if other.detects(written[layout.name, layout.architecture])] == [layout]
+    # a DFlash2 field alone (z-lab's files keep them in dflash_config) makes a file DFlash2's
+    assert detect_layout({"model_type": "qwen3", "dflash_config": {"selector_top_k": 8}}).architecture == "dflash2"
 
 
 def test_configs_of_no_dflash_drafter_are_refused_naming_what_they_are():
-    """A target's config, and a second-generation drafter's (its architecture is no layout's here yet), are not read
-    as a DFlash drafter."""
+    """A target's config, and another algorithm's speculators checkpoint, are not read as a DFlash drafter."""
     with pytest.raises(ValueError, match="model_type 'llama'.*not a DFlash drafter"):
         detect_layout({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
-    dflash2 = {"model_type": "qwen3", "architectures": ["DFlash2DraftModel"], "dflash_config": {"block_size": 16}}
-    with pytest.raises(ValueError, match=r"architectures \['DFlash2DraftModel'\]\) is not a DFlash drafter"):
-        detect_layout(dflash2)
     with pytest.raises(ValueError, match="not a DFlash drafter"):
         detect_layout({"speculators_model_type": "eagle3", "transformer_layer_config": {}})
 
@@ -220,7 +226,7 @@ def test_published_sliding_configs_are_read_windowed():
     """The published Qwen3.5/3.6 drafters set sliding_window and sliding layer_types without use_sliding_window.
     transformers' Qwen3Config (z-lab's class) reads no window there; we read the window, as vLLM and SGLang run them."""
     sliding = {repo: entry.config for repo, entry in published_drafters().items() if SLIDING in entry.config.get(
-        "layer_types", [])}
+        "layer_types", []) and "DFlash2DraftModel" not in entry.config["architectures"]}  # DFlash2's set it
     assert sliding, "hub_configs/ lists no sliding-window drafter"
     for repo, fields in sliding.items():
         assert not fields.get("use_sliding_window"), repo

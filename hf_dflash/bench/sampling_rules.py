@@ -62,8 +62,8 @@ def proposal_overlaps(target: Any, drafter: Any, prompts: list[dict], args: argp
         return propose(self, logits)
 
     def spying_accept(scores: torch.Tensor, drafts: torch.Tensor, do_sample: bool, draft_probs: torch.Tensor) -> Any:
-        p = torch.softmax(scores[0, :-1], dim=-1)  # (B - 1, V): batch 1
-        logits = draft_logits[0][0].float()
+        p = torch.softmax(scores[0, :-1], dim=-1)  # (n - 1, V): batch 1, the rows this step verifies
+        logits = draft_logits[0][0, : drafts.shape[1]].float()  # the drafter proposed all B - 1 rows
         shaped = torch.softmax(warpers(logits[None], torch.zeros(1, dtype=torch.long), None, drafts[:1])[0], dim=-1)
         overlaps["drafter at temperature"].append(torch.minimum(p, draft_probs[0]).sum(-1))
         overlaps["drafter through top-k/top-p"].append(torch.minimum(p, shaped).sum(-1))

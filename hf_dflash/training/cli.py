@@ -24,11 +24,11 @@ from safetensors import SafetensorError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import generate_cli
-from ..cli_checks import BUNDLED_TARGETS, DEFAULT_BLOCK_SIZE
+from ..cli_checks import BUNDLED_TARGETS
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..run_record import device_name, portable_command, portable_path
 from .data import AnswersOrigin, RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
-from .drafter import grow_drafter, new_drafter
+from .drafter import ARCHITECTURES, DEFAULT_BLOCK_SIZES, grow_drafter, new_drafter
 from .evaluate import measure_tau
 from .trainer import TrainingArguments, train
 
@@ -191,12 +191,14 @@ def run(args: argparse.Namespace) -> int:
         drafter = new_drafter(
             target,
             num_layers=args.num_layers or 1,
-            block_size=args.block_size or DEFAULT_BLOCK_SIZE,
+            block_size=args.block_size,
             mask_token_id=args.mask_token_id,
             tokenizer_size=len(tokenizer),
             target_layer_ids=args.target_layer_ids,
             init_from_target=args.init_from_target,
+            arch=args.arch or "dflash",
         )
+    arch = "dflash2" if drafter.config.is_dflash2 else "dflash"
     if args.draft_vocab_size is not None:
         # The drafter is trained over the full vocabulary; the saved one drafts over the answers' most used tokens.
         vocabulary = data.most_frequent_response_tokens(args.draft_vocab_size, drafter.config.vocab_size)
@@ -205,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
         # The size a shipped drafter's bf16 model.safetensors has (MB: 10^6 bytes); the budget is a shipping rule.
         parameters = sum(p.numel() for p in drafter.parameters())
         origin = f"{args.init_from}, grown from {depth} layers" if grow else args.init_from or "new"
-        print(f"drafter ({origin}): {drafter.config.num_hidden_layers} layers, {parameters:,} parameters, "
+        kind = "DFlash2 drafter" if arch == "dflash2" else "drafter"
+        print(f"{kind} ({origin}): {drafter.config.num_hidden_layers} layers, {parameters:,} parameters, "
               f"{2 * parameters / 1e6:.2f} MB of bf16 weights")
     training_args = TrainingArguments(
         out_dir=args.out,
@@ -230,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
         log_every=args.log_every,
         compile_loss={"auto": None, "on": True, "off": False}[args.compile_loss],
         attention=args.attention,
-        extra={"command": portable_command(sys.argv), "target": args.target_description or args.target,
+        extra={"command": portable_command(sys.argv), "arch": arch,
+               "target": args.target_description or args.target,
                "prompts": " ".join(map(portable_path, args.prompts)), "init_from_target": args.init_from_target,
                "init_from": args.init_from and portable_path(args.init_from),
                "data": {"prompt_sources": dict(sum((Counter(prompt_sources(spec)) for spec in args.prompts),
@@ -327,9 +331,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="drafter decoder layers (default 1; published drafters: 5 or 8); with --init-from, grow that "
                    "drafter to this many: each new layer a copy of its last with the output projections of "
                    "attention and MLP zeroed, so it starts out computing exactly what the drafter did")
+    p.add_argument("--arch", choices=list(ARCHITECTURES),
+                   help="the drafter's architecture: dflash (default), or dflash2 (convolutions along the block and a "
+                   "candidate selector, with the published DFlash2 settings; trained with the block loss plus the "
+                   "selector's); with --init-from, that drafter's")
     p.add_argument("--block-size", type=int, default=None,
-                   help=f"block size B, anchor included (default {DEFAULT_BLOCK_SIZE}; with --init-from, that "
-                   "drafter's)")
+                   help="block size B, anchor included (default "
+                   + ", ".join(f"{size} for {arch}" for arch, size in DEFAULT_BLOCK_SIZES.items())
+                   + "; with --init-from, that drafter's)")
     p.add_argument("--mask-token-id", type=int,
                    help="embedding row for mask rows; default: the first row past the tokenizer, if there is one")
     p.add_argument("--target-layer-ids", type=_int_list, help="comma-separated target layers to capture")

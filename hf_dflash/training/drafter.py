@@ -4,39 +4,74 @@ trained one grown deeper without changing what it computes."""
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..modeling.dflash_capture import decoder_layers
-from ..modeling.modeling_dflash import DFlashDecoderLayer
+from ..modeling.dflash_layouts import DFLASH2_DEFAULTS
+from ..modeling.modeling_dflash2 import DFlash2DraftModel, DFlash2Settings
+
+# The drafter architectures `train` builds (`--arch`): the model class and the config fields it adds.
+ARCHITECTURES: dict[str, tuple[type[DFlashDraftModel], dict]] = {
+    "dflash": (DFlashDraftModel, {}),
+    "dflash2": (DFlash2DraftModel, DFLASH2_DEFAULTS),
+}
+# The block size of a new drafter of each architecture, as published: DFlash's drafters draft 15 tokens a step,
+# DFlash2's 7 (z-lab's Qwen3.8-27B-DFlash2, and speculators' and SpecForge's DFlash2 training default).
+DEFAULT_BLOCK_SIZES = {"dflash": 16, "dflash2": 8}
 
 
 def new_drafter(
     target: PreTrainedModel,
     num_layers: int = 1,
-    block_size: int = 16,
+    block_size: int | None = None,
     mask_token_id: int | None = None,
     tokenizer_size: int | None = None,
     target_layer_ids: list[int] | None = None,
     init_from_target: bool = False,
+    arch: str = "dflash",
 ) -> DFlashDraftModel:
     """A randomly initialised drafter shaped for `target` (float32, on CPU; call `torch.manual_seed` first).
 
+    arch: "dflash", or "dflash2" for a `DFlash2DraftModel` with the published DFlash2 fields (`DFLASH2_DEFAULTS`),
+    which starts out computing what its DFlash backbone computes (identity convolutions, a silent selector).
+    block_size: default `DEFAULT_BLOCK_SIZES[arch]`.
     `init_from_target` copies decoder layer i of the target into drafter layer i wherever a tensor of the same name
     and shape exists (attention, MLP, norms), and the target's final norm into the drafter's; `fc` stays random.
     """
-    config = DFlashConfig.for_target(
-        target.config,
-        num_hidden_layers=num_layers,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        tokenizer_size=tokenizer_size,
-        target_layer_ids=target_layer_ids,
-    )
-    drafter = DFlashDraftModel(config)
+    config = new_drafter_config(target.config, arch, num_layers, block_size, mask_token_id, tokenizer_size,
+                                target_layer_ids)
+    drafter = ARCHITECTURES[arch][0](config)
     if init_from_target:
         copy_target_layers(target, drafter)
     return drafter
+
+
+def new_drafter_config(
+    target_config: PreTrainedConfig,
+    arch: str = "dflash",
+    num_layers: int = 1,
+    block_size: int | None = None,
+    mask_token_id: int | None = None,
+    tokenizer_size: int | None = None,
+    target_layer_ids: list[int] | None = None,
+) -> DFlashConfig:
+    """The config of `new_drafter` (see there), checked as the drafter's class will check it."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown drafter architecture {arch!r}; pick one of {', '.join(ARCHITECTURES)}")
+    model_class, fields = ARCHITECTURES[arch]
+    config = DFlashConfig.for_target(
+        target_config,
+        num_hidden_layers=num_layers,
+        block_size=block_size or DEFAULT_BLOCK_SIZES[arch],
+        mask_token_id=mask_token_id,
+        tokenizer_size=tokenizer_size,
+        target_layer_ids=target_layer_ids,
+        **fields,
+    )
+    if model_class is DFlash2DraftModel:
+        DFlash2Settings.from_config(config)  # a group size that does not divide the target's width, say
+    return config
 
 
 @torch.no_grad()
@@ -65,7 +100,8 @@ def grow_drafter(drafter: DFlashDraftModel, num_layers: int) -> DFlashDraftModel
     set to zero, so both its residual branches add exactly zero and the grown drafter computes what the old one did,
     bit for bit (x + 0 is x; the final norm still reads the same residual stream). The branches still learn: the
     zeroed matrices get a gradient at the first step (their inputs are not zero), the rest of the layer once they
-    are no longer zero. A new layer has the last layer's attention type.
+    are no longer zero. A new layer has the last layer's attention type. A DFlash2 layer's convolution after each
+    branch maps its zero output to zero, so the same holds there.
     """
     config = drafter.config
     depth = config.num_hidden_layers
@@ -79,7 +115,7 @@ def grow_drafter(drafter: DFlashDraftModel, num_layers: int) -> DFlashDraftModel
     for index in range(depth, num_layers):
         # Built from the shared config (not deep-copied from `last`), so the attention implementation stays the
         # model's and `layer_idx` addresses this layer's own cache slot.
-        layer = DFlashDecoderLayer(config, index).to(last.mlp.down_proj.weight)
+        layer = drafter.decoder_layer_class(config, index).to(last.mlp.down_proj.weight)
         layer.load_state_dict(last.state_dict())
         for branch_out in (layer.self_attn.o_proj, layer.mlp.down_proj):
             branch_out.weight.zero_()
@@ -89,4 +125,11 @@ def grow_drafter(drafter: DFlashDraftModel, num_layers: int) -> DFlashDraftModel
     return drafter
 
 
-__all__ = ["copy_target_layers", "grow_drafter", "new_drafter"]
+__all__ = [
+    "ARCHITECTURES",
+    "DEFAULT_BLOCK_SIZES",
+    "copy_target_layers",
+    "grow_drafter",
+    "new_drafter",
+    "new_drafter_config",
+]

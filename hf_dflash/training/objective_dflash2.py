@@ -163,7 +163,10 @@ class DFlash2Objective(DFlashObjective):
     def __call__(
         self, drafter: nn.Module, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None
     ) -> DFlash2LossOutput:
-        if not hasattr(drafter, "candidate_selector"):
+        # Under data parallel the drafter comes wrapped: its forward goes through the wrapper (which syncs the
+        # gradients), its selector and logit scaling are read from the model inside.
+        model = getattr(drafter, "module", drafter)
+        if not hasattr(model, "candidate_selector"):
             raise ValueError("DFlash2Objective trains a DFlash2 drafter (one with a candidate_selector); use "
                              "DFlashObjective for a DFlash one")
         rows = self.draft_rows(drafter, batch, generator)
@@ -174,7 +177,7 @@ class DFlash2Objective(DFlashObjective):
             rows.blocks.labels,
             predecessors,
             self.weights,
-            drafter,
+            model,
             self.selector_weight,
             self.selector_stop_gradient,
             self.chunk_rows,

@@ -31,6 +31,7 @@ from ..modeling.dflash_compat import attention_implementation
 from ..run_record import device_name, portable_command, portable_path
 from .data import LengthGroupedSampler, RegeneratedData, TrainingSequences, collate_right_padded
 from .objective import DFlashObjective
+from .objective_dflash2 import DFlash2Objective
 
 
 @dataclass
@@ -115,7 +116,11 @@ def train(
     args: TrainingArguments,
     accelerator: Accelerator | None = None,
 ) -> TrainingResult:
-    """Train `drafter` against the frozen `target` on regenerated `data`; save it to `args.out_dir`."""
+    """Train `drafter` against the frozen `target` on regenerated `data`; save it to `args.out_dir`. A DFlash2 drafter
+    trains with `DFlash2Objective` (the block loss plus its selector's), a DFlash one with `DFlashObjective`."""
+    if drafter.config.is_dflash2 and args.distill_topk:
+        raise ValueError("distillation (distill_topk) trains DFlash drafters only; a DFlash2 drafter learns from the "
+                         "hard labels, as published: leave distill_topk at 0")
     start_time = time.perf_counter()
     out_dir = Path(args.out_dir)
     on_gpu = torch.cuda.is_available()
@@ -143,8 +148,11 @@ def train(
         drafter.set_attn_implementation("flex_attention")
     target.to(accelerator.device)
     compile_loss = args.compile_loss if args.compile_loss is not None else accelerator.device.type == "cuda"
-    objective = DFlashObjective(target, drafter.config, args.max_anchors, args.gamma, attention, args.distill_topk,
-                                args.distill_weight, compile_loss)
+    if drafter.config.is_dflash2:
+        objective = DFlash2Objective(target, drafter.config, args.max_anchors, args.gamma, attention)
+    else:
+        objective = DFlashObjective(target, drafter.config, args.max_anchors, args.gamma, attention,
+                                    args.distill_topk, args.distill_weight, compile_loss)
     dataset = TrainingSequences(data, args.max_length)
     if len(dataset) == 0:  # else the run "trains" for 0 steps and saves the drafter as it started
         raise ValueError(
