@@ -158,6 +158,22 @@ def test_greedy_identity_other_families(family):
     check_schedule(family, FIXED_PLANS, max_batch_size=3, small_pool=False)
 
 
+def test_greedy_identity_with_a_dflash2_drafter():
+    """A DFlash2 drafter (convolutions and selector active) in the engine: its selector's path drafts, the target
+    decides; the fixed schedule's requests equal plain greedy, and the selector ran."""
+    from hf_dflash.modeling.modeling_dflash2 import DFlash2DraftModel
+    from tests.test_dflash2_decoding import dflash2_drafter
+
+    target = tiny_target("qwen3")
+    _PAIRS["qwen3-dflash2"] = (target, dflash2_drafter(target).eval())
+    proposals = []
+    propose = DFlash2DraftModel.propose
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DFlash2DraftModel, "propose", lambda *a, **k: proposals.append(1) or propose(*a, **k))
+        check_schedule("qwen3-dflash2", FIXED_PLANS, max_batch_size=3, small_pool=False)
+    assert proposals
+
+
 @pytest.mark.parametrize("family", HYBRID)
 def test_hybrid_targets_are_refused_with_one_line(family):
     target = family_target(family)
