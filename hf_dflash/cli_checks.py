@@ -544,9 +544,9 @@ def init_from_config(args: argparse.Namespace) -> Any:
             raise BadArgument(f"--init-from keeps that drafter's {option[2:].replace('-', ' ')}: leave out {option}")
     config = drafter_config("--init-from", args.init_from)
     arch = "dflash2" if config.is_dflash2 else "dflash"
-    if args.arch not in (None, arch):
-        raise BadArgument(f"--arch {args.arch}: --init-from {args.init_from} is a {arch} drafter, and training keeps "
-                          f"its architecture; leave out --arch")
+    if args.arch not in (None, arch) and not (arch == "dflash" and args.arch == "dflash2"):
+        raise BadArgument(f"--arch {args.arch}: --init-from {args.init_from} is a {arch} drafter, which cannot go "
+                          f"back to {args.arch}; leave out --arch")
     if args.num_layers is not None and args.num_layers < config.num_hidden_layers:
         raise BadArgument(
             f"--num-layers {args.num_layers}: {args.init_from} has {config.num_hidden_layers} layers, and a drafter "
@@ -662,7 +662,7 @@ def check_train(args: argparse.Namespace) -> None:
     started = init_from_config(args) if args.init_from else None
     from .training.drafter import DEFAULT_BLOCK_SIZES
 
-    arch = ("dflash2" if started.is_dflash2 else "dflash") if started else args.arch or "dflash"
+    arch = args.arch or (("dflash2" if started.is_dflash2 else "dflash") if started else "dflash")
     block_size = started.block_size if started else args.block_size or DEFAULT_BLOCK_SIZES[arch]
     at_least("--max-length", args.max_length, block_size, " (one block)")
     at_least("--distill-topk", args.distill_topk, 0)

@@ -298,3 +298,30 @@ def test_train_arch_dflash2_refuses_what_it_cannot_do(tmp_path, capsys):
         with pytest.raises(SystemExit) as refused:
             cli_main([*base, "--out", str(tmp_path / "out"), *extra])
         assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_dflash_drafter_upgraded_to_dflash2_drafts_what_it_drafted():
+    """`train --init-from DFLASH_DRAFTER --arch dflash2` starts from `upgrade_to_dflash2`: every trained weight kept,
+    convolutions the identity and the selector silent, so the upgraded drafter's rows and greedy drafts are the DFlash
+    drafter's; the DFlash2 parts are there to learn."""
+    from hf_dflash.training.drafter import upgrade_to_dflash2
+    from tests.test_dflash2 import GREEDY, SHAPES, inputs, make_config
+
+    shape = SHAPES["gqa_b8"]
+    dflash_fields = {k: v for k, v in make_config(shape).to_dict().items() if k not in DFLASH2_DEFAULTS}
+    config = DFlashConfig(**{**dflash_fields, "architectures": ["DFlashDraftModel"]})
+    assert not config.is_dflash2
+    trained = randomized(DFlashDraftModel(config), seed=3).eval()
+    upgraded = upgrade_to_dflash2(trained).eval()
+    assert type(upgraded) is DFlash2DraftModel and upgraded.config.block_size == trained.config.block_size
+    assert {k: getattr(upgraded.config, k) for k in DFLASH2_DEFAULTS} == DFLASH2_DEFAULTS
+    noise, context, lm_head = inputs(shape, 2, 5, seed=4)
+    kwargs = dict(context_hidden_states=context, position_ids=torch.arange(5 + config.block_size).expand(2, -1))
+    with torch.no_grad():
+        rows = upgraded(noise_embeds=noise, **kwargs).last_hidden_state
+        expected = trained(noise_embeds=noise, **kwargs).last_hidden_state
+        proposal = upgraded.propose(rows[:, 1:], torch.tensor([[1], [2]]), lambda h: h @ lm_head.T, GREEDY)
+    torch.testing.assert_close(rows, expected, rtol=0, atol=1e-6)
+    assert torch.equal(proposal.drafts, (expected[:, 1:] @ lm_head.T).argmax(-1))
+    with pytest.raises(ValueError, match="DFlash2 drafter already"):
+        upgrade_to_dflash2(upgraded)

@@ -13,6 +13,9 @@
 #      layers by `--num-layers N`: each new layer a copy of its last whose attention and MLP output projections
 #      start at zero, so the grown drafter starts out drafting exactly as INIT_FROM), both with ARM's objective;
 #      with AB_SECONDS=0 the grown drafter trains alone;
+#      with ARCH_AB=1 the two arms are instead "continue" (INIT_FROM, a DFlash drafter, as it is) and "dflash2"
+#      (INIT_FROM upgraded by `--arch dflash2`: identity convolutions and a silent selector, so it starts out drafting
+#      exactly as INIT_FROM), both with ARM's objective, and the session ends after them (no long run);
 #   3. the run with the higher simulated tau resumes and trains until DEADLINE (seconds since the epoch).
 # Every SAVE_EVERY steps the current run writes a checkpoint and the drafter itself (bf16, in shards small enough
 # to come back through a device call) to $RUN/<arm>; $RUN/ab/<arm> keeps each A/B arm's drafter as the A/B left
@@ -58,6 +61,7 @@ set -u
 : "${LR:=3e-3}"
 : "${DISTILL_TOPK:=32}"
 : "${GROW_LAYERS:=}"
+: "${ARCH_AB:=}"
 : "${SAVE_EVERY:=200}"
 : "${MAX_NEW_TOKENS:=256}"
 : "${MAX_PROMPT_TOKENS:=384}"
@@ -99,7 +103,9 @@ echo "== regenerate $(date -u +%T) (reused when the file exists)"
 "${train[@]}" --out "$RUN/hard" --regenerate-only || exit 1
 
 left=$(( DEADLINE - $(date +%s) ))
-if [ -n "$MS_PER_STEP" ]; then
+if [ -n "$MS_PER_STEP" ] && [ -n "$ARCH_AB" ]; then
+    STEPS=$(( AB_SECONDS * 1000 / MS_PER_STEP ))  # each arm's schedule ends with its time
+elif [ -n "$MS_PER_STEP" ]; then
     # The winner trains for what is left less the loser's A/B time and two model loads (about 20 s each).
     STEPS=$(( (left - AB_SECONDS - (AB_SECONDS > 0 ? 40 : 20)) * 1000 / MS_PER_STEP ))
 fi
@@ -112,10 +118,13 @@ arm_flags() {  # the options of arm $1, into the array `flags`
         hard|continue) flags=() ;;
         distill) flags=(--distill-topk "$DISTILL_TOPK") ;;
         grown) flags=(--num-layers "$GROW_LAYERS") ;;
+        dflash2) flags=(--arch dflash2) ;;
     esac
     if [ -n "$GROW_LAYERS" ] && [ "$ARM" = distill ]; then flags+=(--distill-topk "$DISTILL_TOPK"); fi
 }
-if [ -n "$GROW_LAYERS" ]; then arms=(continue grown); winner=grown; else arms=(hard distill); winner=$ARM; fi
+if [ -n "$ARCH_AB" ]; then arms=(continue dflash2); winner=dflash2
+elif [ -n "$GROW_LAYERS" ]; then arms=(continue grown); winner=grown
+else arms=(hard distill); winner=$ARM; fi
 resume=()
 if [ "$AB_SECONDS" -gt 0 ]; then
     resume=(--resume)
@@ -138,6 +147,7 @@ print(f"A/B simulated tau (last 50 steps): {taus}; steps: { {arm: run['steps'] f
 PY
 )
 fi
+if [ -n "$ARCH_AB" ]; then echo "== done $(date -u +%T) (ARCH_AB: no long run)"; touch "$RUN/done"; exit 0; fi
 arm_flags "$winner"
 echo "$RUN/$winner" > "$RUN/current"
 left=$(( DEADLINE - $(date +%s) ))

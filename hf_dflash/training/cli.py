@@ -28,7 +28,7 @@ from ..cli_checks import BUNDLED_TARGETS
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..run_record import device_name, portable_command, portable_path
 from .data import AnswersOrigin, RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
-from .drafter import ARCHITECTURES, DEFAULT_BLOCK_SIZES, grow_drafter, new_drafter
+from .drafter import ARCHITECTURES, DEFAULT_BLOCK_SIZES, grow_drafter, new_drafter, upgrade_to_dflash2
 from .evaluate import measure_tau
 from .trainer import TrainingArguments, train
 
@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
         if grow:
             grow_drafter(drafter, args.num_layers)
+        if args.arch == "dflash2" and not drafter.config.is_dflash2:
+            drafter = upgrade_to_dflash2(drafter)
     else:
         drafter = new_drafter(
             target,
@@ -334,7 +336,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", choices=list(ARCHITECTURES),
                    help="the drafter's architecture: dflash (default), or dflash2 (convolutions along the block and a "
                    "candidate selector, with the published DFlash2 settings; trained with the block loss plus the "
-                   "selector's); with --init-from, that drafter's")
+                   "selector's); with --init-from, that drafter's, or dflash2 to upgrade a DFlash drafter: it starts "
+                   "out drafting as that drafter did (identity convolutions, a silent selector)")
     p.add_argument("--block-size", type=int, default=None,
                    help="block size B, anchor included (default "
                    + ", ".join(f"{size} for {arch}" for arch, size in DEFAULT_BLOCK_SIZES.items())

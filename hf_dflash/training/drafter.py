@@ -125,6 +125,23 @@ def grow_drafter(drafter: DFlashDraftModel, num_layers: int) -> DFlashDraftModel
     return drafter
 
 
+def upgrade_to_dflash2(drafter: DFlashDraftModel) -> DFlash2DraftModel:
+    """A DFlash2 drafter (the published DFlash2 fields, `drafter`'s block and layers) that starts out drafting exactly
+    what the DFlash `drafter` drafts: its weights copied, each convolution the identity and the candidate selector
+    silent (a new DFlash2 drafter's initialisation), so training it adds DFlash2's parts to a trained backbone."""
+    if drafter.config.is_dflash2:
+        raise ValueError("the drafter is a DFlash2 drafter already")
+    fields = drafter.config.to_dict()
+    fields.update(DFLASH2_DEFAULTS)
+    config = DFlashConfig(**{**fields, "architectures": [DFlash2DraftModel.__name__]})
+    upgraded = DFlash2DraftModel(config).to(drafter.fc.weight)
+    missing, unexpected = upgraded.load_state_dict(drafter.state_dict(), strict=False)
+    new_parts = ("_conv.", "candidate_selector.")
+    if unexpected or any(not any(part in name for part in new_parts) for name in missing):
+        raise RuntimeError(f"upgrading to DFlash2 left weights unmatched: {unexpected or missing}; please report it")
+    return upgraded
+
+
 __all__ = [
     "ARCHITECTURES",
     "DEFAULT_BLOCK_SIZES",
@@ -132,4 +149,5 @@ __all__ = [
     "grow_drafter",
     "new_drafter",
     "new_drafter_config",
+    "upgrade_to_dflash2",
 ]
