@@ -149,9 +149,10 @@ def run(args: argparse.Namespace) -> int:
     drafter = DFlashDraftModel.from_pretrained(drafter_source, dtype=dtype).to(device).eval()
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     dflash_settings = dict(dflash_verify_rows=args.verify_rows) if args.verify_rows else {}
-    if args.adaptive is not None:
-        # one policy for every call, the warm-up's included: its fit of this machine's verify cost carries over
-        dflash_settings["dflash_adaptive"] = VerifyPolicy() if args.adaptive else False
+    # One policy for every call, the warm-up's included: its fit of this machine's verify cost carries over. On by
+    # default on a CPU, where a verify costs about in proportion to its rows; a GPU takes the full-width fast path.
+    if args.adaptive if args.adaptive is not None else device == "cpu":
+        dflash_settings["dflash_adaptive"] = VerifyPolicy()
     say("warming up (one short run of each) ...")
     path = warm_up(target, drafter, tokenizer, device, dflash_settings)
     # On the CUDA-graph fast path the text is printed after each call, so that no printing sits between graph
@@ -212,7 +213,7 @@ def register(subparsers: Any) -> None:
                         help="rows the target verifies per step (default: the block size); fewer pay on a CPU")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                         help="choose each step's verified rows from the drafter's confidence and the measured verify "
-                        "cost (default: on for greedy on a CPU, as generate's dflash_adaptive)")
+                        "cost, down to plain decoding where drafting does not pay (default: on on a CPU)")
     parser.add_argument("--device", default=None, help="cuda when available, else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on GPU, float32 on CPU")

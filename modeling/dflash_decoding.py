@@ -256,16 +256,12 @@ def _generate_output(host_hooks: HostHooks, return_dict: bool, **cache: Any) -> 
     )
 
 
-def adaptive_policy(
-    adaptive: bool | VerifyPolicy | None, rule: DecodingRule, device: torch.device, fast_path: bool | None
-) -> VerifyPolicy | None:
+def adaptive_policy(adaptive: bool | VerifyPolicy) -> VerifyPolicy | None:
     """The call's verify policy from `dflash_adaptive` (see `dflash_generate`), or None for full-width steps."""
     if isinstance(adaptive, VerifyPolicy):
         return adaptive
-    if adaptive is None:  # a call that insists on the fast path gets it, at the full width
-        adaptive = device.type == "cpu" and not rule.do_sample and not fast_path
     if not isinstance(adaptive, bool):
-        raise ValueError(f"dflash_adaptive must be True, False, None or a VerifyPolicy, got {adaptive!r}")
+        raise ValueError(f"dflash_adaptive must be True, False or a VerifyPolicy, got {adaptive!r}")
     return VerifyPolicy() if adaptive else None
 
 
@@ -281,7 +277,7 @@ def dflash_generate(
     dflash_verify_rows: int | None = None,
     dflash_fast_path: bool | None = None,
     dflash_compile: bool | None = None,
-    dflash_adaptive: bool | VerifyPolicy | None = None,
+    dflash_adaptive: bool | VerifyPolicy = False,
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
     """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
@@ -303,13 +299,14 @@ def dflash_generate(
     `dflash_adaptive` (a generate keyword): whether a `VerifyPolicy` (dflash_policy.py) picks each step's rows,
     under the `dflash_verify_rows` cap, from the drafter's confidence in this block, the sequence's recent acceptance
     and the measured cost of a verify on this machine, down to one row and no drafting where speculation does not
-    pay. None (the default) turns it on for greedy calls on a CPU that do not insist on the fast path: there a verify
-    costs about in proportion to its rows, and greedy tokens do not depend on the rows verified. It stays off for
-    sampling (the rows chosen follow measured timings, so a seeded run would not repeat, though its tokens stay
-    exactly target-distributed) and on a GPU, where the fast path replays one full-width step (at small batches a
-    verify of 16 rows costs about what one row does there). True or False decide; a `VerifyPolicy` instance is used
-    as given (its cost fit then carries over from call to call). The output never changes; with a policy the eager
-    loop serves the call.
+    pay. It pays where a verify costs about in proportion to its rows: a CPU (`hf-dflash generate` turns it on
+    there). False (the default) verifies every step at the full width (or `dflash_verify_rows`), so that
+    `acceptance_lengths` measure the drafter and a run repeats exactly: with a policy the widths follow measured
+    timings, which changes tau and, under sampling, which random numbers are drawn (the tokens stay exactly
+    target-distributed, and greedy tokens never change). True makes a policy for this call; a `VerifyPolicy`
+    instance is used as given, and its cost fit carries over from call to call. With a policy the eager loop serves
+    the call: the GPU fast path replays one full-width step, and at small batches a GPU verifies 16 rows in about
+    the time of one.
     """
     target = model
     rule = DecodingRule.for_call(generation_config, dflash_sampling)
@@ -318,7 +315,7 @@ def dflash_generate(
     if dflash_verify_rows is not None and not 1 <= dflash_verify_rows <= block_size:
         raise ValueError(f"dflash_verify_rows must be between 1 and the block size {block_size}, got {dflash_verify_rows}")
     verify_rows = dflash_verify_rows or block_size
-    policy = adaptive_policy(dflash_adaptive, rule, input_ids.device, dflash_fast_path)
+    policy = adaptive_policy(dflash_adaptive)
     cache = cache_from_kwargs(model_kwargs)
     processors = StepProcessors(logits_processor)
     attention_mask = model_kwargs.get("attention_mask")

@@ -129,8 +129,8 @@ class VerifyPolicy:
         cost: the machine's `VerifyCost` (default: a new one that learns from this policy's steps). Pass one
             `VerifyPolicy` to several `generate` calls and its cost fit carries over; each call restarts the
             per-sequence calibration (`start`).
-        explore_every: every this many steps verify the full width once, and a sequence that stopped drafting drafts
-            again after this many plain steps.
+        explore_every: every this many drafted steps verify the full width once, and a sequence that stopped drafting
+            drafts again, verified at the full width, after this many plain steps.
         decay: the weight of a past step in the calibration, per step (recent acceptance counts most).
 
     Per call: `start(batch_size)`; per step `should_draft(live)` -> bool, then after drafting `width(live,
@@ -198,7 +198,10 @@ class VerifyPolicy:
         probability of each live sequence's drafts. The batch verifies the widest of its sequences' choices."""
         self.steps += 1
         line = self.cost.line(len(live))
-        if line is None or self.steps % self.explore_every == 0:
+        # a sequence drafting again after a run of plain steps is judged on every row: its own confidence alone kept
+        # it plain, and only a verify of its drafts can show that the drafter is better than it thinks
+        returning = any(self.stats[seq].plain_run + 1 >= self.explore_every for seq in live)
+        if line is None or returning or self.steps % self.explore_every == 0:
             # explore: the full width first, then a narrow one, until two widths were timed; then now and then
             seen = self.cost.widths_seen(len(live))
             return min(2, cap) if cap in seen and min(2, cap) not in seen else cap

@@ -129,7 +129,7 @@ def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose()
         assert all(taken <= width for taken, width in zip(lengths, policy.widths))
 
 
-def test_the_default_turns_the_policy_on_for_greedy_on_a_cpu(monkeypatch):
+def test_dflash_adaptive_true_makes_a_policy_per_call_and_false_keeps_the_full_width(monkeypatch):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     prompt = random_prompt(5)
@@ -141,13 +141,13 @@ def test_the_default_turns_the_policy_on_for_greedy_on_a_cpu(monkeypatch):
             super().start(batch_size)
 
     monkeypatch.setattr(dflash_decoding, "VerifyPolicy", Recording)
-    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_adaptive=True)
     assert torch.equal(out, target.generate(prompt, max_new_tokens=12, do_sample=False))
     assert made == [1]
     made.clear()
-    target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=drafter, dflash_adaptive=False)
-    target.generate(prompt, max_new_tokens=4, do_sample=True, assistant_model=drafter)
-    assert made == []
+    full = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                           return_dict_in_generate=True)
+    assert made == [] and torch.equal(full.sequences, out)
     with pytest.raises(ValueError, match="dflash_adaptive must be"):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter, dflash_adaptive="yes")
 
