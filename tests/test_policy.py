@@ -179,3 +179,29 @@ def test_sampling_with_the_policy_follows_the_target_distribution(rule):
     assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
     samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
     assert_tuples_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
+
+
+def test_the_main_job_passes_one_policy_to_its_calls_on_a_cpu(tmp_path, monkeypatch, capsys):
+    import hf_dflash.generate_cli as generate_cli
+    from hf_dflash.cli import main
+
+    target, _ = load_stories260k()
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    policies = []
+
+    class Recording(VerifyPolicy):
+        def start(self, batch_size: int) -> None:
+            policies.append(self)
+            super().start(batch_size)
+
+    monkeypatch.setattr(generate_cli, "VerifyPolicy", Recording)
+    argv = ["generate", "--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--max-new-tokens", "8",
+            "--prompt", "Once upon a time"]
+    main(argv)
+    assert "[identical to plain greedy generate: True]" in capsys.readouterr().out
+    assert len(policies) == 2 and policies[0] is policies[1]  # the warm-up's call and the prompt's, one cost fit
+    policies.clear()
+    main([*argv, "--no-adaptive"])
+    assert "[identical to plain greedy generate: True]" in capsys.readouterr().out and policies == []
