@@ -91,7 +91,9 @@ class VerifyCost:
         fit.add(rows, verify_seconds, self.decay)
         if draft_seconds is not None:
             previous = fit.draft_seconds
-            fit.draft_seconds = draft_seconds if previous is None else self.decay * previous + (1 - self.decay) * draft_seconds
+            fit.draft_seconds = (
+                draft_seconds if previous is None else self.decay * previous + (1 - self.decay) * draft_seconds
+            )
 
     def line(self, batch_size: int) -> tuple[float, float, float] | None:
         """(a, b, drafter seconds) for this batch size, or None until two widths and one drafter pass were timed."""

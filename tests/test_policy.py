@@ -1,5 +1,5 @@
 """The verify policy (modeling/dflash_policy.py): its choices under injected costs and confidences, and generate with
-it on: greedy tokens equal plain greedy, the widths it chose are the ones verified, sampling stays target-distributed."""
+it on: greedy tokens equal plain greedy, the widths it chose are the ones verified, sampling stays exact."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from hf_dflash.modeling import dflash_decoding
 from hf_dflash.modeling.dflash_acceptance import DecodingRule, draft_confidence
 from hf_dflash.modeling.dflash_policy import VerifyCost, VerifyPolicy, batch_class
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
-from tests.test_sampling import SAMPLED, SMALL_VOCAB, assert_tuples_follow, pair_probabilities, sample_with_greedy_drafts
+from tests.test_sampling import (
+    SAMPLED, SMALL_VOCAB, assert_tuples_follow, pair_probabilities, sample_with_greedy_drafts,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -174,7 +176,8 @@ def test_sampling_with_the_policy_follows_the_target_distribution(rule):
     greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
     policy = VerifyPolicy(VerifyCost(fixed=(1.0, 0.1, 0.0)), explore_every=1000)
     torch.manual_seed(0)
-    (out,) = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, False, {**SAMPLED, "dflash_adaptive": policy})
+    settings = {**SAMPLED, "dflash_adaptive": policy}
+    (out,) = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, False, settings)
     assert 1 < max(policy.widths) and min(policy.widths) < 4, policy.widths
     assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
     samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
