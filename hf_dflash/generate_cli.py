@@ -21,6 +21,7 @@ from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from .modeling import DFlashDraftModel
+from .modeling.dflash_policy import VerifyPolicy
 from .training.data import encode_prompt
 
 # Our trained drafter for SmolLM2-135M-Instruct, shipped with the package (config + weights; the remote-code bundle
@@ -148,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
     drafter = DFlashDraftModel.from_pretrained(drafter_source, dtype=dtype).to(device).eval()
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     dflash_settings = dict(dflash_verify_rows=args.verify_rows) if args.verify_rows else {}
+    # One policy for every call, the warm-up's included: its fit of this machine's verify cost carries over. On by
+    # default on a CPU, where a verify costs about in proportion to its rows; a GPU takes the full-width fast path.
+    if args.adaptive if args.adaptive is not None else device == "cpu":
+        dflash_settings["dflash_adaptive"] = VerifyPolicy()
     say("warming up (one short run of each) ...")
     path = warm_up(target, drafter, tokenizer, device, dflash_settings)
     # On the CUDA-graph fast path the text is printed after each call, so that no printing sits between graph
@@ -206,6 +211,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--verify-rows", type=int, default=None,
                         help="rows the target verifies per step (default: the block size); fewer pay on a CPU")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                        help="choose each step's verified rows from the drafter's confidence and the measured verify "
+                        "cost, down to plain decoding where drafting does not pay (default: on on a CPU)")
     parser.add_argument("--device", default=None, help="cuda when available, else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on GPU, float32 on CPU")

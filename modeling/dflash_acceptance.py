@@ -59,6 +59,18 @@ def draft_distribution(draft_logits: torch.Tensor, temperature: float) -> torch.
     return torch.softmax(draft_logits.float() / temperature, dim=-1)
 
 
+def draft_confidence(draft_logits: torch.Tensor, draft_probs: torch.Tensor | None) -> torch.Tensor:
+    """The drafter's confidence in each block row (b, n) float32: the largest probability of the row's distribution,
+    `draft_probs` (b, n, V) when the drafts were sampled from it, else the softmax of draft_logits (b, n, V) (under
+    greedy drafting, the probability of the draft itself). What a verify policy reads (dflash_policy.py).
+
+    A function of the distributions only, never of the sampled drafts: a policy that verified a sampled draft or not
+    depending on which token was drawn would bias rejection sampling (the verified drafts would no longer be draws of
+    q), while a width chosen from q alone leaves every verified draft a plain draw of q, so acceptance stays exact."""
+    probs = torch.softmax(draft_logits.float(), dim=-1) if draft_probs is None else draft_probs
+    return probs.amax(dim=-1)
+
+
 @dataclass
 class Proposal:
     """A drafter's proposal for the B - 1 rows after each anchor (`DFlashDraftModel.propose`)."""
@@ -148,4 +160,7 @@ def accept(
     return tokens, accepted
 
 
-__all__ = ["DecodingRule", "Proposal", "accept", "draft_distribution", "exponential_race_sample", "inverse_cdf_sample", "sample"]
+__all__ = [
+    "DecodingRule", "Proposal", "accept", "draft_confidence", "draft_distribution", "exponential_race_sample",
+    "inverse_cdf_sample", "sample",
+]

@@ -193,11 +193,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor]:
         """input_ids (b, t), last column the anchors -> (input_ids + B - 1 drafts, draft logits (b, B - 1, V)). The
         drafts are the drafter's proposal under `rule` (`propose`), kept whole in `self.proposal`."""
-        for state in self.states:
-            if not state.context_ready:
-                raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
-            state.context_ready = False
-        self.store_new_context(self.states)
+        self.take_context()
         anchor_positions = torch.tensor([s.ctx_len for s in self.states], device=self.device)
         position_ids = anchor_positions[:, None] + self.block_offsets  # (b, B)
         view = PagedCacheView(self.cache, self.states, self.block_size, self.window, self.causal_window)
@@ -205,6 +201,16 @@ class DFlashCandidateGenerator(CandidateGenerator):
         hidden, draft_logits = self.draft_rows(anchor_ids, position_ids, view.attention_masks, view)
         self.proposal = self.propose(hidden, draft_logits, anchor_ids, rule)
         return torch.cat([input_ids, self.proposal.drafts.to(input_ids.device)], dim=1), draft_logits
+
+    def take_context(self) -> None:
+        """Before a verify: the rows the last verify appended go to the pages (keys/values computed once), and every
+        state then waits for this verify. Each propose starts with it; a step that verifies the anchors alone without
+        drafting (dflash_policy.py) calls it instead, since the accumulator holds only one verify's rows."""
+        for state in self.states:
+            if not state.context_ready:
+                raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
+            state.context_ready = False
+        self.store_new_context(self.states)
 
     def update_candidate_strategy(
         self, input_ids: torch.LongTensor, scores: torch.Tensor | None, num_matches: int | Sequence[int]

@@ -22,6 +22,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +30,14 @@ from typing import Any
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .dflash_acceptance import DecodingRule, accept
+from .dflash_acceptance import DecodingRule, accept, draft_confidence
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_checks import check_call
 from .dflash_compat import cache_argument, cache_from_kwargs
 from .dflash_fast_path import DFlashStaticStep, static_step_for
 from .dflash_fast_path_blockers import fast_path_blocker, takes_fast_path
 from .dflash_host_hooks import HostHooks
+from .dflash_policy import VerifyPolicy
 from .dflash_prefill import prefill
 from .dflash_processors import StepProcessors
 from .dflash_target_cache import TargetCacheRollback
@@ -93,19 +95,23 @@ class EagerDecoding:
     transformers' own cache; committed tokens pass the same host hooks (`host_hooks`, which keeps the sequences).
 
     `live` maps batch rows to sequences (finished ones leave the batch); `presence` (b, V) holds the tokens the
-    repetition penalty counts, when there is one.
+    repetition penalty counts, when there is one; `policy` (dflash_policy.py), when given, chooses each step's width
+    under the `verify_rows` cap.
     """
 
     def __init__(
         self, target: torch.nn.Module, drafter: torch.nn.Module, input_ids: torch.LongTensor,
         attention_mask: torch.Tensor, cache: Any, processors: StepProcessors, rule: DecodingRule, host_hooks: HostHooks,
-        verify_rows: int,
+        verify_rows: int, policy: VerifyPolicy | None = None,
     ):
         batch_size, prompt_len = input_ids.shape
         self.target, self.cache, self.cache_arg = target, cache, cache_argument(target)
         self.target_cache = TargetCacheRollback(target, cache)  # prepares the cache's layers before the prompt
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.processors, self.rule, self.verify_rows = processors, rule, verify_rows
+        self.policy = policy  # chooses per step whether to draft and how many rows to verify (None: always the cap)
+        if policy is not None:
+            policy.start(batch_size)
         self.host_hooks = host_hooks
         self.live = list(range(batch_size))
         self.presence: torch.Tensor | None = None
@@ -154,7 +160,11 @@ class EagerDecoding:
         self.live = [self.live[row] for row in running]
 
     def step(self) -> list[int]:
-        """Draft, verify, accept, commit. Returns the batch rows still running."""
+        """Draft, verify, accept, commit. Returns the batch rows still running.
+
+        With a `policy` (dflash_policy.py) the step may skip the drafter and verify the anchor alone (a plain decoding
+        step), or verify fewer rows than `verify_rows`, which stays the cap; the timings it measures feed the policy.
+        """
         device, live = self.input_ids.device, self.live
         rows = torch.tensor(live, device=device)
         sequences = [self.host_hooks.tokens[seq] for seq in live]
@@ -163,13 +173,28 @@ class EagerDecoding:
         room = [self.host_hooks.max_length - len(tokens) for tokens in sequences]
         num_rows = min(self.verify_rows, max(room))
         anchors = torch.tensor([tokens[-1:] for tokens in sequences], device=device)  # (b, 1)
-        candidates, _ = self.generator.get_candidates(anchors, rule=self.rule)  # [anchor, the drafter's proposal]
-        drafts, draft_probs = candidates[:, 1:num_rows], None
-        if self.rule.rejection:  # the sampled drafts together with the distributions they were drawn from
-            # the drafter's proposal comes from the lm_head's device; the target's scores are on the inputs'
-            proposal = self.generator.proposal
-            drafts = proposal.drafts[:, : num_rows - 1].to(device)
-            draft_probs = proposal.probs[:, : num_rows - 1].to(device)
+        policy, confidence, draft_probs = self.policy, None, None
+        started = time.perf_counter()
+        if policy is None or num_rows > 1 and policy.should_draft(live):
+            # [anchor, the drafter's proposal of B - 1 rows], and their logits; the step keeps the first num_rows - 1
+            candidates, draft_logits = self.generator.get_candidates(anchors, rule=self.rule)
+            drafts = candidates[:, 1:]
+            if self.rule.rejection:  # the sampled drafts together with the distributions they were drawn from
+                # the drafter's proposal comes from the lm_head's device; the target's scores are on the inputs'
+                proposal = self.generator.proposal
+                drafts, draft_probs = proposal.drafts.to(device), proposal.probs.to(device)
+            if policy is not None:
+                # A DFlash2 row's q depends on the draft sampled before it: a width read from those would depend on
+                # the drafts it keeps, so its confidence comes from the rows' own logits.
+                independent = None if self.generator.drafter.config.is_dflash2 else draft_probs
+                confidence = draft_confidence(draft_logits, independent).tolist()  # (b, B - 1), a host sync
+                num_rows = policy.width(live, confidence, num_rows)
+            drafts = drafts[:, : num_rows - 1]
+            draft_probs = None if draft_probs is None else draft_probs[:, : num_rows - 1]
+        else:  # a plain step: no drafts; the last verify's rows still become drafter context
+            self.generator.take_context()
+            num_rows, drafts = 1, anchors[:, :0]
+        drafted = time.perf_counter()
         block = torch.cat([anchors, drafts], dim=1)  # (b, n): [anchor, drafts]
         anchor_positions = torch.tensor([s.ctx_len for s in self.generator.states], device=device)  # padding excluded
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(live), num_rows)], dim=1)
@@ -193,6 +218,9 @@ class EagerDecoding:
         accepted = torch.minimum(accepted, torch.tensor(room, device=device) - 1).tolist()  # the step's host sync
         self.attention_mask = self.target_cache.rollback(self.attention_mask, num_rows, accepted)
         self.generator.update_candidate_strategy(block, scores, accepted)
+        if policy is not None:
+            draft_seconds = None if confidence is None else drafted - started
+            policy.record(live, num_rows, accepted, confidence, draft_seconds, time.perf_counter() - drafted)
         return self.commit(
             [row_tokens[: taken + 1] for row_tokens, taken in zip(tokens.tolist(), accepted)], scores, logits,
             verified=True,
@@ -231,6 +259,15 @@ def _generate_output(host_hooks: HostHooks, return_dict: bool, **cache: Any) -> 
     )
 
 
+def adaptive_policy(adaptive: bool | VerifyPolicy) -> VerifyPolicy | None:
+    """The call's verify policy from `dflash_adaptive` (see `dflash_generate`), or None for full-width steps."""
+    if isinstance(adaptive, VerifyPolicy):
+        return adaptive
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"dflash_adaptive must be True, False or a VerifyPolicy, got {adaptive!r}")
+    return VerifyPolicy() if adaptive else None
+
+
 def dflash_generate(
     model: torch.nn.Module,
     input_ids: torch.LongTensor,
@@ -243,6 +280,7 @@ def dflash_generate(
     dflash_verify_rows: int | None = None,
     dflash_fast_path: bool | None = None,
     dflash_compile: bool | None = None,
+    dflash_adaptive: bool | VerifyPolicy = False,
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
     """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
@@ -261,6 +299,17 @@ def dflash_generate(
     `dflash_compile` (a generate keyword): whether the fast path compiles its drafter pass with torch.compile before
     recording it (dflash_fast_path.py). None (the default) compiles where the step is recorded as a CUDA graph; True
     compiles also where it is not (a CPU); False keeps it eager. Only proposals can differ, never the output.
+    `dflash_adaptive` (a generate keyword): whether a `VerifyPolicy` (dflash_policy.py) picks each step's rows,
+    under the `dflash_verify_rows` cap, from the drafter's confidence in this block, the sequence's recent acceptance
+    and the measured cost of a verify on this machine, down to one row and no drafting where speculation does not
+    pay. It pays where a verify costs about in proportion to its rows: a CPU (`hf-dflash generate` turns it on
+    there). False (the default) verifies every step at the full width (or `dflash_verify_rows`), so that
+    `acceptance_lengths` measure the drafter and a run repeats exactly: with a policy the widths follow measured
+    timings, which changes tau and, under sampling, which random numbers are drawn (the tokens stay exactly
+    target-distributed, and greedy tokens never change). True makes a policy for this call; a `VerifyPolicy`
+    instance is used as given, and its cost fit carries over from call to call. With a policy the eager loop serves
+    the call: the GPU fast path replays one full-width step, and at small batches a GPU verifies 16 rows in about
+    the time of one.
     """
     target = model
     rule = DecodingRule.for_call(generation_config, dflash_sampling)
@@ -269,6 +318,7 @@ def dflash_generate(
     if dflash_verify_rows is not None and not 1 <= dflash_verify_rows <= block_size:
         raise ValueError(f"dflash_verify_rows must be between 1 and the block size {block_size}, got {dflash_verify_rows}")
     verify_rows = dflash_verify_rows or block_size
+    policy = adaptive_policy(dflash_adaptive)
     cache = cache_from_kwargs(model_kwargs)
     processors = StepProcessors(logits_processor)
     attention_mask = model_kwargs.get("attention_mask")
@@ -277,6 +327,8 @@ def dflash_generate(
     host_hooks = HostHooks(input_ids, generation_config, stopping_criteria, streamer)
     return_dict = generation_config.return_dict_in_generate
     blocker = fast_path_blocker(target, drafter, processors, verify_rows, attention_mask)
+    if blocker is None and policy is not None:
+        blocker = "dflash_adaptive is on (the fast path verifies the full block; pass dflash_adaptive=False)"
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
         step = static_step_for(target, drafter, input_ids.shape[0], max_length, cache_argument(target))
         compile_drafter = step.use_graphs if dflash_compile is None else dflash_compile
@@ -286,7 +338,7 @@ def dflash_generate(
         host_hooks.end()
         return _generate_output(host_hooks, return_dict)
     loop = EagerDecoding(
-        target, drafter, input_ids, attention_mask, cache, processors, rule, host_hooks, verify_rows
+        target, drafter, input_ids, attention_mask, cache, processors, rule, host_hooks, verify_rows, policy
     )
     loop.run()
     host_hooks.end()

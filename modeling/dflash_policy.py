@@ -1,0 +1,244 @@
+"""`VerifyPolicy`: how many block rows the target verifies at each step, chosen for committed tokens per second.
+
+Verifying fewer rows never changes the output: greedy commits the target's own tokens, and accepting or rejecting a
+prefix of the drafts is still exact rejection sampling. It changes only the cost. Where a target forward costs about
+in proportion to its rows (a CPU, or a GPU at high concurrency), verifying 16 rows per step when the drafter's late
+drafts are mostly rejected pays for rows that commit nothing; verifying 1 row (the anchor, no drafts) is plain
+decoding, and then drafting is skipped too.
+
+The policy weighs, per step:
+- what a width k is expected to commit: E(k) = 1 + sum_{j < k} prod_{i <= j} p_i, where p_i is the chance draft i is
+  accepted given the drafts before it were: the drafter's own probability of draft i (its confidence), times a
+  per-sequence calibration ratio (decayed counts of drafts accepted over confidence spent on the drafts the target
+  judged), so a drafter over-confident on this prompt is discounted and an under-confident one trusted more;
+- what a width k costs on this machine: `VerifyCost` fits seconds = a + b * k to the verify steps' own timings, per
+  batch-size class, plus the drafter's mean seconds per step;
+and verifies the k that maximises E(k) / (drafter + verify(k)). Before drafting, it decides whether to draft at all:
+when a sequence's recent drafted steps committed fewer tokens per second than a plain one-row step would, the step
+skips the drafter and verifies the anchor alone (per batch: only when every sequence would). A few steps explore
+(`explore_every`): one verifies the full width, one drafts after a run of plain steps, so the fit and the calibration
+keep seeing what they would otherwise stop measuring.
+
+Everything here is host arithmetic on a few floats per sequence: deterministic given the same timings (tests pass a
+`VerifyCost` with fixed figures), and no device work.
+
+This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+# The calibration's prior: this much of a draft of confidence 1, accepted. Small, so that a few judged drafts outweigh
+# it: a drafter confident and always wrong on this prompt is discounted to a few percent within a handful of steps.
+PRIOR = 0.25
+
+
+def batch_class(batch_size: int) -> int:
+    """The power of two at or above `batch_size`: batches of similar size share one cost fit."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+@dataclass
+class _LineFit:
+    """Decayed weighted least squares of seconds against rows: sums of w, w*k, w*k^2, w*t, w*k*t."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    widths: set[int] = field(default_factory=set)
+    draft_seconds: float | None = None  # decayed mean of the drafter's seconds per step
+
+    def add(self, rows: int, seconds: float, decay: float) -> None:
+        values = (1.0, rows, rows * rows, seconds, rows * seconds)
+        self.sums = [decay * total + value for total, value in zip(self.sums, values)]
+        self.widths.add(rows)
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) with a, b >= 0, once two different widths were timed; else None."""
+        if len(self.widths) < 2:
+            return None
+        s0, s1, s2, t0, t1 = self.sums
+        spread = s0 * s2 - s1 * s1
+        if spread <= 1e-12 * max(s0 * s2, 1e-30):
+            return None
+        slope = (s0 * t1 - s1 * t0) / spread
+        if slope < 0:  # noise on a cost that does not grow with rows: charge the mean
+            return t0 / s0, 0.0
+        return max((t0 - slope * s1) / s0, 0.0), slope
+
+
+class VerifyCost:
+    """The measured cost of a step on this machine, learned online from the step's own timings.
+
+    Per batch-size class (`batch_class`): verify(k) = a + b * k seconds for a verify of k rows per sequence (the
+    target's forward, the processors and acceptance), fitted to the recent steps (weights decay by `decay` per step),
+    and the drafter's mean seconds per drafted step. `fixed` = (a, b, drafter seconds) skips learning (tests inject
+    costs this way); `record` then does nothing.
+    """
+
+    def __init__(self, decay: float = 0.95, fixed: tuple[float, float, float] | None = None):
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay, self.fixed = decay, fixed
+        self.fits: dict[int, _LineFit] = {}
+
+    def record(self, batch_size: int, rows: int, verify_seconds: float, draft_seconds: float | None) -> None:
+        """One step's timings: its verify of `rows` rows, and its drafter pass (None when it did not draft)."""
+        if self.fixed is not None:
+            return
+        fit = self.fits.setdefault(batch_class(batch_size), _LineFit())
+        fit.add(rows, verify_seconds, self.decay)
+        if draft_seconds is not None:
+            previous = fit.draft_seconds
+            fit.draft_seconds = (
+                draft_seconds if previous is None else self.decay * previous + (1 - self.decay) * draft_seconds
+            )
+
+    def line(self, batch_size: int) -> tuple[float, float, float] | None:
+        """(a, b, drafter seconds) for this batch size, or None until two widths and one drafter pass were timed."""
+        if self.fixed is not None:
+            return self.fixed
+        fit = self.fits.get(batch_class(batch_size))
+        if fit is None or fit.draft_seconds is None:
+            return None
+        line = fit.line()
+        return None if line is None else (*line, fit.draft_seconds)
+
+    def widths_seen(self, batch_size: int) -> set[int]:
+        fit = self.fits.get(batch_class(batch_size))
+        return set() if fit is None else fit.widths
+
+
+@dataclass
+class _SequenceStats:
+    """One sequence's decayed counts: drafts accepted and confidence spent on the drafts the target judged (the
+    calibration); its drafted steps, the tokens they committed and the rows they verified; and the plain steps since
+    it last drafted."""
+
+    accepted: float = 0.0
+    confidence: float = 0.0
+    drafted_steps: float = 0.0
+    drafted_tokens: float = 0.0
+    drafted_rows: float = 0.0
+    plain_run: int = 0
+
+
+class VerifyPolicy:
+    """Chooses per step whether to draft and how many rows to verify, for a batch of sequences.
+
+    Args:
+        cost: the machine's `VerifyCost` (default: a new one that learns from this policy's steps). Pass one
+            `VerifyPolicy` to several `generate` calls and its cost fit carries over; each call restarts the
+            per-sequence calibration (`start`).
+        explore_every: every this many drafted steps verify the full width once, and a sequence that stopped drafting
+            drafts again, verified at the full width, after this many plain steps.
+        decay: the weight of a past step in the calibration, per step (recent acceptance counts most).
+
+    Per call: `start(batch_size)`; per step `should_draft(live)` -> bool, then after drafting `width(live,
+    confidence, cap)` -> k, and after the verify `record(live, k, accepted, confidence, drafted, draft_s, verify_s)`.
+    `live` lists the sequences (indices given to `start`) in batch order; `keep` is not needed: stats are per
+    sequence index. `widths` lists every verified width of the call, in order.
+    """
+
+    def __init__(self, cost: VerifyCost | None = None, explore_every: int = 16, decay: float = 0.9):
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be at least 2, got {explore_every}")
+        self.cost = VerifyCost() if cost is None else cost
+        self.explore_every, self.decay = explore_every, decay
+        self.stats: list[_SequenceStats] = []
+        self.steps = 0
+        self.widths: list[int] = []
+
+    def start(self, batch_size: int) -> None:
+        """New sequences 0..batch_size-1: their calibration starts from the prior (`PRIOR`); the cost fit is
+        kept."""
+        self.stats = [_SequenceStats() for _ in range(batch_size)]
+        self.steps = 0
+        self.widths = []
+
+    # -- before drafting -------------------------------------------------------------------------------------------
+
+    def should_draft(self, live: Sequence[int]) -> bool:
+        """Whether this step drafts: unless every live sequence's drafted steps lately committed fewer tokens per
+        second than a plain step would (their tokens per step over the modelled cost of their mean width), and none
+        is due to explore."""
+        line = self.cost.line(len(live))
+        if line is None:
+            return True
+        a, b, draft = line
+        for seq in live:
+            stats = self.stats[seq]
+            if stats.drafted_steps == 0 or stats.plain_run + 1 >= self.explore_every:
+                return True
+            tokens, rows = stats.drafted_tokens / stats.drafted_steps, stats.drafted_rows / stats.drafted_steps
+            if tokens * (a + b) > draft + a + b * rows:  # tokens / drafted step cost > 1 / plain step cost
+                return True
+        return False
+
+    # -- after drafting --------------------------------------------------------------------------------------------
+
+    def calibrated(self, seq: int, confidence: Sequence[float]) -> list[float]:
+        """The chance each draft is accepted given the ones before it were: confidence (B - 1,) times this
+        sequence's ratio of accepted drafts to confidence spent, both counted from `PRIOR`."""
+        stats = self.stats[seq]
+        ratio = (stats.accepted + PRIOR) / (stats.confidence + PRIOR)
+        return [min(ratio * c, 0.99) for c in confidence]
+
+    @staticmethod
+    def expected_tokens(p: Sequence[float], rows: int) -> float:
+        """E(k): tokens a verify of `rows` rows commits when draft j is accepted with chance p[j] given the earlier
+        ones were: 1 (the target's own token) + sum_{j < rows - 1} prod_{i <= j} p[i]."""
+        total, survive = 1.0, 1.0
+        for j in range(rows - 1):
+            survive *= p[j]
+            total += survive
+        return total
+
+    def width(self, live: Sequence[int], confidence: Sequence[Sequence[float]], cap: int) -> int:
+        """Rows to verify this step (1..cap), after the drafter ran. confidence (b, B - 1): the drafter's
+        probability of each live sequence's drafts. The batch verifies the widest of its sequences' choices."""
+        self.steps += 1
+        line = self.cost.line(len(live))
+        # a sequence drafting again after a run of plain steps is judged on every row: its own confidence alone kept
+        # it plain, and only a verify of its drafts can show that the drafter is better than it thinks
+        returning = any(self.stats[seq].plain_run + 1 >= self.explore_every for seq in live)
+        if line is None or returning or self.steps % self.explore_every == 0:
+            # explore: the full width first, then a narrow one, until two widths were timed; then now and then
+            seen = self.cost.widths_seen(len(live))
+            return min(2, cap) if cap in seen and min(2, cap) not in seen else cap
+        a, b, draft = line
+        best = 1
+        for seq, row_confidence in zip(live, confidence):
+            p = self.calibrated(seq, row_confidence)
+            rates = [self.expected_tokens(p, k) / (draft + a + b * k) for k in range(1, cap + 1)]
+            best = max(best, 1 + max(range(cap), key=rates.__getitem__))
+        return best
+
+    # -- after the verify --------------------------------------------------------------------------------------------
+
+    def record(
+        self, live: Sequence[int], rows: int, accepted: Sequence[int], confidence: Sequence[Sequence[float]] | None,
+        draft_seconds: float | None, verify_seconds: float,
+    ) -> None:
+        """One step's outcome: it verified `rows` rows per live sequence and sequence i accepted accepted[i] drafts;
+        confidence (b, B - 1) of the drafts (None when it did not draft), and its timings."""
+        self.widths.append(rows)
+        self.cost.record(len(live), rows, verify_seconds, draft_seconds)
+        decay = self.decay
+        for i, seq in enumerate(live):
+            stats = self.stats[seq]
+            if confidence is None:
+                stats.plain_run += 1
+                continue
+            stats.plain_run = 0
+            # the drafts the target judged: the accepted ones and the first rejected one, within the verified rows
+            judged = min(accepted[i] + 1, rows - 1)
+            stats.accepted = decay * stats.accepted + accepted[i]
+            stats.confidence = decay * stats.confidence + sum(confidence[i][:judged])
+            stats.drafted_steps = decay * stats.drafted_steps + 1
+            stats.drafted_tokens = decay * stats.drafted_tokens + accepted[i] + 1
+            stats.drafted_rows = decay * stats.drafted_rows + rows
+
+
+__all__ = ["PRIOR", "VerifyCost", "VerifyPolicy", "batch_class"]

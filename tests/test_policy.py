@@ -1,0 +1,210 @@
+"""The verify policy (modeling/dflash_policy.py): its choices under injected costs and confidences, and generate with
+it on: greedy tokens equal plain greedy, the widths it chose are the ones verified, sampling stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dflash.bundled_models import load_stories260k
+from hf_dflash.modeling import DFlashConfig, DFlashDraftModel
+from hf_dflash.modeling import dflash_decoding
+from hf_dflash.modeling.dflash_acceptance import DecodingRule, draft_confidence
+from hf_dflash.modeling.dflash_policy import VerifyCost, VerifyPolicy, batch_class
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
+from tests.test_sampling import (
+    SAMPLED, SMALL_VOCAB, assert_tuples_follow, pair_probabilities, sample_with_greedy_drafts,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = 16
+
+
+def chosen_width(cost: tuple[float, float, float], confidence: float, history: int = 0, accepted: int = 0) -> int:
+    """The width a fresh policy with a fixed cost (a, b, drafter seconds) picks for one sequence whose drafts all have
+    `confidence`, after `history` full-width steps that each accepted `accepted` drafts of that confidence."""
+    policy = VerifyPolicy(VerifyCost(fixed=cost), explore_every=1000)
+    policy.start(1)
+    row = [[confidence] * (BLOCK - 1)]
+    for _ in range(history):
+        policy.record([0], BLOCK, [accepted], row, 0.0, 0.0)
+    return policy.width([0], row, BLOCK)
+
+
+def test_width_grows_with_confidence_and_cheaper_rows():
+    cheap, dear = (1.0, 0.01, 0.5), (1.0, 1.0, 0.5)
+    assert chosen_width(cheap, 0.97) == BLOCK  # confident drafts, rows nearly free: verify them all
+    assert chosen_width(cheap, 0.97) > chosen_width(dear, 0.97) > 1  # dearer rows: fewer of them
+    assert chosen_width(dear, 0.97) > chosen_width(dear, 0.6) > chosen_width(dear, 0.2)
+    assert chosen_width(dear, 0.05) == 1  # drafts hopeless by the drafter's own account: the anchor alone
+
+
+def test_an_over_confident_drafter_is_discounted_down_to_plain_decoding():
+    cost = (1.0, 0.1, 0.5)
+    assert chosen_width(cost, 0.9) > BLOCK // 2
+    assert chosen_width(cost, 0.9, history=20, accepted=0) == 1  # confident, always wrong: not worth a row
+    assert chosen_width(cost, 0.9, history=20, accepted=BLOCK - 1) == BLOCK  # confident and right: all rows
+    # and it stops drafting: its drafted steps committed 1 token at a drafter pass plus a verify, above a plain step
+    policy = VerifyPolicy(VerifyCost(fixed=cost), explore_every=8)
+    policy.start(1)
+    for _ in range(5):
+        policy.record([0], 1, [0], [[0.9] * (BLOCK - 1)], 0.0, 0.0)
+    drafts = []
+    for _ in range(8):
+        drafts.append(policy.should_draft([0]))
+        if not drafts[-1]:
+            policy.record([0], 1, [0], None, None, 0.0)
+    assert drafts == [False] * 7 + [True]  # plain steps, then one that drafts again to explore
+
+
+def test_a_batch_verifies_its_widest_choice_and_drafts_while_any_sequence_pays():
+    cost = (1.0, 1.0, 0.5)
+    policy = VerifyPolicy(VerifyCost(fixed=cost), explore_every=1000)
+    policy.start(3)
+    rows = [[0.05] * (BLOCK - 1), [0.97] * (BLOCK - 1), [0.6] * (BLOCK - 1)]
+    assert policy.width([0, 1, 2], rows, BLOCK) == chosen_width(cost, 0.97) > 2
+    assert policy.width([0, 2], [rows[0], rows[2]], BLOCK) == chosen_width(cost, 0.6) == 2
+    assert policy.width([0, 1, 2], rows, 3) == 3  # dflash_verify_rows stays the cap
+    for _ in range(5):  # sequence 0 never gains; sequence 1 commits whole blocks
+        policy.record([0, 1], BLOCK, [0, BLOCK - 1], [rows[0], rows[1]], 0.0, 0.0)
+    assert policy.should_draft([0, 1]) and not policy.should_draft([0])
+
+
+def test_the_cost_fit_recovers_a_line_per_batch_class_and_explores_until_it_has_one():
+    cost = VerifyCost(decay=1.0)
+    policy = VerifyPolicy(cost, explore_every=1000)
+    policy.start(1)
+    confident = [[0.9] * (BLOCK - 1)]
+    widths = []
+    for step in range(6):
+        k = policy.width([0], confident, BLOCK)
+        widths.append(k)
+        policy.record([0], k, [1], confident, 0.004, 0.010 + 0.002 * k + (0.0005 if step % 2 else -0.0005))
+    assert widths[:2] == [BLOCK, 2]  # no line yet: the full width, then a narrow one
+    a, b, draft = cost.line(1)
+    assert a == pytest.approx(0.010, abs=1e-3) and b == pytest.approx(0.002, abs=1e-4) and draft == pytest.approx(0.004)
+    assert cost.line(4) is None and batch_class(3) == batch_class(4) == 4 and batch_class(1) == 1
+
+
+def test_choices_repeat_given_the_same_timings():
+    def run() -> list[int]:
+        policy = VerifyPolicy(VerifyCost(), explore_every=4)
+        policy.start(2)
+        generator = torch.Generator().manual_seed(0)
+        for step in range(30):
+            confidence = torch.rand(2, BLOCK - 1, generator=generator).tolist()
+            k = policy.width([0, 1], confidence, BLOCK) if policy.should_draft([0, 1]) else 1
+            policy.record([0, 1], k, [min(step % 5, k - 1), 0], confidence if k > 1 else None, 0.003, 0.01 + 0.001 * k)
+        return policy.widths
+
+    first = run()
+    assert first == run() and len(set(first)) > 2
+
+
+def test_confidence_reads_the_distribution_never_the_sampled_draft():
+    """A width chosen from which token was drawn would bias rejection sampling; the row's distribution alone cannot."""
+    logits = torch.randn(2, 5, 11)
+    rule = DecodingRule(do_sample=True, rejection=True)
+    torch.manual_seed(0)
+    _, probs_a = rule.propose(logits)
+    torch.manual_seed(1)
+    _, probs_b = rule.propose(logits)
+    torch.testing.assert_close(draft_confidence(logits, probs_a), draft_confidence(logits, probs_b))
+    torch.testing.assert_close(draft_confidence(logits, probs_a), torch.softmax(logits, -1).amax(-1))
+
+
+def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=8)  # random: its drafts are mostly wrong
+    prompt = random_prompt(6, batch=2)
+    plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    policy = VerifyPolicy(explore_every=8)
+    out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                          dflash_adaptive=policy, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    # the policy ran: the loop verified the widths it chose, narrower than the block most of the time
+    steps = max(len(lengths) for lengths in out.acceptance_lengths)
+    assert len(policy.widths) == steps and policy.widths[0] == 8
+    assert sum(width < 8 for width in policy.widths) > steps // 2
+    for lengths in out.acceptance_lengths:
+        assert all(taken <= width for taken, width in zip(lengths, policy.widths))
+
+
+def test_dflash_adaptive_true_makes_a_policy_per_call_and_false_keeps_the_full_width(monkeypatch):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = random_prompt(5)
+    made = []
+
+    class Recording(VerifyPolicy):
+        def start(self, batch_size: int) -> None:
+            made.append(batch_size)
+            super().start(batch_size)
+
+    monkeypatch.setattr(dflash_decoding, "VerifyPolicy", Recording)
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_adaptive=True)
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=12, do_sample=False))
+    assert made == [1]
+    made.clear()
+    full = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                           return_dict_in_generate=True)
+    assert made == [] and torch.equal(full.sequences, out)
+    with pytest.raises(ValueError, match="dflash_adaptive must be"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, dflash_adaptive="yes")
+
+
+def test_stories260k_with_the_policy_equals_plain_greedy():
+    target, tokenizer = load_stories260k()
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=8, mask_token_id=0)
+    drafter = DFlashDraftModel(config).eval()
+    inputs = tokenizer(["Once upon a time"], return_tensors="pt")
+    plain = target.generate(**inputs, max_new_tokens=48, do_sample=False)
+    policy = VerifyPolicy(explore_every=4)
+    out = target.generate(**inputs, max_new_tokens=48, do_sample=False, assistant_model=drafter, dflash_adaptive=policy)
+    assert torch.equal(out, plain) and len(set(policy.widths)) > 1
+
+
+@pytest.mark.parametrize("rule", ["point_mass", "rejection"])
+def test_sampling_with_the_policy_follows_the_target_distribution(rule):
+    """Rows cost 0.1 of a step here, so the width follows the drafter's confidence (1 to 3 of 4 rows)."""
+    target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
+    prompt = torch.tensor([[3, 7, 1, 4]])
+    pair = pair_probabilities(target, prompt)
+    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
+    policy = VerifyPolicy(VerifyCost(fixed=(1.0, 0.1, 0.0)), explore_every=1000)
+    torch.manual_seed(0)
+    settings = {**SAMPLED, "dflash_adaptive": policy}
+    (out,) = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, False, settings)
+    assert 1 < max(policy.widths) and min(policy.widths) < 4, policy.widths
+    assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
+    samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
+    assert_tuples_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
+
+
+def test_the_main_job_passes_one_policy_to_its_calls_on_a_cpu(tmp_path, monkeypatch, capsys):
+    import hf_dflash.generate_cli as generate_cli
+    from hf_dflash.cli import main
+
+    target, _ = load_stories260k()
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    policies = []
+
+    class Recording(VerifyPolicy):
+        def start(self, batch_size: int) -> None:
+            policies.append(self)
+            super().start(batch_size)
+
+    monkeypatch.setattr(generate_cli, "VerifyPolicy", Recording)
+    argv = ["generate", "--target", "stories260k", "--drafter", str(tmp_path / "drafter"), "--max-new-tokens", "8",
+            "--prompt", "Once upon a time"]
+    main(argv)
+    assert "[identical to plain greedy generate: True]" in capsys.readouterr().out
+    assert len(policies) == 2 and policies[0] is policies[1]  # the warm-up's call and the prompt's, one cost fit
+    policies.clear()
+    main([*argv, "--no-adaptive"])
+    assert "[identical to plain greedy generate: True]" in capsys.readouterr().out and policies == []
