@@ -80,7 +80,7 @@ def target_one_token_step(step: Any) -> Any:
     rows = step.rows(step.batch_size)
     slots = (rows.offsets + rows.anchor_pos)[:, None]  # (b, 1) the token's own slot
     visible = (step.key_slots >= rows.offsets[:, None, None]) & (step.key_slots <= slots[:, :, None])  # (b, 1, L)
-    mask = step.target_masks(visible, slots)
+    mask = step.target_masks(visible, slots, step.key_slots)
     positions = rows.anchor_pos[:, None]  # (b, 1)
     cache = rows.target_cache
 
