@@ -295,3 +295,13 @@ def test_quantized_refuses_4_bit_on_a_cpu_where_bitsandbytes_cannot_run_it(pair,
               "nf4", "--device", "cpu", "--out", str(tmp_path / "q.json")])
     assert refused.value.code == 2 and "intermediate_size 172; run on a GPU or pick int8" in capsys.readouterr().err
     assert not (tmp_path / "q.json").exists()
+
+
+def test_dflash2_parts_times_each_part_of_both_drafters(tmp_path):
+    report = run_scenario("dflash2-parts", tmp_path, "--rounds", "1", "--repeats", "1", "--context", "8",
+                          "--block-size", "8")
+    parts = report["parts_ms"]
+    assert set(parts) == {"layers", "lm_head", "propose", "convolutions"}
+    assert set(parts["convolutions"]) == {"DFlash2"}  # DFlash has none
+    for part in ("layers", "lm_head", "propose"):
+        assert set(parts[part]) == {"DFlash", "DFlash2"} and all(v[0] > 0 for v in parts[part].values())
