@@ -77,12 +77,22 @@ class PagedTargetCache:
         self.block_tables = block_tables
         positions = torch.arange(span, device=block_tables.device).expand(block_tables.shape[0], span)
         self.read_slots = page_slots(block_tables, positions)  # (n, span)
-        self.write_slots: torch.Tensor | None = None
+        self.write_slots = None
+
+    @property
+    def write_slots(self) -> torch.Tensor | None:
+        return self._write_positions
+
+    @write_slots.setter
+    def write_slots(self, positions: torch.Tensor | None) -> None:
+        # the forward's positions become pool slots once here, not once per layer in `update`
+        self._write_positions = positions
+        self._write_pool_slots = None if positions is None else page_slots(self.block_tables, positions)
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.pool.write_rows(layer_idx, page_slots(self.block_tables, self.write_slots), key, value)
+        self.pool.write_rows(layer_idx, self._write_pool_slots, key, value)
         return self.pool.read(layer_idx, self.read_slots)
 
 
