@@ -53,14 +53,17 @@ class DrafterAttachment:
 
     drafter: the DFlash drafter, or None for transformers' own manager without one (the baseline a load test
         compares against, and the way to test the serving layer alone).
+    adaptive: the engine's verify policy (`dflash_adaptive`): None for on where it runs on a CPU, True, False.
     """
 
     drafter: torch.nn.Module | None
+    adaptive: bool | None = None
     managers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     def manager_arguments(self) -> dict[str, Any]:
-        """What `init_continuous_batching` gets on top of its caller's arguments: the drafter, when there is one."""
-        return {} if self.drafter is None else {"assistant_model": self.drafter}
+        """What `init_continuous_batching` gets on top of its caller's arguments: the drafter and its verify policy,
+        when there is a drafter."""
+        return {} if self.drafter is None else {"assistant_model": self.drafter, "dflash_adaptive": self.adaptive}
 
     def running_manager(self) -> Any | None:
         """The manager whose worker runs now (transformers serve keeps one per model), or None."""
@@ -72,7 +75,8 @@ _ATTACHMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def attach_drafter(
-    target: torch.nn.Module, drafter: torch.nn.Module | None, limits: RequestLimits = RequestLimits()
+    target: torch.nn.Module, drafter: torch.nn.Module | None, limits: RequestLimits = RequestLimits(),
+    adaptive: bool | None = None,
 ) -> DrafterAttachment:
     """Make every continuous-batching manager `target` starts speculate with `drafter`.
 
@@ -80,12 +84,13 @@ def attach_drafter(
     returns a manager running the DFlash engine with `drafter`; the caller's own arguments pass through. A second
     call replaces the first. `drafter=None` keeps transformers' own manager (the managers are still recorded, for
     `served_state`). The managers refuse, with a ValueError naming the limit, a request whose prompt and
-    `max_new_tokens` together exceed `limits.max_request_tokens`. Raises ValueError, naming the fix, for a drafter
-    that does not fit the target.
+    `max_new_tokens` together exceed `limits.max_request_tokens`. `adaptive`: the engine's verify policy (None: on
+    where the engine runs on a CPU; see dflash_engine.py). Raises ValueError, naming the fix, for a drafter that does
+    not fit the target.
     """
     if drafter is not None:
         check_drafter_fits(drafter, target)
-    attachment = DrafterAttachment(drafter)
+    attachment = DrafterAttachment(drafter, adaptive)
     plain = type(target).init_continuous_batching.__get__(target)  # the class's: a second attach replaces the first
 
     @functools.wraps(plain)
@@ -150,16 +155,19 @@ class ServedTarget:
     folder: the local folder transformers loads for `name` when `name` is a bundled target; None: `name` loads as is.
     drafter: the drafter's folder or Hub id; None serves with transformers' own manager, without a drafter.
     limits: what a request may ask for (see `serve_requests.py`).
+    adaptive: the engine's verify policy: None (on where it runs on a CPU), True or False.
     """
 
     name: str
     folder: str | None = None
     drafter: str | None = None
     limits: RequestLimits = RequestLimits()
+    adaptive: bool | None = None
 
     @classmethod
     def for_serving(
-        cls, target: str, drafter: str | None, trust_remote_code: bool = False, max_model_len: int | None = None
+        cls, target: str, drafter: str | None, trust_remote_code: bool = False, max_model_len: int | None = None,
+        adaptive: bool | None = None,
     ) -> "ServedTarget":
         """Reads the target's and the drafter's configs (no weights) and checks that they fit; raises ValueError
         naming the fix when they do not. `target` is a folder, a Hub id, or `smollm2` (the bundled SmolLM2)."""
@@ -182,7 +190,7 @@ class ServedTarget:
             drafter_context = drafter_config.max_position_embeddings
             if drafter_context is not None and drafter_context < (limits.max_request_tokens or drafter_context + 1):
                 limits = RequestLimits(drafter_context, "the drafter's context")
-        return cls(name=target, folder=folder, drafter=drafter, limits=limits)
+        return cls(name=target, folder=folder, drafter=drafter, limits=limits, adaptive=adaptive)
 
     def prepare(self, target: torch.nn.Module) -> None:
         """Runs where transformers serve loaded the target, before its first request: loads the drafter in the
@@ -190,7 +198,7 @@ class ServedTarget:
         drafter = None
         if self.drafter is not None:
             drafter = DFlashDraftModel.from_pretrained(self.drafter, dtype=target.dtype).to(target.device).eval()
-        attach_drafter(target, drafter, self.limits)
+        attach_drafter(target, drafter, self.limits, self.adaptive)
 
 
 def serve_until_stopped(served: ServedTarget, options: dict[str, Any], graceful_shutdown_seconds: float = 30) -> None:

@@ -99,6 +99,7 @@ def served_target(args: argparse.Namespace) -> ServedTarget:
         args.drafter or str(DEFAULT_DRAFTER),
         trust_remote_code=getattr(args, PREFIX + "trust_remote_code"),
         max_model_len=getattr(args, PREFIX + "max_model_len", None),
+        adaptive=args.adaptive,
     )
 
 
@@ -131,6 +132,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--drafter", default=None,
                         help="the DFlash drafter: a folder or Hub id (default: ours for SmolLM2, "
                              f"{DEFAULT_DRAFTER.name})")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine's verify policy: each step verifies only the rows likely to pay, down to "
+                             "plain decoding (default: on where the target runs on a CPU, off on a GPU)")
     parser.add_argument("--graceful-shutdown-seconds", type=float, default=30,
                         help="on SIGTERM, how long answers in flight may take to finish before they are cancelled")
     group = parser.add_argument_group("transformers serve's options (passed on as they are)")

@@ -39,6 +39,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.utils import logging
 
 from .dflash_engine import DFlashEngine
+from .dflash_policy import VerifyPolicy
 from .dflash_row_sampling import PER_REQUEST, SamplingSettings
 
 logger = logging.get_logger(__name__)
@@ -129,6 +130,8 @@ class DFlashContinuousBatchingManager:
         continuous_batching_config: transformers' `ContinuousBatchingConfig`; its `max_requests_per_batch` sets the
             rows, and `num_blocks` x its page size the tokens each pool holds.
         max_batch_size, max_tokens: the same, directly (they win over the config).
+        adaptive: whether the engine's verify policy chooses each step's width (`DFlashEngine`'s `adaptive`: None,
+            the default, turns it on where the engine runs on a CPU).
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class DFlashContinuousBatchingManager:
         continuous_batching_config: Any = None,
         max_batch_size: int | None = None,
         max_tokens: int | None = None,
+        adaptive: bool | VerifyPolicy | None = None,
     ):
         self.model, self.drafter = model, drafter
         self.generation_config = generation_config if generation_config is not None else model.generation_config
@@ -156,7 +160,9 @@ class DFlashContinuousBatchingManager:
             page = getattr(cb, "page_size", None) or getattr(cb, "block_size", None)
             max_tokens = cb.num_blocks * page if page else None
         self.continuous_batching_config = cb
-        self.engine = DFlashEngine(model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens)
+        self.engine = DFlashEngine(
+            model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens, adaptive=adaptive
+        )
         self.logit_processor = RequestOptions()
         self.background_thread_status = WorkerStatus()
         self.batch_processor: DFlashBatchProcessor | None = None

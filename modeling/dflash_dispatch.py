@@ -8,7 +8,8 @@ logits processors, stopping criteria and cache exactly as usual); anything else,
 Continuous batching's three entry points (`init_continuous_batching`, `continuous_batching_context_manager`,
 `generate_batch`, on `ContinuousMixin`) gain an `assistant_model` argument, visible in their signatures: with a DFlash
 drafter they run `DFlashContinuousBatchingManager` (dflash_continuous.py), without one transformers' own manager,
-untouched.
+untouched. With a drafter they also take `dflash_adaptive` (as generate does): the engine's verify policy, None (the
+default) for on where the engine runs on a CPU, True, False or a `VerifyPolicy`.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -113,31 +114,36 @@ def _check_continuous_drafter(drafter: Any) -> None:
 
 
 def _taking_assistant_model(original: Callable[..., Any], run_with_drafter: Callable[..., Any]) -> Callable[..., Any]:
-    """`original` with a keyword-only `assistant_model` (in its signature too): None calls `original` untouched, a
-    DFlash drafter calls `run_with_drafter(self, drafter, **the other arguments by name)`."""
+    """`original` with keyword-only `assistant_model` and `dflash_adaptive` (in its signature too): no drafter calls
+    `original` untouched, a DFlash drafter calls `run_with_drafter(self, drafter, **the other arguments by name,
+    dflash_adaptive=...)`."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def method(self, *args: Any, assistant_model: Any = None, **kwargs: Any) -> Any:
+    def method(self, *args: Any, assistant_model: Any = None, dflash_adaptive: Any = None, **kwargs: Any) -> Any:
         if assistant_model is None:
+            if dflash_adaptive is not None:
+                raise ValueError("dflash_adaptive sets the DFlash engine's verify policy; pass it with "
+                                 "assistant_model=<DFlash drafter>, or leave it out")
             return original(self, *args, **kwargs)
         _check_continuous_drafter(assistant_model)
         arguments = signature.bind(self, *args, **kwargs).arguments
         arguments.pop("self")
         arguments.update(arguments.pop("kwargs", {}))
-        return run_with_drafter(self, assistant_model, **arguments)
+        return run_with_drafter(self, assistant_model, **arguments, dflash_adaptive=dflash_adaptive)
 
     parameters = list(signature.parameters.values())
-    extra = inspect.Parameter("assistant_model", inspect.Parameter.KEYWORD_ONLY, default=None)
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+             for name in ("assistant_model", "dflash_adaptive")]
     at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
-    method.__signature__ = signature.replace(parameters=[*parameters[:at], extra, *parameters[at:]])
+    method.__signature__ = signature.replace(parameters=[*parameters[:at], *extra, *parameters[at:]])
     method._dflash_dispatch = True
     return method
 
 
 def _dflash_manager(
     model: Any, drafter: Any, generation_config: Any = None, continuous_batching_config: Any = None,
-    workload_hints: Any = None,
+    workload_hints: Any = None, dflash_adaptive: Any = None,
 ) -> Any:
     """`init_continuous_batching` with a drafter: the manager kept by `stop(keep_for_next_session=True)` for this
     drafter, or a new one. (Workload hints size transformers' cache; the engine is sized by the config.)"""
@@ -146,19 +152,21 @@ def _dflash_manager(
     kept = getattr(model, "_dflash_continuous_batching_manager", None)
     if kept is not None and kept.drafter is drafter:
         return kept
-    return DFlashContinuousBatchingManager(model, drafter, generation_config, continuous_batching_config)
+    return DFlashContinuousBatchingManager(
+        model, drafter, generation_config, continuous_batching_config, adaptive=dflash_adaptive
+    )
 
 
 @contextmanager
 def _dflash_manager_context(
     model: Any, drafter: Any, generation_config: Any = None, block: bool = True, timeout: float | None = None,
     continuous_batching_config: Any = None, persistent_manager: bool = False, warmup: bool = True,
-    workload_hints: Any = None,
+    workload_hints: Any = None, dflash_adaptive: Any = None,
 ) -> Iterator[Any]:
     """`continuous_batching_context_manager` with a drafter: a started manager, stopped on the way out."""
     manager = model.init_continuous_batching(
         generation_config=generation_config, continuous_batching_config=continuous_batching_config,
-        assistant_model=drafter,
+        assistant_model=drafter, dflash_adaptive=dflash_adaptive,
     )
     if warmup:
         manager.warmup()
@@ -174,7 +182,8 @@ def _dflash_manager_context(
 def _dflash_generate_batch(
     model: Any, drafter: Any, inputs: list[list[int]], generation_config: Any = None,
     continuous_batching_config: Any = None, record_timestamps: bool = False, progress_bar: bool = False,
-    persistent_manager: bool = False, warmup: bool = True, max_new_tokens: int | None = None, **unknown: Any,
+    persistent_manager: bool = False, warmup: bool = True, max_new_tokens: int | None = None,
+    dflash_adaptive: Any = None, **unknown: Any,
 ) -> dict[str, Any]:
     """`generate_batch` with a drafter: every prompt through the manager; {request id: GenerationOutput} in the
     order of `inputs` (a failed request's output carries its error)."""
@@ -185,7 +194,7 @@ def _dflash_generate_batch(
         return {}
     with _dflash_manager_context(
         model, drafter, generation_config, continuous_batching_config=continuous_batching_config,
-        persistent_manager=persistent_manager, warmup=warmup,
+        persistent_manager=persistent_manager, warmup=warmup, dflash_adaptive=dflash_adaptive,
     ) as manager:
         request_ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
         results: dict[str, Any] = {}

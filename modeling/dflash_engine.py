@@ -16,14 +16,26 @@ A request's pages (prompt, max_new_tokens and one block, in both pools) are rese
 running sequence never waits for memory: a request that does not fit now waits (`fits_now`), one that never can is
 refused with a ValueError naming the limit (`check_request`).
 
+How many rows a step verifies is a `VerifyPolicy`'s (dflash_policy.py) choice when `adaptive` is on (by default
+where the engine runs on a CPU, where a verify costs about in proportion to its rows): per step it decides whether to
+draft at all (a plain step verifies each anchor alone and skips the drafter's layers; the last verify's rows still
+become drafter context), and after drafting how many rows (anchor + drafts) to verify, from each sequence's drafter
+confidence and recent acceptance and the verify cost it measures per batch size. Greedy tokens never change and
+sampled ones stay target-distributed: the width is chosen from the drafter's state alone (the engine's drafts are
+never sampled), and accepting a prefix of fewer drafts is the same acceptance rule. Without a policy every step
+verifies the full block.
+
 Buffers belong to the engine, which its caller owns (the manager, dflash_continuous.py); the drafter keeps nothing.
-Each step reads the device once (the verified tokens and accepted counts); eagerly on any device.
+Each step reads the device once (the verified tokens and accepted counts), twice with a policy (the drafts'
+confidence, before choosing the width); eagerly on any device.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -38,6 +50,7 @@ from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES
 from .dflash_masks import LINEAR
 from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView
+from .dflash_policy import VerifyPolicy
 from .dflash_row_sampling import SamplingSettings, warp
 from .dflash_static_cache import page_slots
 from .dflash_step import DFlashStep, StepRows
@@ -62,6 +75,7 @@ class EngineSequence:
 
     key: Hashable  # the caller's name for it
     position: int  # its anchor's position: prompt and committed tokens held, minus one
+    max_length: int  # prompt + max_new_tokens: it commits at most max_length - position - 1 more tokens
     sampling: SamplingSettings
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
@@ -107,6 +121,10 @@ class DFlashEngine(DFlashStep):
             max_sequence_length, at most 2048 each).
         max_sequence_length: the longest request, prompt and new tokens (default: the target's context, and the
             drafter's when it has one).
+        adaptive: whether a `VerifyPolicy` chooses each step's width, down to plain steps (see the module's
+            docstring). None (the default): on where the engine runs on a CPU, off elsewhere (a GPU verifies a
+            block in about the time of one row at small batches); True: a new `VerifyPolicy(whole_batch=True)`;
+            a `VerifyPolicy`: that one, as given (its cost fit carries over; one engine at a time).
     """
 
     def __init__(
@@ -116,7 +134,10 @@ class DFlashEngine(DFlashStep):
         max_batch_size: int = 8,
         max_tokens: int | None = None,
         max_sequence_length: int | None = None,
+        adaptive: bool | VerifyPolicy | None = None,
     ):
+        if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
+            raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
         text = target.config.get_text_config()
         if text.model_type in HYBRID_FAMILIES or LINEAR in target_layer_types(text):
             raise ValueError(
@@ -170,9 +191,20 @@ class DFlashEngine(DFlashStep):
             self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p,
         )
         self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
-        # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps).
+        # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps), and
+        # steps per verified width (1: plain steps, which skip the drafter).
         self.row_steps = 0
         self.accepted_drafts = 0
+        self.width_steps: Counter[int] = Counter()
+        if adaptive is None:
+            adaptive = device.type == "cpu"
+        if isinstance(adaptive, VerifyPolicy):
+            self.policy: VerifyPolicy | None = adaptive
+        else:
+            self.policy = VerifyPolicy(whole_batch=True) if adaptive else None
+        # Of the last verify's rows, how many the next step stores as drafter context (`store_context`): its largest
+        # accepted count + 1 under the policy; a newly admitted row needs none (it was prefilled).
+        self.context_rows = 1
 
     # -- room ---------------------------------------------------------------------------------------------------
 
@@ -230,7 +262,9 @@ class DFlashEngine(DFlashStep):
             raise RuntimeError("admit called without room (check fits_now first); this is a bug: please report it")
         row, length, device = len(self.sequences), len(prompt), self.anchor_ids.device
         pages = self.pages_for(length, max_new_tokens)
-        sequence = EngineSequence(key, length, sampling, self.target_pool.take(pages), self.drafter_pool.take(pages))
+        sequence = EngineSequence(
+            key, length, length + max_new_tokens, sampling, self.target_pool.take(pages), self.drafter_pool.take(pages)
+        )
         try:
             tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
             for table, taken in tables:
@@ -246,6 +280,8 @@ class DFlashEngine(DFlashStep):
         self.anchor_pos[row] = self.prev_pos[row] = length  # the first step has no verify rows to store
         self.max_length[row] = length + max_new_tokens
         self.sequences.append(sequence)
+        if self.policy is not None:
+            self.policy.add(key)
         return int(first)
 
     def _set_sampling(self, row: int, sampling: SamplingSettings) -> None:
@@ -288,6 +324,8 @@ class DFlashEngine(DFlashStep):
         row = next(i for i, sequence in enumerate(self.sequences) if sequence.key == key)
         last = len(self.sequences) - 1
         self._give_back(self.sequences[row])
+        if self.policy is not None:
+            self.policy.remove(key)
         if row != last:
             for buffer in self.per_row:
                 buffer[row] = buffer[last]
@@ -321,17 +359,17 @@ class DFlashEngine(DFlashStep):
         return warp(logits, temperature, top_k, top_p), do_sample
 
     def choose(
-        self, rows: EngineRows, logits: torch.Tensor, draft_probs: torch.Tensor | None
+        self, rows: EngineRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
         """Each row's own sampling settings (greedy rows: the argmax), with the drafter's argmax as its proposal."""
         scores, do_sample = self._scores(logits, rows.do_sample, rows.temperature, rows.top_k, rows.top_p)
-        tokens, accepted = accept(scores, rows.drafts, do_sample, None)
+        tokens, accepted = accept(scores, drafts, do_sample, None)
         return scores, tokens, accepted
 
     @torch.no_grad()
     def run_step(self) -> dict[Hashable, list[int]]:
-        """One verify step over every row; returns per sequence the tokens it committed (1 to B; the step reads the
-        device once). The caller retires what ended (eos, its max_new_tokens) before the next step."""
+        """One verify step over every row, at the full width or at the policy's; returns per sequence the tokens it
+        committed (1 to the width). The caller retires what ended (eos, its max_new_tokens) before the next step."""
         n = len(self.sequences)
         if n == 0:
             return {}
@@ -358,17 +396,45 @@ class DFlashEngine(DFlashStep):
             ),
             **self._sampling(slice(0, n), any(not sequence.sampling.greedy for sequence in self.sequences)),
         )
+        keys = [sequence.key for sequence in self.sequences]
+        width, confidence, draft_seconds = self.block_size, None, None
         with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
-            self.step(rows)
-        out = self.out[:n].tolist()  # the step's one host synchronization
-        committed = {}
+            if self.policy is None:
+                self.step(rows)
+            else:
+                started = time.perf_counter()
+                width, confidence = self._draft_for_policy(rows, keys)
+                verify_started = time.perf_counter()
+                draft_seconds = None if confidence is None else verify_started - started
+                self.verify(rows, None, width)
+        out = self.out[:n].tolist()  # the step's host synchronization (the policy's second)
+        accepted = [row[self.block_size] for row in out]
+        if self.policy is not None:
+            self.policy.record(keys, width, accepted, confidence, draft_seconds, time.perf_counter() - verify_started)
+            self.context_rows = max(accepted) + 1
+        self.width_steps[width] += 1
         self.row_steps += n
-        for sequence, row in zip(self.sequences, out):
-            accepted = row[self.block_size]
-            sequence.position += accepted + 1
-            self.accepted_drafts += accepted
-            committed[sequence.key] = row[: accepted + 1]
+        self.accepted_drafts += sum(accepted)
+        committed = {}
+        for sequence, row, taken in zip(self.sequences, out, accepted):
+            sequence.position += taken + 1
+            committed[sequence.key] = row[: taken + 1]
         return committed
+
+    def _draft_for_policy(self, rows: EngineRows, keys: list[Hashable]) -> tuple[int, list[list[float]] | None]:
+        """Before the verify, under the policy: draft and take the width the drafts' confidence pays for, or only
+        store the last verify's rows as context (a plain step: width 1, the drafter's layers skipped). Returns the
+        width and the drafts' confidence (n, B - 1) as read back, None on a plain step."""
+        # no row commits more than its room: a verify wider than the largest room would only cost
+        cap = min(self.block_size, max(sequence.max_length - sequence.position - 1 for sequence in self.sequences))
+        if cap > 1 and self.policy.should_draft(keys):
+            # The drafter's probability of each of its drafts. The engine never samples drafts (each row's own
+            # sampling acts in `choose`), so the width read from it depends on the drafter's state alone, never on
+            # the target's random draws: the verified drafts and the acceptance rule stay those of a full step.
+            confidence = self.propose(rows, self.context_rows).confidence.tolist()
+            return self.policy.width(keys, confidence, cap), confidence
+        self.store_context(rows, self.context_rows)
+        return 1, None
 
 
 __all__ = ["DFlashEngine", "EngineRows", "EngineSequence", "PagedTargetCache", "SPAN_BUCKET"]

@@ -19,6 +19,10 @@ skips the drafter and verifies the anchor alone (per batch: only when every sequ
 (`explore_every`): one verifies the full width, one drafts after a run of plain steps, so the fit and the calibration
 keep seeing what they would otherwise stop measuring.
 
+Sequences are named by any hashable key, so that they can join and leave a running batch: generate's eager loop
+names its batch rows 0..b-1 (`start`), the continuous-batching engine (dflash_engine.py) names each request as it is
+admitted (`add`) and forgets it when it leaves (`remove`).
+
 Everything here is host arithmetic on a few floats per sequence: deterministic given the same timings (tests pass a
 `VerifyCost` with fixed figures), and no device work.
 
@@ -27,13 +31,16 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 
 # The calibration's prior: this much of a draft of confidence 1, accepted. Small, so that a few judged drafts outweigh
 # it: a drafter confident and always wrong on this prompt is discounted to a few percent within a handful of steps.
 PRIOR = 0.25
+# The most recent widths a policy keeps in `widths` (an engine's policy runs as long as its server).
+WIDTH_LOG = 4096
 
 
 def batch_class(batch_size: int) -> int:
@@ -134,51 +141,71 @@ class VerifyPolicy:
         explore_every: every this many drafted steps verify the full width once, and a sequence that stopped drafting
             drafts again, verified at the full width, after this many plain steps.
         decay: the weight of a past step in the calibration, per step (recent acceptance counts most).
+        whole_batch: how a batch's sequences' wishes combine. False (generate's eager loop, a few sequences): the
+            batch verifies the widest of its sequences' choices, and drafts while any sequence's drafting pays. True
+            (the continuous-batching engine, dozens of sequences in a step): the width that commits the most tokens
+            per second summed over the batch, and drafting while the batch's drafted steps commit more tokens per
+            second than plain ones would; with many sequences some one of them nearly always wants the full block,
+            which the widest choice would then verify for all of them.
 
-    Per call: `start(batch_size)`; per step `should_draft(live)` -> bool, then after drafting `width(live,
-    confidence, cap)` -> k, and after the verify `record(live, k, accepted, confidence, drafted, draft_s, verify_s)`.
-    `live` lists the sequences (indices given to `start`) in batch order; `keep` is not needed: stats are per
-    sequence index. `widths` lists every verified width of the call, in order.
+    Sequences: `start(batch_size)` names a new batch 0..batch_size-1 (generate's eager loop, per call); `add(key)`
+    and `remove(key)` let one join or leave at any step (the continuous-batching engine). Per step
+    `should_draft(live)` -> bool, then after drafting `width(live, confidence, cap)` -> k, and after the verify
+    `record(live, k, accepted, confidence, draft_s, verify_s)`. `live` lists the keys of the sequences in the step,
+    in batch order; finished ones may simply be left out of it (stats are per key). `widths` holds the verified
+    widths in order, the latest `WIDTH_LOG` of them.
     """
 
-    def __init__(self, cost: VerifyCost | None = None, explore_every: int = 16, decay: float = 0.9):
+    def __init__(
+        self, cost: VerifyCost | None = None, explore_every: int = 16, decay: float = 0.9, whole_batch: bool = False
+    ):
         if explore_every < 2:
             raise ValueError(f"explore_every must be at least 2, got {explore_every}")
         self.cost = VerifyCost() if cost is None else cost
-        self.explore_every, self.decay = explore_every, decay
-        self.stats: list[_SequenceStats] = []
+        self.explore_every, self.decay, self.whole_batch = explore_every, decay, whole_batch
+        self.stats: dict[Hashable, _SequenceStats] = {}
         self.steps = 0
-        self.widths: list[int] = []
+        self.widths: deque[int] = deque(maxlen=WIDTH_LOG)
 
     def start(self, batch_size: int) -> None:
-        """New sequences 0..batch_size-1: their calibration starts from the prior (`PRIOR`); the cost fit is
-        kept."""
-        self.stats = [_SequenceStats() for _ in range(batch_size)]
+        """New sequences 0..batch_size-1 in place of any held: their calibration starts from the prior (`PRIOR`);
+        the cost fit is kept."""
+        self.stats = {seq: _SequenceStats() for seq in range(batch_size)}
         self.steps = 0
-        self.widths = []
+        self.widths.clear()
+
+    def add(self, key: Hashable) -> None:
+        """A sequence joins the batch under `key`: its calibration starts from the prior."""
+        self.stats[key] = _SequenceStats()
+
+    def remove(self, key: Hashable) -> None:
+        """A sequence leaves: its stats go (the cost fit, shared by every sequence, stays)."""
+        del self.stats[key]
 
     # -- before drafting -------------------------------------------------------------------------------------------
 
-    def should_draft(self, live: Sequence[int]) -> bool:
+    def should_draft(self, live: Sequence[Hashable]) -> bool:
         """Whether this step drafts: unless every live sequence's drafted steps lately committed fewer tokens per
-        second than a plain step would (their tokens per step over the modelled cost of their mean width), and none
-        is due to explore."""
+        second than a plain step would (their tokens per step over the modelled cost of their mean width; with
+        `whole_batch`, unless the batch's summed rate is below the plain steps'), and none is due to explore."""
         line = self.cost.line(len(live))
         if line is None:
             return True
         a, b, draft = line
+        drafted_rate = 0.0  # the batch's tokens per second on drafted steps, summed over its sequences
         for seq in live:
             stats = self.stats[seq]
             if stats.drafted_steps == 0 or stats.plain_run + 1 >= self.explore_every:
                 return True
             tokens, rows = stats.drafted_tokens / stats.drafted_steps, stats.drafted_rows / stats.drafted_steps
-            if tokens * (a + b) > draft + a + b * rows:  # tokens / drafted step cost > 1 / plain step cost
+            if not self.whole_batch and tokens * (a + b) > draft + a + b * rows:  # faster than a plain step
                 return True
-        return False
+            drafted_rate += tokens / (draft + a + b * rows)
+        return self.whole_batch and drafted_rate > len(live) / (a + b)  # a plain step commits one token each
 
     # -- after drafting --------------------------------------------------------------------------------------------
 
-    def calibrated(self, seq: int, confidence: Sequence[float]) -> list[float]:
+    def calibrated(self, seq: Hashable, confidence: Sequence[float]) -> list[float]:
         """The chance each draft is accepted given the ones before it were: confidence (B - 1,) times this
         sequence's ratio of accepted drafts to confidence spent, both counted from `PRIOR`."""
         stats = self.stats[seq]
@@ -189,15 +216,22 @@ class VerifyPolicy:
     def expected_tokens(p: Sequence[float], rows: int) -> float:
         """E(k): tokens a verify of `rows` rows commits when draft j is accepted with chance p[j] given the earlier
         ones were: 1 (the target's own token) + sum_{j < rows - 1} prod_{i <= j} p[i]."""
-        total, survive = 1.0, 1.0
-        for j in range(rows - 1):
+        return VerifyPolicy.expected_curve(p, rows)[-1]
+
+    @staticmethod
+    def expected_curve(p: Sequence[float], cap: int) -> list[float]:
+        """[E(1), ..., E(cap)] (`expected_tokens` at every width up to `cap`), in one pass."""
+        curve, total, survive = [1.0], 1.0, 1.0
+        for j in range(cap - 1):
             survive *= p[j]
             total += survive
-        return total
+            curve.append(total)
+        return curve
 
-    def width(self, live: Sequence[int], confidence: Sequence[Sequence[float]], cap: int) -> int:
+    def width(self, live: Sequence[Hashable], confidence: Sequence[Sequence[float]], cap: int) -> int:
         """Rows to verify this step (1..cap), after the drafter ran. confidence (b, B - 1): the drafter's
-        probability of each live sequence's drafts. The batch verifies the widest of its sequences' choices."""
+        probability of each live sequence's drafts. The batch verifies the widest of its sequences' choices (with
+        `whole_batch`, the width of the most tokens per second over the batch)."""
         self.steps += 1
         line = self.cost.line(len(live))
         # a sequence drafting again after a run of plain steps is judged on every row: its own confidence alone kept
@@ -208,18 +242,21 @@ class VerifyPolicy:
             seen = self.cost.widths_seen(len(live))
             return min(2, cap) if cap in seen and min(2, cap) not in seen else cap
         a, b, draft = line
+        curves = [self.expected_curve(self.calibrated(seq, c), cap) for seq, c in zip(live, confidence)]
+        if self.whole_batch:  # the batch's tokens per second at each width
+            rates = [sum(curve[k] for curve in curves) / (draft + a + b * (k + 1)) for k in range(cap)]
+            return 1 + max(range(cap), key=rates.__getitem__)
         best = 1
-        for seq, row_confidence in zip(live, confidence):
-            p = self.calibrated(seq, row_confidence)
-            rates = [self.expected_tokens(p, k) / (draft + a + b * k) for k in range(1, cap + 1)]
+        for curve in curves:
+            rates = [curve[k] / (draft + a + b * (k + 1)) for k in range(cap)]
             best = max(best, 1 + max(range(cap), key=rates.__getitem__))
         return best
 
     # -- after the verify --------------------------------------------------------------------------------------------
 
     def record(
-        self, live: Sequence[int], rows: int, accepted: Sequence[int], confidence: Sequence[Sequence[float]] | None,
-        draft_seconds: float | None, verify_seconds: float,
+        self, live: Sequence[Hashable], rows: int, accepted: Sequence[int],
+        confidence: Sequence[Sequence[float]] | None, draft_seconds: float | None, verify_seconds: float,
     ) -> None:
         """One step's outcome: it verified `rows` rows per live sequence and sequence i accepted accepted[i] drafts;
         confidence (b, B - 1) of the drafts (None when it did not draft), and its timings."""
@@ -241,4 +278,4 @@ class VerifyPolicy:
             stats.drafted_rows = decay * stats.drafted_rows + rows
 
 
-__all__ = ["PRIOR", "VerifyCost", "VerifyPolicy", "batch_class"]
+__all__ = ["PRIOR", "VerifyCost", "VerifyPolicy", "WIDTH_LOG", "batch_class"]

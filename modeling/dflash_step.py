@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .dflash_acceptance import DecodingRule, accept
+from .dflash_acceptance import DecodingRule, Proposal, accept
 from .dflash_attention import grouped_attention
 from .dflash_compat import attention_implementation
 from .dflash_fast_path_blockers import target_layer_types
@@ -109,28 +109,46 @@ class DFlashStep:
     # -- one verify step, on device buffers only --------------------------------------------------------------
 
     def step(self, rows: StepRows) -> None:
-        draft_probs = self.propose(rows)
-        self.verify(rows, draft_probs)
+        """A full-width step: draft a block, verify all B rows (the fast path records this)."""
+        self.verify(rows, self.propose(rows).probs)
 
-    def propose(self, rows: StepRows) -> torch.Tensor | None:
+    def propose(self, rows: StepRows, context_rows: int | None = None) -> Proposal:
         """Store the last verify's rows as context, then draft the next block into `rows.drafts` (the drafter's
-        `propose`: DFlash2's selector runs here, inside the step). Returns the distribution the drafts were sampled
-        from (n, B - 1, V) under rejection sampling, else None."""
+        `propose`: DFlash2's selector runs here, inside the step). Returns the proposal: its `probs`, the
+        distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None, and the
+        drafter's `confidence` in each draft. `context_rows`: see `store_context` (default: all B rows, as the
+        fast path's recorded or compiled pass stores them)."""
         drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
         with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
-            hidden, draft_logits = drafter_pass(rows)
+            hidden, draft_logits = drafter_pass(rows) if context_rows is None else self.draft(rows, context_rows)
         proposal = self.generator.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
         rows.drafts.copy_(proposal.drafts)
-        return proposal.probs
+        return proposal
 
-    def draft(self, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's pass of `propose` (the part of the step the fast path compiles): context keys/values, masks,
-        the drafter forward and the lm_head. Returns the draft rows (n, B - 1, H) and their logits (n, B - 1, V)."""
+    def store_context(self, rows: StepRows, context_rows: int | None = None) -> None:
+        """1. The first `context_rows` rows the last verify captured (positions prev_pos + 0..context_rows-1;
+        default: all B) become context keys/values: a drafted step does this first, and a plain step (the engine's
+        policy verifying the anchor alone) does only this.
+
+        Why rows past the accepted ones may be written, and fewer than B suffice. Before a step every position below
+        prev_pos holds valid context, and captured rows 0..a (a: the drafts the last verify accepted) are those of
+        prev_pos..anchor_pos-1 (anchor_pos = prev_pos + a + 1). Writing any context_rows >= a + 1 of them therefore
+        makes every position below the anchor valid; the rows past a (rejected drafts, or rows a narrower verify
+        never captured, left from an earlier step) land at positions at or after the anchor. The drafter reads only
+        positions below anchor_pos + B, and a drafted block first overwrites anchor_pos..anchor_pos + B - 1 with its
+        own keys/values; a plain step reads nothing, and the next step's write covers its anchor. So no row past
+        the accepted ones is ever read, whatever the widths of the steps were."""
+        offsets = self.block_offsets if context_rows is None else self.block_offsets[:context_rows]
+        captured = rows.verify_rows if context_rows is None else rows.verify_rows[:, :context_rows]
+        positions = rows.prev_pos[:, None] + offsets  # (n, context_rows)
+        self.generator.write_context(captured, positions, page_slots(rows.block_tables, positions))
+
+    def draft(self, rows: StepRows, context_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's pass of `propose` (the part of the step the fast path compiles): context keys/values
+        (`store_context`), masks, the drafter forward and the lm_head. Returns the draft rows (n, B - 1, H) and
+        their logits (n, B - 1, V)."""
         block, generator = self.block_size, self.generator
-        # 1. The rows the last verify captured (positions prev_pos + 0..B-1) become context keys/values. Rows past
-        #    the accepted ones land in slots at or after the new anchor, which the block below overwrites.
-        context_positions = rows.prev_pos[:, None] + self.block_offsets  # (n, B)
-        generator.write_context(rows.verify_rows, context_positions, page_slots(rows.block_tables, context_positions))
+        self.store_context(rows, context_rows)
         # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
         positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
@@ -143,17 +161,26 @@ class DFlashStep:
         masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
         return generator.draft_rows(rows.anchor_ids, positions, masks, rows.drafter_view)
 
-    def verify(self, rows: StepRows, draft_probs: torch.Tensor | None) -> None:
-        """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor."""
-        block, drafts = self.block_size, rows.drafts
-        positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
+    def verify(self, rows: StepRows, draft_probs: torch.Tensor | None, width: int | None = None) -> None:
+        """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor.
+
+        `width` (1..B, default B): the rows verified per sequence, the anchor and the first width - 1 drafts (the
+        engine's policy narrows it; 1 verifies the anchor alone, a plain decoding step). Only those rows are
+        computed and captured; `out` holds tokens in its first `width` columns and the accepted count last."""
+        block = self.block_size
+        width = block if width is None else width
+        drafts, offsets = rows.drafts[:, : width - 1], self.block_offsets[:width]
+        if draft_probs is not None:
+            draft_probs = draft_probs[:, : width - 1]
+        positions = rows.anchor_pos[:, None] + offsets  # (n, width)
         # 3. Verify [anchor, drafts] at each sequence's own slots (its padded columns), causally.
-        slots = rows.offsets[:, None] + positions  # (n, B)
-        rows.target_slots.copy_(slots)
-        rows.target_cache.write_slots = rows.target_slots
+        slots = rows.offsets[:, None] + positions  # (n, width)
+        target_slots = rows.target_slots[:, :width]
+        target_slots.copy_(slots)
+        rows.target_cache.write_slots = target_slots
         keys = rows.key_slots
-        visible = (keys >= rows.offsets[:, None, None]) & (keys <= slots[:, :, None])  # (n, B, L)
-        self.generator.capture.destination = rows.verify_rows
+        visible = (keys >= rows.offsets[:, None, None]) & (keys <= slots[:, :, None])  # (n, width, L)
+        self.generator.capture.destination = rows.verify_rows[:, :width]
         # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
         with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
             with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
@@ -162,10 +189,10 @@ class DFlashStep:
                     position_ids=positions,
                     attention_mask=self.target_masks(visible, slots, keys),
                     use_cache=True,
-                    logits_to_keep=block,
+                    logits_to_keep=width,
                     **{self.cache_argument: rows.target_cache},
                 ).logits
-        scores, tokens, accepted = self.choose(rows, logits, draft_probs)
+        scores, tokens, accepted = self.choose(rows, logits, drafts, draft_probs)
         # never commit past max_length: max_length minus the padded length is what a sequence may still commit
         room = rows.max_length - rows.offsets - rows.anchor_pos - 1
         accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
@@ -177,28 +204,29 @@ class DFlashStep:
         if self.hybrid:  # the linear layers advance over the rows each sequence keeps (none for a finished one)
             rows.target_cache.commit((accepted + 1) * rows.active)
         if rows.presence is not None:  # the committed tokens join the repetition penalty's set
-            committed = (self.block_offsets <= accepted[:, None]) & running  # (n, B)
+            committed = (offsets <= accepted[:, None]) & running  # (n, width)
             hits = torch.zeros_like(rows.presence, dtype=torch.int32).scatter_add_(1, tokens, committed.int())
             rows.presence.logical_or_(hits > 0)
-        rows.out[:, :block].copy_(tokens)
+        rows.out[:, :width].copy_(tokens)
         rows.out[:, block].copy_(accepted)
         if rows.scores is not None:
-            rows.scores.copy_(scores)
+            rows.scores[:, :width].copy_(scores)
         if rows.logits is not None:
-            rows.logits.copy_(logits)
+            rows.logits[:, :width].copy_(logits)
 
     def choose(
-        self, rows: StepRows, logits: torch.Tensor, draft_probs: torch.Tensor | None
+        self, rows: StepRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
         """The target's scores of the verify rows, its tokens there and the accepted drafts (`accept`), under the
-        bound processors and decoding rule. logits (n, B, V) -> (scores (n, B, V), tokens (n, B), accepted (n,))."""
+        bound processors and decoding rule. logits (n, k, V), the verified drafts (n, k - 1) -> (scores (n, k, V),
+        tokens (n, k), accepted (n,))."""
         if self.processors.processors or self.rule.do_sample:
             # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
             lengths = rows.offsets + rows.anchor_pos + 1
-            scores = self.processors(logits, lengths, rows.presence, rows.drafts)  # (n, B, V)
+            scores = self.processors(logits, lengths, rows.presence, drafts)  # (n, k, V)
         else:  # greedy, nothing to process: the argmax of the logits as they are is that of their exact float32 copy,
             scores = logits  # which would cost a (n, B, V) float32 write and read (9.7 MB per sequence at Qwen3's V)
-        tokens, accepted = accept(scores, rows.drafts, self.rule.do_sample, draft_probs)
+        tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
         return scores, tokens, accepted
 
 

@@ -423,7 +423,9 @@ def test_a_failing_prefill_fails_its_request_alone_and_a_failing_step_fails_its_
     expected = plain_greedy(target, good, 8)
     handle = target.get_input_embeddings().register_forward_pre_hook(faults)
     try:
-        manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter)
+        # full-width steps: the hook tells a step's forwards from a prefill by their block of rows
+        manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter,
+                                                  dflash_adaptive=False)
         manager.start()
         ids = [manager.add_request([5, poison, 6], max_new_tokens=8), manager.add_request(good, max_new_tokens=8)]
         results = finished_results(manager, len(ids))

@@ -27,7 +27,10 @@ completed requests; and whether each request of the first `--check` ones has exa
 it; the fixed batches when `generate` commits it (a stopping criterion reads the clock; that call returns later).
 Each manager gets a paged cache of `--cb-num-blocks` pages (default: enough for `--concurrency` requests of the
 longest prompt, `--max-new-tokens` and a drafter's block) and steps of at most `--cb-max-batch-tokens` tokens, and
-decodes one short request untimed before its run (warm-up), as the fixed batches do one untimed call.
+decodes one short request untimed before its run (warm-up), as the fixed batches do one untimed call. The drafter's
+manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (default: the engine's own, on on a
+CPU), and the report adds what its engine did over the run: steps per verified width (1: plain steps, no drafting),
+the plain steps' fraction, the mean width and tau (tokens committed per sequence and step).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import argparse
 import inspect
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,9 +100,10 @@ def continuous_run(
     target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int,
     args: argparse.Namespace,
     pad_token_id: int, request_tokens: int, drafter: torch.nn.Module | None,
-) -> None:
+) -> dict[str, Any] | None:
     """Serve `requests` through a continuous-batching manager (with `assistant_model=drafter` when given), filling
-    each request's record. `request_tokens`: what one request may hold in the cache (the default cache's size)."""
+    each request's record. `request_tokens`: what one request may hold in the cache (the default cache's size).
+    Returns, with a drafter, what its engine did over the timed run (`engine_steps`); else None."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     eos = target.generation_config.eos_token_id
@@ -108,7 +112,7 @@ def continuous_run(
     cb_config = ContinuousBatchingConfig(max_batch_tokens=args.cb_max_batch_tokens)
     page_size = getattr(cb_config, "page_size", None) or cb_config.block_size  # named page_size from 5.25
     cb_config.num_blocks = args.cb_num_blocks or cache_pages(concurrency, request_tokens, page_size)
-    extra = {} if drafter is None else {"assistant_model": drafter}
+    extra = {} if drafter is None else {"assistant_model": drafter, "dflash_adaptive": args.adaptive}
     manager = target.init_continuous_batching(generation_config=generation_config,
                                               continuous_batching_config=cb_config, **extra)
     manager.start()
@@ -116,9 +120,32 @@ def continuous_run(
         warm_up = manager.add_request(prompts[0], request_id="warm-up", max_new_tokens=2)
         while (out := manager.get_result(timeout=POLL_S)) is None or out.request_id != warm_up:
             _raise_if_stopped(manager)
+        engine = getattr(manager, "engine", None)
+        before = None if engine is None else engine_totals(engine)
         serve(manager, prompts, requests, concurrency, args)
     finally:
         manager.stop(block=True, hard_stop=True)
+    return None if engine is None else engine_steps(before, engine_totals(engine), engine.policy is not None)
+
+
+def engine_totals(engine: Any) -> tuple[Counter, int, int]:
+    """A DFlash engine's running totals: steps per width, row-steps and accepted drafts."""
+    return Counter(engine.width_steps), engine.row_steps, engine.accepted_drafts
+
+
+def engine_steps(before: tuple[Counter, int, int], after: tuple[Counter, int, int], policy: bool) -> dict[str, Any]:
+    """What the engine did between two `engine_totals`: steps per verified width, the plain steps' fraction, the
+    mean width (per step) and tau (tokens committed per sequence and step)."""
+    widths = after[0] - before[0]
+    steps, row_steps, accepted = sum(widths.values()), after[1] - before[1], after[2] - before[2]
+    return {
+        "policy": policy,
+        "steps": steps,
+        "width_steps": {str(width): widths[width] for width in sorted(widths)},
+        "plain_step_fraction": widths[1] / steps if steps else None,
+        "mean_width": sum(width * count for width, count in widths.items()) / steps if steps else None,
+        "tau": 1 + accepted / row_steps if row_steps else None,
+    }
 
 
 def _raise_if_stopped(manager: Any) -> None:
@@ -329,13 +356,16 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for concurrency in args.concurrency:
         for arm in (a for a in ARMS if a in args.arms and a not in unavailable):
             requests = [Request(i, i % len(prompts), offsets[i]) for i in range(args.requests)]
+            engine = None
             if arm == "generate-batches":
                 fixed_batches_run(target, prompts, requests, concurrency, args, pad_token_id, drafter)
             else:
-                continuous_run(target, prompts, requests, concurrency, args, pad_token_id, request_tokens,
-                               drafter if arm == "cb-drafter" else None)
+                engine = continuous_run(target, prompts, requests, concurrency, args, pad_token_id, request_tokens,
+                                        drafter if arm == "cb-drafter" else None)
             run = {"arm": arm, "concurrency": concurrency, **figures(requests), "identical_to_plain":
                    identity(requests, plain)}
+            if engine is not None:
+                run["engine"] = engine
             runs.append(run)
             print(format_row(run), flush=True)
     return {
@@ -357,10 +387,15 @@ def format_row(run: dict[str, Any]) -> str:
     """One run as the line printed while the scenario goes."""
     ttft, itl, same = run["ttft_s"], run["itl_s"], run["identical_to_plain"]
     ms = lambda v: "-" if v is None else f"{1000 * v:.0f}"  # noqa: E731
-    return (f"{run['arm']:17s} c{run['concurrency']:<3d} {run['completed']}/{run['requests']} done  "
+    line = (f"{run['arm']:17s} c{run['concurrency']:<3d} {run['completed']}/{run['requests']} done  "
             f"{run['requests_per_s']:6.2f} req/s  {run['output_tokens_per_s']:7.1f} tok/s  "
             f"ttft p50/p99 {ms(ttft['p50'])}/{ms(ttft['p99'])} ms  itl p50/p99 {ms(itl['p50'])}/{ms(itl['p99'])} ms  "
             f"identical {same['identical']}/{same['checked']}")
+    engine = run.get("engine")
+    if engine and engine["steps"]:
+        line += (f"  [{engine['steps']} steps, mean width {engine['mean_width']:.1f}, plain "
+                 f"{100 * engine['plain_step_fraction']:.0f}%, tau {engine['tau']:.2f}]")
+    return line
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -417,6 +452,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prompt, --max-new-tokens and a drafter's block)")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=CB_MAX_BATCH_TOKENS,
                         help="the most tokens of one continuous-batching step (default: %(default)s)")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                        help="the drafter's engine's verify policy (default: the engine's own, on on a CPU)")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto (default): bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
