@@ -146,7 +146,8 @@ class VerifyPolicy:
             (the continuous-batching engine, dozens of sequences in a step): the width that commits the most tokens
             per second summed over the batch, and drafting while the batch's drafted steps commit more tokens per
             second than plain ones would; with many sequences some one of them nearly always wants the full block,
-            which the widest choice would then verify for all of them.
+            which the widest choice would then verify for all of them. Its exploring steps verify twice the width
+            it would take rather than the whole block.
 
     Sequences: `start(batch_size)` names a new batch 0..batch_size-1 (generate's eager loop, per call); `add(key)`
     and `remove(key)` let one join or leave at any step (the continuous-batching engine). Per step
@@ -237,7 +238,8 @@ class VerifyPolicy:
         # a sequence drafting again after a run of plain steps is judged on every row: its own confidence alone kept
         # it plain, and only a verify of its drafts can show that the drafter is better than it thinks
         returning = any(self.stats[seq].plain_run + 1 >= self.explore_every for seq in live)
-        if line is None or returning or self.steps % self.explore_every == 0:
+        explore = returning or self.steps % self.explore_every == 0
+        if line is None or explore and not self.whole_batch:
             # explore: the full width first, then a narrow one, until two widths were timed; then now and then
             seen = self.cost.widths_seen(len(live))
             return min(2, cap) if cap in seen and min(2, cap) not in seen else cap
@@ -245,7 +247,10 @@ class VerifyPolicy:
         curves = [self.expected_curve(self.calibrated(seq, c), cap) for seq, c in zip(live, confidence)]
         if self.whole_batch:  # the batch's tokens per second at each width
             rates = [sum(curve[k] for curve in curves) / (draft + a + b * (k + 1)) for k in range(cap)]
-            return 1 + max(range(cap), key=rates.__getitem__)
+            best = 1 + max(range(cap), key=rates.__getitem__)
+            # A whole batch at the full width can cost many steps' worth: it explores at twice its best width (at
+            # least 2 rows), enough to judge drafts past the ones it takes and to keep the cost fit's widths apart.
+            return min(cap, max(2, 2 * best)) if explore else best
         best = 1
         for curve in curves:
             rates = [curve[k] / (draft + a + b * (k + 1)) for k in range(cap)]

@@ -72,6 +72,12 @@ def test_every_arm_at_every_concurrency_reports_its_figures_and_plain_greedy_tok
             assert 0 <= run[key]["p50"] <= run[key]["p99"]
         # request 3 repeats prompt 0 (requests cycle the prompts): checked too
         assert run["identical_to_plain"] == {"checked": 4, "identical": 4, "mismatches": []}
+        if run["arm"] != "cb-drafter":
+            assert "engine" not in run
+            continue
+        engine = run["engine"]  # what the drafter's engine did: its policy is on on a CPU by default
+        assert engine["policy"] is True and engine["steps"] == sum(engine["width_steps"].values()) > 0
+        assert 0 <= engine["plain_step_fraction"] <= 1 and 1 <= engine["mean_width"] <= 4 and engine["tau"] >= 1
     assert report["mismatches"] == 0
     assert drafter_forwards  # the fixed batches decoded with the drafter
     if DRAFTER_ARM:
@@ -98,6 +104,15 @@ def test_a_request_that_ends_on_eos_ends_there_in_every_arm(options, tmp_path, m
         assert run["output_tokens"] < 3 * 8  # request 0 ended on eos
 
 
+def test_no_adaptive_verifies_every_step_at_the_full_block_and_rows_are_set(options, tmp_path):
+    report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "3", "--max-new-tokens", "6",
+                            "--arms", "cb-drafter", "--no-adaptive", "--cb-max-requests", "2")
+    (run,) = report["runs"]
+    assert run["completed"] == 3 and run["identical_to_plain"]["identical"] == 3
+    engine = run["engine"]
+    assert engine["policy"] is False and list(engine["width_steps"]) == ["4"] and engine["rows"] == 2
+
+
 def test_a_poisson_arrival_and_one_arm(options, tmp_path):
     report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "2", "--max-new-tokens", "4",
                             "--rate", "20", "--seed", "1", "--arms", "cb")
@@ -116,6 +131,7 @@ def test_max_seconds_stops_sending_and_says_so(options, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "4", "0"], "--concurrency must be at least 1, got 0"),
     (["--requests", "0"], "--requests must be at least 1"),
+    (["--cb-max-requests", "0"], "--cb-max-requests must be at least 1"),
     (["--rate", "0"], "--rate must be greater than 0"),
     (["--arrival", "poisson"], "--arrival poisson needs --rate R"),
     (["--arrival", "all-at-once", "--rate", "2"], "--rate sets a Poisson arrival"),

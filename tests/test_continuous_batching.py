@@ -242,7 +242,7 @@ def test_smollm2_with_the_shipped_drafter_is_exact_and_accepts_drafts(smollm2):
 
 
 # --------------------------------------------------------------------------------------------------
-# Sampling: each request's own settings, target-distributed; a seeded run repeats
+# Sampling: each request's own settings, target-distributed (a seeded run repeats: tests/test_engine_policy.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -318,22 +318,6 @@ def test_sampled_requests_follow_their_own_temperature_and_greedy_ones_stay_exac
         assert value < chi_square_upper(degrees), (own, value, degrees)
         value, degrees = statistic(counts, exact_distribution(target, prompt, 3, other), samples)
         assert value > chi_square_upper(degrees), (own, "fits the other temperature too")
-
-
-def test_a_seeded_sampled_run_repeats():
-    target, drafter = pair("llama")
-    config = GenerationConfig(do_sample=True, temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=12, eos_token_id=-1)
-
-    def run() -> list[list[int]]:
-        manager = DFlashContinuousBatchingManager(target, drafter, config, max_batch_size=3)
-        arrivals = {t: [dict(input_ids=random_prompt(3 + t, seed=t)[0].tolist(), request_id=f"r{t}")] for t in range(5)}
-        torch.manual_seed(1234)
-        outputs, _, _ = run_schedule(manager, arrivals, {})
-        return [outputs[f"r{t}"][-1].generated_tokens for t in range(5)]
-
-    first = run()
-    assert run() == first
-    assert len({tuple(tokens) for tokens in first}) > 1
 
 
 # --------------------------------------------------------------------------------------------------

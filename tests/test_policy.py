@@ -71,6 +71,46 @@ def test_a_batch_verifies_its_widest_choice_and_drafts_while_any_sequence_pays()
     assert policy.should_draft([0, 1]) and not policy.should_draft([0])
 
 
+def test_a_whole_batch_takes_the_width_of_its_most_tokens_per_second():
+    """With many sequences some one nearly always wants the full block; `whole_batch` weighs the batch's total."""
+    cost = (1.0, 1.0, 0.5)
+    rows = [[0.05] * (BLOCK - 1), [0.97] * (BLOCK - 1), [0.6] * (BLOCK - 1)]
+    widest, whole = (VerifyPolicy(VerifyCost(fixed=cost), explore_every=1000, whole_batch=flag) for flag in (0, 1))
+    for policy in (widest, whole):
+        policy.start(3)
+    curves = [VerifyPolicy.expected_curve(row, BLOCK) for row in rows]
+    rates = [sum(curve[k - 1] for curve in curves) / (0.5 + 1.0 + k) for k in range(1, BLOCK + 1)]
+    best = 1 + rates.index(max(rates))
+    assert whole.width([0, 1, 2], rows, BLOCK) == best < widest.width([0, 1, 2], rows, BLOCK)
+    assert 1 < best
+    for policy in (widest, whole):  # sequence 1 commits whole blocks, the other two nothing
+        for _ in range(5):
+            policy.record([0, 1, 2], BLOCK, [0, BLOCK - 1, 0], rows, 0.0, 0.0)
+    assert widest.should_draft([0, 1, 2])  # one sequence pays: the widest rule drafts for all
+    assert not whole.should_draft([0, 1, 2]) and whole.should_draft([1])  # the batch's total does not pay
+    whole.steps = 998  # its 999th step takes its best width, its 1000th explores at twice that, not the whole block
+    now = whole.width([0, 1, 2], rows, BLOCK)
+    assert whole.width([0, 1, 2], rows, BLOCK) == min(BLOCK, max(2, 2 * now)) < BLOCK
+
+
+def test_sequences_join_and_leave_by_key():
+    policy = VerifyPolicy(VerifyCost(fixed=(1.0, 1.0, 0.5)), explore_every=1000)
+    confident = [0.9] * (BLOCK - 1)
+    policy.add("a")
+    policy.add(("b", 2))
+    for _ in range(5):
+        policy.record(["a", ("b", 2)], BLOCK, [0, BLOCK - 1], [confident, confident], 0.0, 0.0)
+    assert policy.calibrated("a", [0.5])[0] < 0.1 and policy.calibrated(("b", 2), [0.5])[0] > 0.5
+    assert policy.should_draft(["a", ("b", 2)]) and not policy.should_draft(["a"])
+    policy.remove(("b", 2))
+    policy.add(("b", 2))  # joins again: from the prior
+    assert policy.calibrated(("b", 2), [0.5]) == [0.5] and set(policy.stats) == {"a", ("b", 2)}
+    policy.remove("a")
+    with pytest.raises(KeyError):
+        policy.should_draft(["a"])
+    assert list(policy.widths) == [BLOCK] * 5
+
+
 def test_the_cost_fit_recovers_a_line_per_batch_class_and_explores_until_it_has_one():
     cost = VerifyCost(decay=1.0)
     policy = VerifyPolicy(cost, explore_every=1000)

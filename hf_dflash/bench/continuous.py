@@ -29,8 +29,10 @@ Each manager gets a paged cache of `--cb-num-blocks` pages (default: enough for 
 longest prompt, `--max-new-tokens` and a drafter's block) and steps of at most `--cb-max-batch-tokens` tokens, and
 decodes one short request untimed before its run (warm-up), as the fixed batches do one untimed call. The drafter's
 manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (default: the engine's own, on on a
-CPU), and the report adds what its engine did over the run: steps per verified width (1: plain steps, no drafting),
-the plain steps' fraction, the mean width and tau (tokens committed per sequence and step).
+CPU), and the report adds its engine's rows and what it did over the run: steps per verified width (1: plain steps,
+no drafting), the plain steps' fraction, the mean width and tau (tokens committed per sequence and step).
+`--cb-max-requests` sets both managers' `max_requests_per_batch` (default: each its own: transformers' holds as many
+as its step's tokens allow, ours `DEFAULT_MAX_BATCH_SIZE` rows).
 """
 
 from __future__ import annotations
@@ -103,13 +105,15 @@ def continuous_run(
 ) -> dict[str, Any] | None:
     """Serve `requests` through a continuous-batching manager (with `assistant_model=drafter` when given), filling
     each request's record. `request_tokens`: what one request may hold in the cache (the default cache's size).
-    Returns, with a drafter, what its engine did over the timed run (`engine_steps`); else None."""
+    Returns, with a drafter, its engine's rows and what it did over the timed run (`engine_steps`); else None."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     eos = target.generation_config.eos_token_id
     generation_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
                                          pad_token_id=pad_token_id)
     cb_config = ContinuousBatchingConfig(max_batch_tokens=args.cb_max_batch_tokens)
+    if args.cb_max_requests is not None:
+        cb_config.max_requests_per_batch = args.cb_max_requests
     page_size = getattr(cb_config, "page_size", None) or cb_config.block_size  # named page_size from 5.25
     cb_config.num_blocks = args.cb_num_blocks or cache_pages(concurrency, request_tokens, page_size)
     extra = {} if drafter is None else {"assistant_model": drafter, "dflash_adaptive": args.adaptive}
@@ -125,7 +129,9 @@ def continuous_run(
         serve(manager, prompts, requests, concurrency, args)
     finally:
         manager.stop(block=True, hard_stop=True)
-    return None if engine is None else engine_steps(before, engine_totals(engine), engine.policy is not None)
+    if engine is None:
+        return None
+    return {"rows": engine.max_batch_size, **engine_steps(before, engine_totals(engine), engine.policy is not None)}
 
 
 def engine_totals(engine: Any) -> tuple[Counter, int, int]:
@@ -452,6 +458,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prompt, --max-new-tokens and a drafter's block)")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=CB_MAX_BATCH_TOKENS,
                         help="the most tokens of one continuous-batching step (default: %(default)s)")
+    parser.add_argument("--cb-max-requests", type=int, default=None,
+                        help="the most requests one continuous-batching step holds (max_requests_per_batch; default: "
+                        "each manager's own)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                         help="the drafter's engine's verify policy (default: the engine's own, on on a CPU)")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
@@ -463,7 +472,7 @@ def check(args: argparse.Namespace) -> None:
     from ..cli_checks import (BadArgument, Decoding, above, at_least, check_decoding, check_device, check_drafter,
                               check_model, check_room, default_drafter_config, each_at_least, prompt_texts)
 
-    for option in ("requests", "max_new_tokens", "cb_num_blocks", "cb_max_batch_tokens"):
+    for option in ("requests", "max_new_tokens", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_requests"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     at_least("--check", args.check, 0)
     each_at_least("--concurrency", args.concurrency, 1)
