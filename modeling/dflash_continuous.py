@@ -44,8 +44,11 @@ from .dflash_row_sampling import PER_REQUEST, SamplingSettings
 
 logger = logging.get_logger(__name__)
 
-# Rows when the continuous-batching config does not say (`max_requests_per_batch`).
-DEFAULT_MAX_BATCH_SIZE = 8
+# Rows when the continuous-batching config does not say (`max_requests_per_batch`). Memory does not grow with them
+# (the engine's pools hold DEFAULT_MEMORY_SEQUENCES long requests by default): shorter requests fill more rows. With
+# the verify policy a wide batch pays on a CPU too (measured: docs/continuous-batching.md); 8 rows kept 56 of 64
+# clients of `hf-dflash serve` waiting.
+DEFAULT_MAX_BATCH_SIZE = 64
 
 
 @dataclass

@@ -57,6 +57,9 @@ from .dflash_step import DFlashStep, StepRows
 
 # The span a step reads is the longest sequence rounded up to this many positions (fewer distinct mask shapes).
 SPAN_BUCKET = 64
+# The pools' default size, in sequences of the longest request (at most 2048 positions each): rows past it fill when
+# requests are shorter, so that wide batches cost no more memory than this.
+DEFAULT_MEMORY_SEQUENCES = 8
 
 
 @dataclass
@@ -118,7 +121,8 @@ class DFlashEngine(DFlashStep):
         drafter: a DFlash drafter trained for it.
         max_batch_size: rows, the most sequences that run together.
         max_tokens: positions each pool holds, shared by the rows (default: max_batch_size sequences of
-            max_sequence_length, at most 2048 each).
+            max_sequence_length, at most 2048 each, and at most `DEFAULT_MEMORY_SEQUENCES` of them: more rows fill
+            when requests are shorter, the others wait for pages).
         max_sequence_length: the longest request, prompt and new tokens (default: the target's context, and the
             drafter's when it has one).
         adaptive: whether a `VerifyPolicy` chooses each step's width, down to plain steps (see the module's
@@ -152,7 +156,8 @@ class DFlashEngine(DFlashStep):
         self.max_sequence_length = min(max_sequence_length or context, context)
         block = drafter.config.block_size
         if max_tokens is None:
-            max_tokens = max_batch_size * (min(self.max_sequence_length, 2048) + block)
+            sequences = min(max_batch_size, DEFAULT_MEMORY_SEQUENCES)
+            max_tokens = sequences * (min(self.max_sequence_length, 2048) + block)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         num_pages = -(-max_tokens // PAGE_SIZE)
         device = drafter.fc.weight.device
@@ -437,4 +442,6 @@ class DFlashEngine(DFlashStep):
         return 1, None
 
 
-__all__ = ["DFlashEngine", "EngineRows", "EngineSequence", "PagedTargetCache", "SPAN_BUCKET"]
+__all__ = [
+    "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PagedTargetCache", "SPAN_BUCKET",
+]
