@@ -147,7 +147,7 @@ class VerifyPolicy:
             per second summed over the batch, and drafting while the batch's drafted steps commit more tokens per
             second than plain ones would; with many sequences some one of them nearly always wants the full block,
             which the widest choice would then verify for all of them. Its exploring steps verify twice the width
-            it would take rather than the whole block.
+            it would take (a batch drafting again after plain steps: that width) rather than the whole block.
 
     Sequences: `start(batch_size)` names a new batch 0..batch_size-1 (generate's eager loop, per call); `add(key)`
     and `remove(key)` let one join or leave at any step (the continuous-batching engine). Per step
@@ -248,8 +248,12 @@ class VerifyPolicy:
         if self.whole_batch:  # the batch's tokens per second at each width
             rates = [sum(curve[k] for curve in curves) / (draft + a + b * (k + 1)) for k in range(cap)]
             best = 1 + max(range(cap), key=rates.__getitem__)
-            # A whole batch at the full width can cost many steps' worth: it explores at twice its best width (at
-            # least 2 rows), enough to judge drafts past the ones it takes and to keep the cost fit's widths apart.
+            # A whole batch at the full width can cost many steps' worth. Drafting again after plain steps, it verifies
+            # its best width (at least 2 rows): what it would take if drafting paid again. Its periodic exploring
+            # step verifies twice that, enough to judge drafts past the ones it takes and to keep the fit's widths
+            # apart.
+            if returning:
+                return min(cap, max(2, best))
             return min(cap, max(2, 2 * best)) if explore else best
         best = 1
         for curve in curves:

@@ -91,6 +91,9 @@ def test_a_whole_batch_takes_the_width_of_its_most_tokens_per_second():
     whole.steps = 998  # its 999th step takes its best width, its 1000th explores at twice that, not the whole block
     now = whole.width([0, 1, 2], rows, BLOCK)
     assert whole.width([0, 1, 2], rows, BLOCK) == min(BLOCK, max(2, 2 * now)) < BLOCK
+    for _ in range(1000):  # a run of plain steps: the batch drafts again, at its best width
+        whole.record([0, 1, 2], 1, [0, 0, 0], None, None, 0.0)
+    assert whole.should_draft([0, 1, 2]) and whole.width([0, 1, 2], rows, BLOCK) == max(2, now)
 
 
 def test_sequences_join_and_leave_by_key():
