@@ -405,14 +405,20 @@ def format_row(run: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Against concurrency, per arm: output tokens/s; time to first token and inter-token latency, p50 (solid) and
-    p99 (dashed)."""
+    """Against concurrency, per arm: output tokens/s (the drafter's engine's points labelled with its mean width and
+    plain steps); time to first token and inter-token latency, p50 (solid) and p99 (dashed)."""
     plt = harness.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for arm in dict.fromkeys(r["arm"] for r in report["runs"]):
         rows = [r for r in report["runs"] if r["arm"] == arm]
         x = [r["concurrency"] for r in rows]
         (line,) = axes[0].plot(x, [r["output_tokens_per_s"] for r in rows], marker="o", label=ARM_LABELS[arm])
+        for r in rows:  # the drafter's engine: its mean verified width and share of plain steps
+            engine = r.get("engine")
+            if engine and engine["steps"]:
+                axes[0].annotate(f"width {engine['mean_width']:.1f}, plain {engine['plain_step_fraction']:.0%}",
+                                 (r["concurrency"], r["output_tokens_per_s"]), fontsize=6, color=line.get_color(),
+                                 textcoords="offset points", xytext=(4, -10))
         for axis, key in ((axes[1], "ttft_s"), (axes[2], "itl_s")):
             for point, style in (("p50", "-"), ("p99", "--")):
                 values = [1000 * r[key][point] if r[key][point] is not None else float("nan") for r in rows]
@@ -424,7 +430,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
         axis.set(xlabel="concurrency", ylabel=label)
         axis.legend(fontsize=6)
-    fig.suptitle(f"{report['target']}, {report['arrival']}, {report['machine']} ({report['date'][:10]})")
+    fig.suptitle(f"{report['target']}, {report['prompts']} prompts, {report['arrival']}, {report['machine']} "
+                 f"({report['date'][:10]})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
