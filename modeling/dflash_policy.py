@@ -240,9 +240,10 @@ class VerifyPolicy:
         returning = any(self.stats[seq].plain_run + 1 >= self.explore_every for seq in live)
         explore = returning or self.steps % self.explore_every == 0
         if line is None or explore and not self.whole_batch:
-            # explore: the full width first, then a narrow one, until two widths were timed; then now and then
-            seen = self.cost.widths_seen(len(live))
-            return min(2, cap) if cap in seen and min(2, cap) not in seen else cap
+            # explore: the full width first, then a narrow one, until two widths were timed; then now and then (a
+            # whole batch: 4 rows first, as a full block of dozens of rows costs many steps)
+            seen, first = self.cost.widths_seen(len(live)), min(4 if self.whole_batch else cap, cap)
+            return min(2, cap) if first in seen and min(2, cap) not in seen else first
         a, b, draft = line
         curves = [self.expected_curve(self.calibrated(seq, c), cap) for seq, c in zip(live, confidence)]
         if self.whole_batch:  # the batch's tokens per second at each width

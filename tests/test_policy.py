@@ -130,6 +130,17 @@ def test_the_cost_fit_recovers_a_line_per_batch_class_and_explores_until_it_has_
     assert cost.line(4) is None and batch_class(3) == batch_class(4) == 4 and batch_class(1) == 1
 
 
+def test_a_whole_batch_explores_4_then_2_rows_until_it_has_a_line():
+    cost = VerifyCost(decay=1.0)
+    policy = VerifyPolicy(cost, explore_every=1000, whole_batch=True)
+    policy.start(1)
+    confident = [[0.9] * (BLOCK - 1)]
+    for _ in range(3):
+        k = policy.width([0], confident, BLOCK)
+        policy.record([0], k, [1], confident, 0.004, 0.010 + 0.002 * k)
+    assert list(policy.widths)[:2] == [4, 2] and cost.line(1) is not None
+
+
 def test_choices_repeat_given_the_same_timings():
     def run() -> list[int]:
         policy = VerifyPolicy(VerifyCost(), explore_every=4)
