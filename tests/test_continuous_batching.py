@@ -26,7 +26,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from hf_dflash import DFlashDraftModel
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
 from hf_dflash.modeling.dflash_engine import DFlashEngine
-from hf_dflash.modeling.dflash_row_sampling import warp
+from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, warp
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_families import HYBRID, family_target
 
@@ -192,6 +192,29 @@ def test_a_request_admitted_the_step_another_ends_and_one_waiting_for_pages():
     assert scheduler.waited_while_running
     for i, prompt in enumerate(prompts):
         assert outputs[f"r{i}"][-1].generated_tokens == plain_greedy(target, prompt, 12)
+
+
+def test_long_prompts_are_prefilled_in_chunks_and_stay_exact():
+    """Prompts longer than `prefill_chunk` (7) take one target forward per chunk, none longer than the chunk, and
+    every request still equals plain greedy: a chunk reads the chunks before it from the pages."""
+    target, drafter = pair("qwen3")
+    engine = DFlashEngine(target, drafter, max_batch_size=2, prefill_chunk=7)
+    widths = []
+    handle = target.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                              with_kwargs=True)
+    try:
+        prompts = [random_prompt(n, seed=n)[0].tolist() for n in (30, 14)]
+        firsts = [engine.admit(f"r{i}", prompt, 10, SamplingSettings.from_config(GREEDY))
+                  for i, prompt in enumerate(prompts)]
+    finally:
+        handle.remove()
+    assert widths == [7, 7, 7, 7, 2, 7, 7]
+    tokens = {f"r{i}": [first] for i, first in enumerate(firsts)}
+    while any(len(t) < 10 for t in tokens.values()):
+        for key, new in engine.run_step().items():
+            tokens[key] += new
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"][:10] == plain_greedy(target, prompt, 10)
 
 
 # --------------------------------------------------------------------------------------------------
