@@ -38,7 +38,7 @@ import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 from transformers.utils import logging
 
-from .dflash_engine import DFlashEngine
+from .dflash_engine import PREFILL_CHUNK, DFlashEngine
 from .dflash_policy import VerifyPolicy
 from .dflash_row_sampling import PER_REQUEST, SamplingSettings
 
@@ -131,7 +131,8 @@ class DFlashContinuousBatchingManager:
         generation_config: defaults for every request (max_new_tokens, eos_token_id, do_sample, temperature, top_k,
             top_p); options the engine does not apply per row are refused here with a ValueError.
         continuous_batching_config: transformers' `ContinuousBatchingConfig`; its `max_requests_per_batch` sets the
-            rows, and `num_blocks` x its page size the tokens each pool holds.
+            rows, `num_blocks` x its page size the tokens each pool holds, and `max_batch_tokens` the most prompt
+            positions one prefill forward takes (longer prompts are prefilled in chunks).
         max_batch_size, max_tokens: the same, directly (they win over the config).
         adaptive: whether the engine's verify policy chooses each step's width (`DFlashEngine`'s `adaptive`: None,
             the default, turns it on where the engine runs on a CPU).
@@ -163,8 +164,10 @@ class DFlashContinuousBatchingManager:
             page = getattr(cb, "page_size", None) or getattr(cb, "block_size", None)
             max_tokens = cb.num_blocks * page if page else None
         self.continuous_batching_config = cb
+        prefill_chunk = getattr(cb, "max_batch_tokens", None) or PREFILL_CHUNK
         self.engine = DFlashEngine(
-            model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens, adaptive=adaptive
+            model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+            adaptive=adaptive,
         )
         self.logit_processor = RequestOptions()
         self.background_thread_status = WorkerStatus()

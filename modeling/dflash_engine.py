@@ -2,9 +2,9 @@
 
 The engine holds up to `max_batch_size` sequences in rows 0..n-1 and advances them together with the verify step of
 dflash_step.py (the fast path's step: per-row anchors, the same masks, the same acceptance). A sequence is admitted at
-any step (`admit`: its prompt prefilled in one forward into rows nobody else reads, its first token chosen) and
-retired at any step (`retire`: its pages go back, the last row moves into its place, so the running rows stay first
-and a step never computes for an empty row).
+any step (`admit`: its prompt prefilled, in chunks of `prefill_chunk` positions, into rows nobody else reads, its
+first token chosen) and retired at any step (`retire`: its pages go back, the last row moves into its place, so the
+running rows stay first and a step never computes for an empty row).
 
 Memory is paged, in two pools shared by every row (`PagedDrafterCache`, pages of 16 positions):
 - the target's keys/values: a row's block table maps its positions to pages; `PagedTargetCache` is what the target's
@@ -57,6 +57,8 @@ from .dflash_step import DFlashStep, StepRows
 
 # The span a step reads is the longest sequence rounded up to this many positions (fewer distinct mask shapes).
 SPAN_BUCKET = 64
+# A prompt is prefilled in forwards of at most this many positions (the default of `prefill_chunk`).
+PREFILL_CHUNK = 512
 # The pools' default size, in sequences of the longest request (at most 2048 positions each): rows past it fill when
 # requests are shorter, so that wide batches cost no more memory than this.
 DEFAULT_MEMORY_SEQUENCES = 8
@@ -125,6 +127,8 @@ class DFlashEngine(DFlashStep):
             when requests are shorter, the others wait for pages).
         max_sequence_length: the longest request, prompt and new tokens (default: the target's context, and the
             drafter's when it has one).
+        prefill_chunk: the most prompt positions one prefill forward takes; a longer prompt is prefilled in chunks,
+            each reading the ones before it from the pages (the same tokens, less memory for its attention).
         adaptive: whether a `VerifyPolicy` chooses each step's width, down to plain steps (see the module's
             docstring). None (the default): on where the engine runs on a CPU, off elsewhere (a GPU verifies a
             block in about the time of one row at small batches); True: a new `VerifyPolicy(whole_batch=True)`;
@@ -138,6 +142,7 @@ class DFlashEngine(DFlashStep):
         max_batch_size: int = 8,
         max_tokens: int | None = None,
         max_sequence_length: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
         adaptive: bool | VerifyPolicy | None = None,
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
@@ -151,6 +156,9 @@ class DFlashEngine(DFlashStep):
         check_drafter_fits(drafter, target)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         limits = [text.max_position_embeddings, getattr(drafter.config, "max_position_embeddings", None)]
         context = min(limit for limit in limits if limit)
         self.max_sequence_length = min(max_sequence_length or context, context)
@@ -297,16 +305,27 @@ class DFlashEngine(DFlashStep):
         self.top_p[row] = sampling.top_p
 
     def _prefill(self, row: int, input_ids: torch.LongTensor, sampling: SamplingSettings) -> torch.Tensor:
-        """The prompt forward of one row (1, P): keys/values to its pages, captured rows to the drafter's context,
-        and its first token (a 0-d tensor) under its own sampling settings."""
+        """The prompt forward of one row (1, P), in chunks of at most `prefill_chunk` positions: keys/values to its
+        pages, captured rows to the drafter's context, and its first token (a 0-d tensor) under its own sampling
+        settings. A chunk's queries see the chunks before it through the pages, so the result is that of one forward,
+        while the attention scores and masks of a forward stay (chunk x span) rather than (P x P)."""
         length = input_ids.shape[1]
-        positions = torch.arange(length, device=input_ids.device)[None]  # (1, P)
-        span = self._span(length)
+        for start in range(0, length, self.prefill_chunk):
+            end = min(start + self.prefill_chunk, length)
+            logits = self._prefill_chunk(row, input_ids[:, start:end], start)
+        scores, do_sample = self._scores(logits, **self._sampling(slice(row, row + 1), not sampling.greedy))
+        tokens, _ = accept(scores, input_ids[:, :0], do_sample, None)
+        return tokens[0, 0]
+
+    def _prefill_chunk(self, row: int, input_ids: torch.LongTensor, start: int) -> torch.Tensor:
+        """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits (1, 1, V)."""
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]  # (1, c)
+        span = self._span(start + input_ids.shape[1])
         cache = PagedTargetCache(self.target_pool, self.target_tables[row : row + 1], span)
         cache.write_slots = positions
         keys = torch.arange(span, device=input_ids.device)
-        visible = keys[None, None, :] <= positions[:, :, None]  # (1, P, span)
-        captured = self.verify_rows.new_empty(1, length, self.verify_rows.shape[-1])
+        visible = keys[None, None, :] <= positions[:, :, None]  # (1, c, span)
+        captured = self.verify_rows.new_empty(1, input_ids.shape[1], self.verify_rows.shape[-1])
         self.generator.capture.destination = captured
         try:
             logits = self.target(
@@ -320,9 +339,7 @@ class DFlashEngine(DFlashStep):
         finally:
             self.generator.capture.destination = None
         self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
-        scores, do_sample = self._scores(logits, **self._sampling(slice(row, row + 1), not sampling.greedy))
-        tokens, _ = accept(scores, positions[:, :0], do_sample, None)
-        return tokens[0, 0]
+        return logits
 
     def retire(self, key: Hashable) -> None:
         """Free `key`'s row and pages at once; the last row moves into its place."""
@@ -443,5 +460,6 @@ class DFlashEngine(DFlashStep):
 
 
 __all__ = [
-    "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PagedTargetCache", "SPAN_BUCKET",
+    "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK", "PagedTargetCache",
+    "SPAN_BUCKET",
 ]

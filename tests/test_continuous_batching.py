@@ -10,6 +10,7 @@ repeatable; the threaded worker runs in the tests of the API, faults and the 1,0
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
@@ -26,7 +27,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from hf_dflash import DFlashDraftModel
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
 from hf_dflash.modeling.dflash_engine import DFlashEngine
-from hf_dflash.modeling.dflash_row_sampling import warp
+from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, warp
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_families import HYBRID, family_target
 
@@ -192,6 +193,29 @@ def test_a_request_admitted_the_step_another_ends_and_one_waiting_for_pages():
     assert scheduler.waited_while_running
     for i, prompt in enumerate(prompts):
         assert outputs[f"r{i}"][-1].generated_tokens == plain_greedy(target, prompt, 12)
+
+
+def test_long_prompts_are_prefilled_in_chunks_and_stay_exact():
+    """Prompts longer than `prefill_chunk` (7) take one target forward per chunk, none longer than the chunk, and
+    every request still equals plain greedy: a chunk reads the chunks before it from the pages."""
+    target, drafter = pair("qwen3")
+    engine = DFlashEngine(target, drafter, max_batch_size=2, prefill_chunk=7)
+    widths = []
+    handle = target.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                              with_kwargs=True)
+    try:
+        prompts = [random_prompt(n, seed=n)[0].tolist() for n in (30, 14)]
+        firsts = [engine.admit(f"r{i}", prompt, 10, SamplingSettings.from_config(GREEDY))
+                  for i, prompt in enumerate(prompts)]
+    finally:
+        handle.remove()
+    assert widths == [7, 7, 7, 7, 2, 7, 7]
+    tokens = {f"r{i}": [first] for i, first in enumerate(firsts)}
+    while any(len(t) < 10 for t in tokens.values()):
+        for key, new in engine.run_step().items():
+            tokens[key] += new
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"][:10] == plain_greedy(target, prompt, 10)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -427,30 +451,40 @@ def test_a_failing_prefill_fails_its_request_alone_and_a_failing_step_fails_its_
     assert manager.engine.pool_usage()["target_pages_used"] == manager.engine.pool_usage()["drafter_pages_used"] == 0
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor the garbage collector can reach (what a request that leaked state would grow)."""
+    gc.collect()
+    return sum(o.untyped_storage().nbytes() for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
 def test_a_thousand_short_requests_with_cancellations_leave_both_pools_whole():
+    """Two waves of 500 requests, every fifth cancelled: both pools are whole after each wave, and the second wave
+    leaves no more tensor memory behind than the first did (memory is flat, not growing per request)."""
     target, drafter = pair("llama")
     manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=8, max_tokens=512)
     manager.start()
-    expected = {}
-    for i in range(1000):
-        request_id = manager.add_request(random_prompt(1 + i % 6, seed=i)[0].tolist(), max_new_tokens=1 + i % 5)
-        if i % 5 == 2:
-            manager.cancel_request(request_id)
-        else:
-            expected[request_id] = i
-    finished = {}
-    deadline = time.monotonic() + 300
-    while len(finished) < len(expected) and time.monotonic() < deadline:
-        result = manager.get_result(timeout=1)
-        if result is not None:
-            assert result.error is None and result.request_id in expected, result
-            finished[result.request_id] = result
+    expected, finished, held = {}, {}, []
+    for wave in range(2):
+        for i in range(500 * wave, 500 * (wave + 1)):
+            request_id = manager.add_request(random_prompt(1 + i % 6, seed=i)[0].tolist(), max_new_tokens=1 + i % 5)
+            if i % 5 == 2:
+                manager.cancel_request(request_id)
+            else:
+                expected[request_id] = i
+        deadline = time.monotonic() + 300
+        while len(finished) < len(expected) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None:
+                assert result.error is None and result.request_id in expected, result
+                finished[result.request_id] = result
+        assert len(finished) == len(expected)
+        usage = manager.engine.pool_usage()
+        assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0, wave
+        held.append(live_tensor_bytes())
     scheduler = manager.batch_processor.scheduler
     manager.stop()
-    assert len(finished) == len(expected)
+    assert held[1] <= held[0], held
     assert not scheduler.active_requests and not scheduler.waiting_requests and not manager.engine.sequences
-    usage = manager.engine.pool_usage()
-    assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0
     assert manager.engine.compute_free_capacity() == 1.0  # what transformers serve's stats line reads
     assert len(manager.engine.target_pool.free_pages) == len(set(manager.engine.target_pool.free_pages))
     assert not manager.result_handlers and not manager._unclaimed

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Continuous batching on a lent GPU machine (docs/continuous-batching.md), one part per call, the calls chained
+# within 30 s of each other (README.md beside this file). Stage first, here: `bash benchmarks/gpu/stage_smollm2.sh`
+# and `bash benchmarks/gpu/stage_prompts.sh`. From the repository root:
+#   call 1, carry .stage/a .whl:           bash benchmarks/gpu/continuous_evidence.sh checks
+#       the engine on CUDA (tests/test_engine_gpu.py: schedules equal plain greedy) and the fast path's GPU tests
+#   call 2, carry .stage/b:                bash benchmarks/gpu/continuous_evidence.sh env
+#   call 3, carry .stage/c .stage/prompts: bash benchmarks/gpu/continuous_evidence.sh humaneval
+#       SmolLM2-135M-Instruct + the shipped drafter, `hf-dflash bench continuous` at concurrency 1 / 4 / 16 / 64,
+#       HumanEval prompts, all at once: transformers' manager with and without the drafter, and our fixed batches
+#   call 4, carry .stage/prompts:          bash benchmarks/gpu/continuous_evidence.sh chat
+#       the same on 32 held-out chat turns
+set -u
+source benchmarks/gpu/device_env.sh
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+continuous=(python3 -m hf_dflash.cli bench continuous --target smollm2 --requests 32 --max-new-tokens 64
+            --concurrency 1 4 16 64 --max-seconds 60 --check 8)
+needs_smollm2() {
+    if [ -z "${HF_DFLASH_SMOLLM2_GGUF:-}" ]; then echo "no SmolLM2 GGUF here yet: carry .stage/a, b, c"; exit 1; fi
+    if [ ! -f .stage/prompts/heldout32.jsonl.gz ]; then echo "no prompts: carry .stage/prompts"; exit 1; fi
+}
+case "${1:?checks, env, humaneval or chat}" in
+checks)
+    timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_fast_path_gpu.py 2>&1 \
+        | tail -n 15
+    ;;
+env)
+    ;;
+humaneval)
+    needs_smollm2
+    timeout 560 "${continuous[@]}" --prompts .stage/prompts/humaneval.jsonl.gz \
+        --out "$OUT/smollm2_continuous_humaneval_gpu.json" 2>&1 | tail -n 30
+    ;;
+chat)
+    needs_smollm2
+    timeout 560 "${continuous[@]}" --prompts .stage/prompts/heldout32.jsonl.gz \
+        --out "$OUT/smollm2_continuous_chat_gpu.json" 2>&1 | tail -n 30
+    ;;
+*)
+    echo "unknown part: $1 (checks, env, humaneval or chat)"; exit 2
+    ;;
+esac

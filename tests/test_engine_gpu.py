@@ -1,0 +1,74 @@
+"""The continuous-batching engine on a GPU (skipped without one): the same manager and schedules as
+test_continuous_batching.py, with the target, the drafter and both page pools on CUDA.
+
+CI runs the engine on the CPU; these run it as a GPU runs it: `python3 -m pytest -q tests/test_engine_gpu.py` on a
+GPU machine (benchmarks/gpu/README.md). In float32, on tiny random Llama and Qwen3 targets: staggered arrivals, a
+cancellation, eos inside a block and requests waiting for pages all equal each request's own plain greedy generate
+on the same GPU, the drafter ran, and both pools are whole afterwards; a seeded sampled run repeats.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
+from tests.test_continuous_batching import FIXED_PLANS, GREEDY, run_schedule
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine on CUDA needs a GPU")
+
+
+@torch.no_grad()
+def plain_greedy(target: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("max_tokens", [None, 96])  # 96: requests wait for pages while others run
+def test_greedy_requests_equal_plain_greedy_on_the_gpu(family, max_tokens):
+    target = tiny_target(family).cuda()
+    drafter = tiny_drafter(target).cuda()
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=3, max_tokens=max_tokens)
+    arrivals, cancels, expected = {}, {}, {}
+    for i, plan in enumerate(FIXED_PLANS):
+        prompt = random_prompt(plan["prompt_length"], seed=plan["seed"])[0].tolist()
+        reference = plain_greedy(target, prompt, plan["max_new_tokens"])
+        eos = reference[plan["eos_at"]] if plan["eos_at"] is not None else None
+        expected[f"r{i}"] = reference[: reference.index(eos) + 1] if eos is not None else reference
+        arrivals.setdefault(plan["arrival"], []).append(dict(
+            input_ids=prompt, request_id=f"r{i}", max_new_tokens=plan["max_new_tokens"], streaming=True,
+            eos_token_id=-1 if eos is None else eos,
+        ))
+        if plan["cancel_after"] is not None:
+            cancels.setdefault(plan["arrival"] + plan["cancel_after"], []).append(f"r{i}")
+    outputs, scheduler, _ = run_schedule(manager, arrivals, cancels)
+    cancelled = {request_id for ids in cancels.values() for request_id in ids}
+    for request_id, reference in expected.items():
+        for output in outputs.get(request_id, []):
+            assert output.error is None, output.error
+            assert output.generated_tokens == reference[: len(output.generated_tokens)], request_id
+        if request_id not in cancelled:
+            assert outputs[request_id][-1].generated_tokens == reference, request_id
+    assert manager.engine.anchor_ids.is_cuda and manager.engine.target_pool.key_pools[0].is_cuda
+    assert manager.engine.row_steps > 0
+    usage = manager.engine.pool_usage()
+    assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0
+
+
+def test_a_seeded_sampled_run_repeats_on_the_gpu():
+    target = tiny_target("qwen3").cuda()
+    drafter = tiny_drafter(target).cuda()
+    sampled = GenerationConfig(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=24,
+                               eos_token_id=-1, pad_token_id=0)
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (5, 13, 8)]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append({key: out.generated_tokens for key, out in target.generate_batch(
+            prompts, generation_config=sampled, assistant_model=drafter).items()})
+    assert runs[0] == runs[1] and all(len(tokens) == 24 for tokens in runs[0].values())
