@@ -69,13 +69,14 @@ def hybrid_blocker(target: torch.nn.Module) -> str | None:
 
 @dataclass
 class _Pending:
-    """What a verify handed one linear layer's cache: the conv window (n, conv_dim, K + B) and the chunked rule's
-    call (the function, its arguments)."""
+    """What a verify handed one linear layer's cache: the conv window (n, conv_dim, K + q), the chunked rule's call
+    (the function, its arguments) and the state after all q rows (n, value heads, dk, dv)."""
 
     window: torch.Tensor
     rule: Callable[..., Any] | None = None
     args: tuple = ()
     kwargs: dict | None = None
+    final: torch.Tensor | None = None
 
 
 def linear_state_buffers(
@@ -139,30 +140,44 @@ class LinearStates(LinearAttentionCacheMethods):
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
         """The verify's forward: the linear layers read the committed states and leave them as they are; what
-        `commit` needs is remembered instead, with this thread's calls of the chunked rule."""
+        `commit` needs is remembered instead, with this thread's calls of the chunked rule. (A one-row verify is
+        told the cache records its past, so that its conv, too, hands its window over rather than update the state
+        in place.)"""
         self.pending = {}
 
         def record(rule: Callable[..., Any], args: tuple, kwargs: dict) -> None:
             pending = self.pending[self.current_layer]
             pending.rule, pending.args, pending.kwargs = rule, args, kwargs
 
-        with recording_chunk_rule(self.linear_layers, record):
-            yield
+        views = [view for view in self.layers if view is not None]
+        try:
+            for view in views:  # 5.17 reads it there; later versions ask `is_recording_past`
+                view.record_past = True
+            with recording_chunk_rule(self.linear_layers, record):
+                yield
+        finally:
+            for view in views:
+                view.record_past = False
 
     def commit(self, taken: torch.LongTensor) -> None:
         """Advance each linear layer's states over the first taken[i] rows of the block just verified (n,): 0 keeps a
         sequence's states as they were, all of them takes the whole block."""
         kernel = self.kernel_size
         for i, pending in self.pending.items():
-            if pending.rule is None or "g" not in pending.kwargs or "beta" not in pending.kwargs:
+            window = pending.window  # (n, conv_dim, K + q)
+            # one row: the layer ran the recurrent rule, not the chunked one, and handed over its state after the row
+            one_row = pending.rule is None and pending.final is not None and window.shape[-1] == kernel + 1
+            if not one_row and (pending.rule is None or "g" not in pending.kwargs or "beta" not in pending.kwargs):
                 raise RuntimeError(
                     f"layer {i}'s verify did not call the chunked gated delta rule with g= and beta= as expected; "
                     "this transformers version is not supported by the fast path (pass dflash_fast_path=False) nor by "
                     "continuous batching"
                 )
-            window = pending.window  # (n, conv_dim, K + q)
             columns = taken[:, None] + torch.arange(kernel, device=taken.device)  # (n, K)
             self.conv[i].copy_(window.gather(2, columns[:, None, :].expand(-1, window.shape[1], -1)))
+            if one_row:  # taken is 0 or 1
+                self.recurrent[i].copy_(torch.where(taken[:, None, None, None] > 0, pending.final, self.recurrent[i]))
+                continue
             g, beta = pending.kwargs["g"], pending.kwargs["beta"]  # (n, q, value heads) each
             keep = torch.arange(g.shape[1], device=taken.device) < taken[:, None]  # (n, q)
             kwargs = dict(pending.kwargs, initial_state=self.recurrent[i], output_final_state=True)
@@ -188,7 +203,13 @@ class LinearStates(LinearAttentionCacheMethods):
         """The state after every row of the forward: kept for the prompt; during a verify `commit` decides."""
         if self.pending is None:
             self.recurrent[layer_idx].copy_(state)
+        else:
+            self.pending[layer_idx].final = state
         return self.recurrent[layer_idx]
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """True during a verify: a one-row forward's conv then hands its window to `conv_window` (5.24 on)."""
+        return self.pending is not None
 
 
 class HybridStaticCache(LinearStates, StaticTargetCache):
