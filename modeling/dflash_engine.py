@@ -16,9 +16,9 @@ Memory is paged, in two pools shared by every row (`PagedDrafterCache`, pages of
   `SPAN_BUCKET` (a 4D mask hides what a row does not hold);
 - the drafter's context keys/values, addressed the same way.
 A hybrid target's linear-attention layers hold no keys: each layer's conv and recurrent states sit in buffers of
-`max_batch_size` rows beside the pools (`PagedHybridCache`), zeroed and filled by a row's prefill, advanced in each
-verify over exactly the rows its sequence accepts (dflash_linear_state.py's rollback, the fast path's), and moved with
-the row when another retires.
+`max_batch_size` rows beside the pools (`PagedHybridCache`), zeroed by a row's first prefill chunk and carried through
+its next ones, advanced in each verify over exactly the rows its sequence accepts (dflash_linear_state.py's rollback,
+the fast path's), and moved with the row when another retires.
 A request's pages (prompt, max_new_tokens and one block, in both pools) are reserved when it is admitted, so a
 running sequence never waits for memory: a request that does not fit now waits (`fits_now`), one that never can is
 refused with a ValueError naming the limit (`check_request`).
@@ -435,5 +435,6 @@ class DFlashEngine(DFlashStep):
 
 
 __all__ = [
-    "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache", "SPAN_BUCKET",
+    "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache",
+    "SPAN_BUCKET",
 ]
