@@ -298,8 +298,10 @@ class DFlashContinuousBatchingManager:
         return request_id
 
     def _eos(self, eos_token_id: int | list[int] | None) -> frozenset[int]:
-        """The request's eos ids: its own, else the generation config's, else the model config's (-1: none)."""
-        for candidate in (eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id):
+        """The request's eos ids: its own, else the generation config's, else the model config's (-1: none; a
+        multimodal wrapper's is its text config's)."""
+        model_eos = getattr(self.model.config.get_text_config(), "eos_token_id", None)
+        for candidate in (eos_token_id, self.generation_config.eos_token_id, model_eos):
             if candidate is not None:
                 ids = [candidate] if isinstance(candidate, int) else [int(token) for token in candidate]
                 return frozenset(token for token in ids if token >= 0)

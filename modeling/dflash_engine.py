@@ -6,12 +6,19 @@ any step (`admit`: its prompt prefilled, in chunks of `prefill_chunk` positions,
 first token chosen) and retired at any step (`retire`: its pages go back, the last row moves into its place, so the
 running rows stay first and a step never computes for an empty row).
 
+It serves the targets the fast path serves (full and sliding-window attention, MoE), hybrid ones included: Qwen3-Next
+and Qwen3.5/3.6, text and multimodal, whose Gated DeltaNet (linear-attention) layers keep states instead of keys.
+
 Memory is paged, in two pools shared by every row (`PagedDrafterCache`, pages of 16 positions):
 - the target's keys/values: a row's block table maps its positions to pages; `PagedTargetCache` is what the target's
   attention layers see through the Cache API's `update`, which stores the new rows through the block tables and
   returns every row's positions 0..span-1, gathered, where span is the batch's longest sequence rounded up to
   `SPAN_BUCKET` (a 4D mask hides what a row does not hold);
 - the drafter's context keys/values, addressed the same way.
+A hybrid target's linear-attention layers hold no keys: each layer's conv and recurrent states sit in buffers of
+`max_batch_size` rows beside the pools (`PagedHybridCache`), zeroed by a row's first prefill chunk and carried through
+its next ones, advanced in each verify over exactly the rows its sequence accepts (dflash_linear_state.py's rollback,
+the fast path's), and moved with the row when another retires.
 A request's pages (prompt, max_new_tokens and one block, in both pools) are reserved when it is admitted, so a
 running sequence never waits for memory: a request that does not fit now waits (`fits_now`), one that never can is
 refused with a ValueError naming the limit (`check_request`).
@@ -24,6 +31,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -35,7 +43,8 @@ from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument
 from .dflash_fast_path_blockers import target_layer_types
-from .dflash_linear_state import HYBRID_FAMILIES
+from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
+from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
 from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView
 from .dflash_row_sampling import SamplingSettings, warp
@@ -98,11 +107,29 @@ class PagedTargetCache:
         return self.pool.read(layer_idx, self.read_slots)
 
 
+class PagedHybridCache(LinearStates, PagedTargetCache):
+    """`PagedTargetCache` for a hybrid target's full-attention layers, plus the conv and recurrent states of its
+    linear-attention layers for rows 0..n-1 (layer index -> views of the engine's per-row buffers), prefilled and
+    rolled back by `LinearStates` (dflash_linear_state.py)."""
+
+    def __init__(
+        self,
+        pool: PagedDrafterCache,
+        block_tables: torch.Tensor,
+        span: int,
+        conv: dict[int, torch.Tensor],
+        recurrent: dict[int, torch.Tensor],
+        linear_layers: list[torch.nn.Module],
+    ):
+        super().__init__(pool, block_tables, span)
+        self.bind_linear_states(conv, recurrent, linear_layers, len(pool.key_pools))
+
+
 class DFlashEngine(DFlashStep):
     """Rows of running sequences over shared page pools, advanced one DFlash verify step at a time.
 
     Args:
-        target: the causal LM (not a hybrid with linear-attention layers).
+        target: the causal LM (hybrids with Gated DeltaNet layers included: Qwen3-Next, Qwen3.5/3.6).
         drafter: a DFlash drafter trained for it.
         max_batch_size: rows, the most sequences that run together.
         max_tokens: positions each pool holds, shared by the rows (default: max_batch_size sequences of
@@ -123,10 +150,12 @@ class DFlashEngine(DFlashStep):
         prefill_chunk: int = PREFILL_CHUNK,
     ):
         text = target.config.get_text_config()
-        if text.model_type in HYBRID_FAMILIES or LINEAR in target_layer_types(text):
+        if text.model_type in HYBRID_FAMILIES and (blocker := hybrid_blocker(target)) is not None:
+            raise ValueError(f"DFlash continuous batching cannot serve this target: {blocker}")
+        if text.model_type not in HYBRID_FAMILIES and LINEAR in target_layer_types(text):
             raise ValueError(
-                f"DFlash continuous batching does not serve hybrid targets with linear-attention layers "
-                f"({text.model_type}) yet; use generate(assistant_model=drafter) for this target"
+                f"DFlash continuous batching serves the Gated DeltaNet layers of {', '.join(HYBRID_FAMILIES)} targets, "
+                f"not the linear-attention layers of {text.model_type}; use generate(assistant_model=drafter)"
             )
         check_drafter_fits(drafter, target)
         if max_batch_size < 1:
@@ -148,10 +177,14 @@ class DFlashEngine(DFlashStep):
         )
         super().__init__(target, drafter, generator, cache_argument(target))
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        linear = linear_attention_modules(target) if self.hybrid else {}
         self.target_pool = PagedDrafterCache(
             num_layers=len(decoder_layers(target)), num_pages=num_pages, num_key_value_heads=text.num_key_value_heads,
-            head_dim=head_dim, dtype=target.dtype, device=device,
+            head_dim=head_dim, dtype=target.dtype, device=device, keyless_layers=frozenset(linear),
         )
+        # a hybrid's linear layers: per row, conv (b, conv_dim, K) and recurrent (b, heads, dk, dv) states per layer
+        self.linear_layers = list(linear.values())
+        self.conv, self.recurrent = linear_state_buffers(linear, max_batch_size, target.dtype, device)
         self.drafter_pool = generator.cache
         self.pages_per_row = -(-(self.max_sequence_length + block) // PAGE_SIZE)  # block table width
         b, long = max_batch_size, dict(dtype=torch.long, device=device)
@@ -176,6 +209,7 @@ class DFlashEngine(DFlashStep):
         self.per_row = (
             self.target_tables, self.drafter_tables, self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length,
             self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p,
+            *self.conv.values(), *self.recurrent.values(),
         )
         self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
         # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps).
@@ -280,21 +314,24 @@ class DFlashEngine(DFlashStep):
         """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits (1, 1, V)."""
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]  # (1, c)
         span = self._span(start + input_ids.shape[1])
-        cache = PagedTargetCache(self.target_pool, self.target_tables[row : row + 1], span)
+        cache = self._target_cache(slice(row, row + 1), span)
         cache.write_slots = positions
         keys = torch.arange(span, device=input_ids.device)
         visible = keys[None, None, :] <= positions[:, :, None]  # (1, c, span)
         captured = self.verify_rows.new_empty(1, input_ids.shape[1], self.verify_rows.shape[-1])
         self.generator.capture.destination = captured
+        # a hybrid's linear layers start the row from empty states at its first chunk and carry them on through the
+        # next ones (the prompt has no padding to mask)
         try:
-            logits = self.target(
-                input_ids=input_ids,
-                position_ids=positions,
-                attention_mask=self.target_masks(visible, positions, keys),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self.cache_argument: cache},
-            ).logits[:, -1:]  # (1, 1, V)
+            with cache.prefilling() if self.hybrid and start == 0 else contextlib.nullcontext():
+                logits = self.target(
+                    input_ids=input_ids,
+                    position_ids=positions,
+                    attention_mask=self.target_masks(visible, positions, keys),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self.cache_argument: cache},
+                ).logits[:, -1:]  # (1, 1, V)
         finally:
             self.generator.capture.destination = None
         self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
@@ -317,6 +354,15 @@ class DFlashEngine(DFlashStep):
         sequence.target_pages, sequence.drafter_pages = [], []
 
     # -- the step ---------------------------------------------------------------------------------------------------
+
+    def _target_cache(self, rows: slice, span: int) -> PagedTargetCache:
+        """The target's cache for a forward of `rows` reading positions 0..span-1 (a hybrid's: with those rows'
+        linear-attention states)."""
+        if not self.hybrid:
+            return PagedTargetCache(self.target_pool, self.target_tables[rows], span)
+        conv = {i: state[rows] for i, state in self.conv.items()}
+        recurrent = {i: state[rows] for i, state in self.recurrent.items()}
+        return PagedHybridCache(self.target_pool, self.target_tables[rows], span, conv, recurrent, self.linear_layers)
 
     def _span(self, longest: int) -> int:
         """Positions a forward reads back: `longest` rounded up to SPAN_BUCKET, within the block tables."""
@@ -368,7 +414,7 @@ class DFlashEngine(DFlashStep):
             target_slots=self.target_slots[:n],
             key_slots=positions,
             draft_key_positions=positions,
-            target_cache=PagedTargetCache(self.target_pool, self.target_tables[:n], span),
+            target_cache=self._target_cache(slice(0, n), span),
             drafter_view=PagedView(
                 self.drafter_pool, self.draft_block_slots[:n],
                 read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
@@ -388,4 +434,7 @@ class DFlashEngine(DFlashStep):
         return committed
 
 
-__all__ = ["DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK", "PagedTargetCache", "SPAN_BUCKET"]
+__all__ = [
+    "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache",
+    "SPAN_BUCKET",
+]
