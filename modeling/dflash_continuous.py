@@ -128,8 +128,9 @@ class DFlashContinuousBatchingManager:
             top_p); options the engine does not apply per row are refused here with a ValueError.
         continuous_batching_config: transformers' `ContinuousBatchingConfig`; its `max_requests_per_batch` sets the
             rows, `num_blocks` x its page size the tokens each pool holds, and `max_batch_tokens` the most prompt
-            positions one prefill forward takes (longer prompts are prefilled in chunks).
-        max_batch_size, max_tokens: the same, directly (they win over the config).
+            positions one prefill forward takes (longer prompts are prefilled in chunks); `use_cuda_graph` whether
+            steps run at bucketed shapes recorded as CUDA graphs (the engine's `static_shapes`; None: on a GPU).
+        max_batch_size, max_tokens, static_shapes: the same, directly (they win over the config).
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class DFlashContinuousBatchingManager:
         continuous_batching_config: Any = None,
         max_batch_size: int | None = None,
         max_tokens: int | None = None,
+        static_shapes: bool | None = None,
     ):
         self.model, self.drafter = model, drafter
         self.generation_config = generation_config if generation_config is not None else model.generation_config
@@ -158,8 +160,12 @@ class DFlashContinuousBatchingManager:
             max_tokens = cb.num_blocks * page if page else None
         self.continuous_batching_config = cb
         prefill_chunk = getattr(cb, "max_batch_tokens", None) or PREFILL_CHUNK
+        if static_shapes is None:  # transformers' config: a bool, or one per path (varlen, decode) once decided
+            graphs = getattr(cb, "use_cuda_graph", None)
+            static_shapes = any(graphs) if isinstance(graphs, tuple) else graphs
         self.engine = DFlashEngine(
-            model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens, prefill_chunk=prefill_chunk
+            model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
+            static_shapes=static_shapes,
         )
         self.logit_processor = RequestOptions()
         self.background_thread_status = WorkerStatus()

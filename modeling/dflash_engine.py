@@ -138,6 +138,10 @@ class DFlashEngine(DFlashStep):
             drafter's when it has one).
         prefill_chunk: the most prompt positions one prefill forward takes; a longer prompt is prefilled in chunks,
             each reading the ones before it from the pages (the same tokens, less memory for its attention).
+        static_shapes: run every step at a bucketed shape, which a CUDA device records once as a CUDA graph per
+            shape and then replays (None, the default: on a CUDA device). The rows run at the next power of two
+            (rows past the running ones are idle: inactive, their pages a scratch page no sequence holds) and the
+            span at the next power of two of SPAN_BUCKET. On a CPU (True) the same padded step runs eagerly.
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class DFlashEngine(DFlashStep):
         max_tokens: int | None = None,
         max_sequence_length: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        static_shapes: bool | None = None,
     ):
         text = target.config.get_text_config()
         if text.model_type in HYBRID_FAMILIES and (blocker := hybrid_blocker(target)) is not None:
@@ -170,8 +175,12 @@ class DFlashEngine(DFlashStep):
         if max_tokens is None:
             max_tokens = max_batch_size * (min(self.max_sequence_length, 2048) + block)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
-        num_pages = -(-max_tokens // PAGE_SIZE)
         device = drafter.fc.weight.device
+        self.static_shapes = device.type == "cuda" if static_shapes is None else static_shapes
+        self.use_graphs = self.static_shapes and device.type == "cuda"
+        # with static shapes, one page of each pool is the idle rows' scratch: never handed out, never read unmasked
+        self.scratch_pages = 1 if self.static_shapes else 0
+        num_pages = -(-max_tokens // PAGE_SIZE) + self.scratch_pages
         generator = DFlashCandidateGenerator(
             drafter, target, max_batch_size, self.max_sequence_length, max_rows=0, pending_rows=0, num_pages=num_pages
         )
@@ -195,7 +204,7 @@ class DFlashEngine(DFlashStep):
         self.prev_pos = torch.zeros(b, **long)
         self.max_length = torch.zeros(b, **long)
         self.offsets = torch.zeros(b, **long)  # no left padding: a row's slot s is its position s
-        self.active = torch.ones(b, **long)  # every row 0..n-1 runs
+        self.active = torch.zeros(b, **long)  # 1 for rows 0..n-1, which run; 0 for the idle rows after them
         self.drafts = torch.zeros(b, block - 1, **long)
         self.out = torch.zeros(b, block + 1, **long)
         self.target_slots = torch.zeros(b, block, **long)
@@ -212,6 +221,14 @@ class DFlashEngine(DFlashStep):
             *self.conv.values(), *self.recurrent.values(),
         )
         self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
+        if self.static_shapes:
+            self.scratch = (self.target_pool.take(1)[0], self.drafter_pool.take(1)[0])
+            for row in range(b):
+                self._idle(row)
+        # CUDA graphs by shape (rows, span, whether any row samples); shapes run once eagerly before being recorded
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.warmed_shapes: set[tuple[int, int, bool]] = set()
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps).
         self.row_steps = 0
         self.accepted_drafts = 0
@@ -253,13 +270,14 @@ class DFlashEngine(DFlashStep):
         """Pages used and held by each pool (used 0 when no sequence runs)."""
         usage = {}
         for name, pool in (("drafter", self.drafter_pool), ("target", self.target_pool)):
-            usage[f"{name}_pages_used"] = pool.num_pages - len(pool.free_pages)
-            usage[f"{name}_pages_total"] = pool.num_pages
+            usage[f"{name}_pages_used"] = pool.num_pages - self.scratch_pages - len(pool.free_pages)
+            usage[f"{name}_pages_total"] = pool.num_pages - self.scratch_pages
         return usage
 
     def compute_free_capacity(self) -> float:
         """The fraction of the fuller pool still free (what transformers serve reports of its manager's cache)."""
-        return min(len(pool.free_pages) / pool.num_pages for pool in (self.target_pool, self.drafter_pool))
+        pools = (self.target_pool, self.drafter_pool)
+        return min(len(pool.free_pages) / (pool.num_pages - self.scratch_pages) for pool in pools)
 
     # -- joining and leaving -------------------------------------------------------------------------------------
 
@@ -285,6 +303,7 @@ class DFlashEngine(DFlashStep):
             self._give_back(sequence)
             raise
         self.anchor_ids[row, 0] = first
+        self.active[row] = 1
         self.anchor_pos[row] = self.prev_pos[row] = length  # the first step has no verify rows to store
         self.max_length[row] = length + max_new_tokens
         self.sequences.append(sequence)
@@ -311,7 +330,8 @@ class DFlashEngine(DFlashStep):
         return tokens[0, 0]
 
     def _prefill_chunk(self, row: int, input_ids: torch.LongTensor, start: int) -> torch.Tensor:
-        """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits (1, 1, V)."""
+        """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits
+        (1, 1, V)."""
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]  # (1, c)
         span = self._span(start + input_ids.shape[1])
         cache = self._target_cache(slice(row, row + 1), span)
@@ -347,6 +367,17 @@ class DFlashEngine(DFlashStep):
                 buffer[row] = buffer[last]
             self.sequences[row] = self.sequences[last]
         self.sequences.pop()
+        self.active[last] = 0
+        if self.static_shapes:
+            self._idle(last)
+
+    def _idle(self, row: int) -> None:
+        """Make `row` safe to run idle in a padded step: its pages the scratch page, its positions 0, inactive (its
+        anchor never moves, and it commits nothing)."""
+        self.target_tables[row] = self.scratch[0]
+        self.drafter_tables[row] = self.scratch[1]
+        for buffer in (self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length, self.active):
+            buffer[row] = 0
 
     def _give_back(self, sequence: EngineSequence) -> None:
         self.target_pool.give_back(sequence.target_pages)
@@ -391,16 +422,17 @@ class DFlashEngine(DFlashStep):
         tokens, accepted = accept(scores, rows.drafts, do_sample, None)
         return scores, tokens, accepted
 
-    @torch.no_grad()
-    def run_step(self) -> dict[Hashable, list[int]]:
-        """One verify step over every row; returns per sequence the tokens it committed (1 to B; the step reads the
-        device once). The caller retires what ended (eos, its max_new_tokens) before the next step."""
-        n = len(self.sequences)
-        if n == 0:
-            return {}
-        span = self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
+    def _static_shape(self, n: int, span: int) -> tuple[int, int]:
+        """The bucketed (rows, span) a padded step runs at: powers of two, within the rows and the block tables."""
+        rows = min(self.max_batch_size, 1 << max(n - 1, 0).bit_length())
+        buckets = 1 << max(-(-span // SPAN_BUCKET) - 1, 0).bit_length()
+        return rows, min(buckets * SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
+
+    def _rows(self, n: int, span: int, sampled: bool) -> EngineRows:
+        """The step's view of rows 0..n-1 reading positions 0..span-1. Everything here is device work on the engine's
+        buffers, so that a CUDA graph records it with the step."""
         positions = torch.arange(span, device=self.anchor_ids.device)
-        rows = EngineRows(
+        return EngineRows(
             anchor_ids=self.anchor_ids[:n],
             anchor_pos=self.anchor_pos[:n],
             prev_pos=self.prev_pos[:n],
@@ -419,10 +451,48 @@ class DFlashEngine(DFlashStep):
                 self.drafter_pool, self.draft_block_slots[:n],
                 read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
             ),
-            **self._sampling(slice(0, n), any(not sequence.sampling.greedy for sequence in self.sequences)),
+            **self._sampling(slice(0, n), sampled),
         )
+
+    def _run_rows(self, n: int, span: int, sampled: bool) -> None:
         with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
-            self.step(rows)
+            self.step(self._rows(n, span, sampled))
+
+    def _run_static(self, n: int, span: int, sampled: bool) -> None:
+        """The padded step at shape (n, span): on a CUDA device its first run is eager, on a side stream (the warm-up a
+        capture needs; it is a real step), its second records the graph, which then replays; elsewhere eager."""
+        shape = (n, span, sampled)
+        if not self.use_graphs:
+            self._run_rows(n, span, sampled)
+        elif shape in self.graphs:
+            self.graphs[shape].replay()
+        elif shape not in self.warmed_shapes:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._run_rows(n, span, sampled)
+            torch.cuda.current_stream().wait_stream(side)
+            self.warmed_shapes.add(shape)
+        else:  # recording runs nothing: the replay right after it is the step
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._run_rows(n, span, sampled)
+            self.graphs[shape] = graph
+            graph.replay()
+
+    @torch.no_grad()
+    def run_step(self) -> dict[Hashable, list[int]]:
+        """One verify step over every row; returns per sequence the tokens it committed (1 to B; the step reads the
+        device once). The caller retires what ended (eos, its max_new_tokens) before the next step."""
+        n = len(self.sequences)
+        if n == 0:
+            return {}
+        span = self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
+        sampled = any(not sequence.sampling.greedy for sequence in self.sequences)
+        if self.static_shapes:
+            self._run_static(*self._static_shape(n, span), sampled)
+        else:
+            self._run_rows(n, span, sampled)
         out = self.out[:n].tolist()  # the step's one host synchronization
         committed = {}
         self.row_steps += n

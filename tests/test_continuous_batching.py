@@ -158,12 +158,13 @@ request_plans = st.lists(
 
 
 def check_schedule(family: str, plans: list[dict], max_batch_size: int, small_pool: bool,
-                   wrong_every: int | None = None) -> DFlashEngine:
+                   wrong_every: int | None = None, static_shapes: bool = False) -> DFlashEngine:
     """Run the schedule of `plans` and check every request against its own plain greedy generate; with
-    `wrong_every`, under `oracle_drafts`. Returns the engine."""
+    `wrong_every`, under `oracle_drafts`; with `static_shapes`, every step padded to its bucketed shape, as a GPU
+    records it (dflash_engine.py). Returns the engine."""
     target, drafter = pair(family)
     manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=max_batch_size,
-                                              max_tokens=128 if small_pool else None)
+                                              max_tokens=128 if small_pool else None, static_shapes=static_shapes)
     arrivals, cancels, expected, full = {}, {}, {}, {}
     for i, plan in enumerate(plans):
         prompt = random_prompt(plan["prompt_length"], seed=plan["seed"])[0].tolist()
@@ -213,6 +214,22 @@ FIXED_PLANS = [
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mistral"])
 def test_greedy_identity_other_families(family):
     check_schedule(family, FIXED_PLANS, max_batch_size=3, small_pool=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_greedy_identity_with_static_shapes(family):
+    """The padded steps a GPU records as CUDA graphs, run eagerly: 1 to 4 running requests step at 1, 2 or 4 rows
+    (idle rows write only to the scratch page) and spans of powers of two; every request equals plain greedy."""
+    shapes = []
+    run_static = DFlashEngine._run_static
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DFlashEngine, "_run_static",
+                      lambda self, *shape: shapes.append((len(self.sequences), *shape)) or run_static(self, *shape))
+        engine = check_schedule(family, FIXED_PLANS, max_batch_size=4, small_pool=False, static_shapes=True)
+    assert engine.static_shapes and not engine.use_graphs
+    assert {rows for _, rows, _, _ in shapes} == {1, 2, 4} and {span for _, _, span, _ in shapes} <= {64, 128}
+    assert any(running < rows for running, rows, _, _ in shapes)  # idle rows ran beside running ones
+    assert engine.pool_usage()["target_pages_used"] == 0 and engine.compute_free_capacity() == 1.0
 
 
 def test_greedy_identity_with_a_dflash2_drafter():
