@@ -132,10 +132,11 @@ class DFlashContinuousBatchingManager:
             top_p); options the engine does not apply per row are refused here with a ValueError.
         continuous_batching_config: transformers' `ContinuousBatchingConfig`; its `max_requests_per_batch` sets the
             rows, `num_blocks` x its page size the tokens each pool holds, and `max_batch_tokens` the most prompt
-            positions one prefill forward takes (longer prompts are prefilled in chunks).
-        max_batch_size, max_tokens: the same, directly (they win over the config).
+            positions one prefill forward takes (longer prompts are prefilled in chunks); `use_cuda_graph` whether
+            steps run at bucketed shapes recorded as CUDA graphs (the engine's `static_shapes`; None: on a GPU).
+        max_batch_size, max_tokens, static_shapes: the same, directly (they win over the config).
         adaptive: whether the engine's verify policy chooses each step's width (`DFlashEngine`'s `adaptive`: None,
-            the default, turns it on where the engine runs on a CPU).
+            the default, turns it on where the engine runs on a CPU without static shapes).
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class DFlashContinuousBatchingManager:
         continuous_batching_config: Any = None,
         max_batch_size: int | None = None,
         max_tokens: int | None = None,
+        static_shapes: bool | None = None,
         adaptive: bool | VerifyPolicy | None = None,
     ):
         self.model, self.drafter = model, drafter
@@ -165,9 +167,12 @@ class DFlashContinuousBatchingManager:
             max_tokens = cb.num_blocks * page if page else None
         self.continuous_batching_config = cb
         prefill_chunk = getattr(cb, "max_batch_tokens", None) or PREFILL_CHUNK
+        if static_shapes is None:  # transformers' config: a bool, or one per path (varlen, decode) once decided
+            graphs = getattr(cb, "use_cuda_graph", None)
+            static_shapes = any(graphs) if isinstance(graphs, tuple) else graphs
         self.engine = DFlashEngine(
             model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
-            adaptive=adaptive,
+            static_shapes=static_shapes, adaptive=adaptive,
         )
         self.logit_processor = RequestOptions()
         self.background_thread_status = WorkerStatus()
@@ -306,8 +311,10 @@ class DFlashContinuousBatchingManager:
         return request_id
 
     def _eos(self, eos_token_id: int | list[int] | None) -> frozenset[int]:
-        """The request's eos ids: its own, else the generation config's, else the model config's (-1: none)."""
-        for candidate in (eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id):
+        """The request's eos ids: its own, else the generation config's, else the model config's (-1: none; a
+        multimodal wrapper's is its text config's)."""
+        model_eos = getattr(self.model.config.get_text_config(), "eos_token_id", None)
+        for candidate in (eos_token_id, self.generation_config.eos_token_id, model_eos):
             if candidate is not None:
                 ids = [candidate] if isinstance(candidate, int) else [int(token) for token in candidate]
                 return frozenset(token for token in ids if token >= 0)

@@ -6,12 +6,19 @@ any step (`admit`: its prompt prefilled, in chunks of `prefill_chunk` positions,
 first token chosen) and retired at any step (`retire`: its pages go back, the last row moves into its place, so the
 running rows stay first and a step never computes for an empty row).
 
+It serves the targets the fast path serves (full and sliding-window attention, MoE), hybrid ones included: Qwen3-Next
+and Qwen3.5/3.6, text and multimodal, whose Gated DeltaNet (linear-attention) layers keep states instead of keys.
+
 Memory is paged, in two pools shared by every row (`PagedDrafterCache`, pages of 16 positions):
 - the target's keys/values: a row's block table maps its positions to pages; `PagedTargetCache` is what the target's
   attention layers see through the Cache API's `update`, which stores the new rows through the block tables and
   returns every row's positions 0..span-1, gathered, where span is the batch's longest sequence rounded up to
   `SPAN_BUCKET` (a 4D mask hides what a row does not hold);
 - the drafter's context keys/values, addressed the same way.
+A hybrid target's linear-attention layers hold no keys: each layer's conv and recurrent states sit in buffers of
+`max_batch_size` rows beside the pools (`PagedHybridCache`), zeroed by a row's first prefill chunk and carried through
+its next ones, advanced in each verify over exactly the rows its sequence accepts (dflash_linear_state.py's rollback,
+the fast path's), and moved with the row when another retires.
 A request's pages (prompt, max_new_tokens and one block, in both pools) are reserved when it is admitted, so a
 running sequence never waits for memory: a request that does not fit now waits (`fits_now`), one that never can is
 refused with a ValueError naming the limit (`check_request`).
@@ -27,13 +34,15 @@ verifies the full block.
 
 Buffers belong to the engine, which its caller owns (the manager, dflash_continuous.py); the drafter keeps nothing.
 Each step reads the device once (the verified tokens and accepted counts), twice with a policy (the drafts'
-confidence, before choosing the width); eagerly on any device.
+confidence, before choosing the width). Without a policy a CUDA device replays each step's shape as a recorded
+graph (`static_shapes`); with one, steps run eagerly.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Hashable
@@ -47,7 +56,8 @@ from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument
 from .dflash_fast_path_blockers import target_layer_types
-from .dflash_linear_state import HYBRID_FAMILIES
+from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
+from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
 from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView
 from .dflash_policy import VerifyPolicy
@@ -115,11 +125,29 @@ class PagedTargetCache:
         return self.pool.read(layer_idx, self.read_slots)
 
 
+class PagedHybridCache(LinearStates, PagedTargetCache):
+    """`PagedTargetCache` for a hybrid target's full-attention layers, plus the conv and recurrent states of its
+    linear-attention layers for rows 0..n-1 (layer index -> views of the engine's per-row buffers), prefilled and
+    rolled back by `LinearStates` (dflash_linear_state.py)."""
+
+    def __init__(
+        self,
+        pool: PagedDrafterCache,
+        block_tables: torch.Tensor,
+        span: int,
+        conv: dict[int, torch.Tensor],
+        recurrent: dict[int, torch.Tensor],
+        linear_layers: list[torch.nn.Module],
+    ):
+        super().__init__(pool, block_tables, span)
+        self.bind_linear_states(conv, recurrent, linear_layers, len(pool.key_pools))
+
+
 class DFlashEngine(DFlashStep):
     """Rows of running sequences over shared page pools, advanced one DFlash verify step at a time.
 
     Args:
-        target: the causal LM (not a hybrid with linear-attention layers).
+        target: the causal LM (hybrids with Gated DeltaNet layers included: Qwen3-Next, Qwen3.5/3.6).
         drafter: a DFlash drafter trained for it.
         max_batch_size: rows, the most sequences that run together.
         max_tokens: positions each pool holds, shared by the rows (default: max_batch_size sequences of
@@ -129,10 +157,17 @@ class DFlashEngine(DFlashStep):
             drafter's when it has one).
         prefill_chunk: the most prompt positions one prefill forward takes; a longer prompt is prefilled in chunks,
             each reading the ones before it from the pages (the same tokens, less memory for its attention).
+        static_shapes: run every step at a bucketed shape, which a CUDA device records once as a CUDA graph per
+            shape and then replays (None, the default: on a CUDA device, unless `adaptive` is on). The rows run at
+            the next power of two (rows past the running ones are idle: inactive, their pages a scratch page no
+            sequence holds) and the span at the next power of two of SPAN_BUCKET. On a CPU (True) the same padded
+            step runs eagerly.
         adaptive: whether a `VerifyPolicy` chooses each step's width, down to plain steps (see the module's
-            docstring). None (the default): on where the engine runs on a CPU, off elsewhere (a GPU verifies a
-            block in about the time of one row at small batches); True: a new `VerifyPolicy(whole_batch=True)`;
-            a `VerifyPolicy`: that one, as given (its cost fit carries over; one engine at a time).
+            docstring). None (the default): on where the engine runs on a CPU without static shapes, off elsewhere
+            (a GPU verifies a block in about the time of one row at small batches); True: a new
+            `VerifyPolicy(whole_batch=True)`; a `VerifyPolicy`: that one, as given (its cost fit carries over; one
+            engine at a time). Its steps run eagerly at the running rows' shape (the width is chosen on the host
+            between the drafter and the verify, which a recorded step cannot do), so it excludes static shapes.
     """
 
     def __init__(
@@ -143,15 +178,23 @@ class DFlashEngine(DFlashStep):
         max_tokens: int | None = None,
         max_sequence_length: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        static_shapes: bool | None = None,
         adaptive: bool | VerifyPolicy | None = None,
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
-        text = target.config.get_text_config()
-        if text.model_type in HYBRID_FAMILIES or LINEAR in target_layer_types(text):
+        if static_shapes and adaptive not in (None, False):
             raise ValueError(
-                f"DFlash continuous batching does not serve hybrid targets with linear-attention layers "
-                f"({text.model_type}) yet; use generate(assistant_model=drafter) for this target"
+                "adaptive (the verify policy) and static_shapes (CUDA graphs) exclude each other: the policy chooses a "
+                "step's width on the host between the drafter and the verify; turn one of them off"
+            )
+        text = target.config.get_text_config()
+        if text.model_type in HYBRID_FAMILIES and (blocker := hybrid_blocker(target)) is not None:
+            raise ValueError(f"DFlash continuous batching cannot serve this target: {blocker}")
+        if text.model_type not in HYBRID_FAMILIES and LINEAR in target_layer_types(text):
+            raise ValueError(
+                f"DFlash continuous batching serves the Gated DeltaNet layers of {', '.join(HYBRID_FAMILIES)} targets, "
+                f"not the linear-attention layers of {text.model_type}; use generate(assistant_model=drafter)"
             )
         check_drafter_fits(drafter, target)
         if max_batch_size < 1:
@@ -167,17 +210,27 @@ class DFlashEngine(DFlashStep):
             sequences = min(max_batch_size, DEFAULT_MEMORY_SEQUENCES)
             max_tokens = sequences * (min(self.max_sequence_length, 2048) + block)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
-        num_pages = -(-max_tokens // PAGE_SIZE)
         device = drafter.fc.weight.device
+        if static_shapes is None:
+            static_shapes = device.type == "cuda" and adaptive in (None, False)
+        self.static_shapes = static_shapes
+        self.use_graphs = self.static_shapes and device.type == "cuda"
+        # with static shapes, one page of each pool is the idle rows' scratch: never handed out, never read unmasked
+        self.scratch_pages = 1 if self.static_shapes else 0
+        num_pages = -(-max_tokens // PAGE_SIZE) + self.scratch_pages
         generator = DFlashCandidateGenerator(
             drafter, target, max_batch_size, self.max_sequence_length, max_rows=0, pending_rows=0, num_pages=num_pages
         )
         super().__init__(target, drafter, generator, cache_argument(target))
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        linear = linear_attention_modules(target) if self.hybrid else {}
         self.target_pool = PagedDrafterCache(
             num_layers=len(decoder_layers(target)), num_pages=num_pages, num_key_value_heads=text.num_key_value_heads,
-            head_dim=head_dim, dtype=target.dtype, device=device,
+            head_dim=head_dim, dtype=target.dtype, device=device, keyless_layers=frozenset(linear),
         )
+        # a hybrid's linear layers: per row, conv (b, conv_dim, K) and recurrent (b, heads, dk, dv) states per layer
+        self.linear_layers = list(linear.values())
+        self.conv, self.recurrent = linear_state_buffers(linear, max_batch_size, target.dtype, device)
         self.drafter_pool = generator.cache
         self.pages_per_row = -(-(self.max_sequence_length + block) // PAGE_SIZE)  # block table width
         b, long = max_batch_size, dict(dtype=torch.long, device=device)
@@ -188,7 +241,7 @@ class DFlashEngine(DFlashStep):
         self.prev_pos = torch.zeros(b, **long)
         self.max_length = torch.zeros(b, **long)
         self.offsets = torch.zeros(b, **long)  # no left padding: a row's slot s is its position s
-        self.active = torch.ones(b, **long)  # every row 0..n-1 runs
+        self.active = torch.zeros(b, **long)  # 1 for rows 0..n-1, which run; 0 for the idle rows after them
         self.drafts = torch.zeros(b, block - 1, **long)
         self.out = torch.zeros(b, block + 1, **long)
         self.target_slots = torch.zeros(b, block, **long)
@@ -202,15 +255,24 @@ class DFlashEngine(DFlashStep):
         self.per_row = (
             self.target_tables, self.drafter_tables, self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length,
             self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p,
+            *self.conv.values(), *self.recurrent.values(),
         )
         self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
+        if self.static_shapes:
+            self.scratch = (self.target_pool.take(1)[0], self.drafter_pool.take(1)[0])
+            for row in range(b):
+                self._idle(row)
+        # CUDA graphs by shape (rows, span, whether any row samples); shapes run once eagerly before being recorded
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.warmed_shapes: set[tuple[int, int, bool]] = set()
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps), and
         # steps per verified width (1: plain steps, which skip the drafter).
         self.row_steps = 0
         self.accepted_drafts = 0
         self.width_steps: Counter[int] = Counter()
         if adaptive is None:
-            adaptive = device.type == "cpu"
+            adaptive = device.type == "cpu" and not self.static_shapes
         if isinstance(adaptive, VerifyPolicy):
             self.policy: VerifyPolicy | None = adaptive
         else:
@@ -256,13 +318,14 @@ class DFlashEngine(DFlashStep):
         """Pages used and held by each pool (used 0 when no sequence runs)."""
         usage = {}
         for name, pool in (("drafter", self.drafter_pool), ("target", self.target_pool)):
-            usage[f"{name}_pages_used"] = pool.num_pages - len(pool.free_pages)
-            usage[f"{name}_pages_total"] = pool.num_pages
+            usage[f"{name}_pages_used"] = pool.num_pages - self.scratch_pages - len(pool.free_pages)
+            usage[f"{name}_pages_total"] = pool.num_pages - self.scratch_pages
         return usage
 
     def compute_free_capacity(self) -> float:
         """The fraction of the fuller pool still free (what transformers serve reports of its manager's cache)."""
-        return min(len(pool.free_pages) / pool.num_pages for pool in (self.target_pool, self.drafter_pool))
+        pools = (self.target_pool, self.drafter_pool)
+        return min(len(pool.free_pages) / (pool.num_pages - self.scratch_pages) for pool in pools)
 
     # -- joining and leaving -------------------------------------------------------------------------------------
 
@@ -290,6 +353,7 @@ class DFlashEngine(DFlashStep):
             self._give_back(sequence)
             raise
         self.anchor_ids[row, 0] = first
+        self.active[row] = 1
         self.anchor_pos[row] = self.prev_pos[row] = length  # the first step has no verify rows to store
         self.max_length[row] = length + max_new_tokens
         self.sequences.append(sequence)
@@ -318,24 +382,28 @@ class DFlashEngine(DFlashStep):
         return tokens[0, 0]
 
     def _prefill_chunk(self, row: int, input_ids: torch.LongTensor, start: int) -> torch.Tensor:
-        """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits (1, 1, V)."""
+        """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits
+        (1, 1, V)."""
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]  # (1, c)
         span = self._span(start + input_ids.shape[1])
-        cache = PagedTargetCache(self.target_pool, self.target_tables[row : row + 1], span)
+        cache = self._target_cache(slice(row, row + 1), span)
         cache.write_slots = positions
         keys = torch.arange(span, device=input_ids.device)
         visible = keys[None, None, :] <= positions[:, :, None]  # (1, c, span)
         captured = self.verify_rows.new_empty(1, input_ids.shape[1], self.verify_rows.shape[-1])
         self.generator.capture.destination = captured
+        # a hybrid's linear layers start the row from empty states at its first chunk and carry them on through the
+        # next ones (the prompt has no padding to mask)
         try:
-            logits = self.target(
-                input_ids=input_ids,
-                position_ids=positions,
-                attention_mask=self.target_masks(visible, positions, keys),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self.cache_argument: cache},
-            ).logits[:, -1:]  # (1, 1, V)
+            with cache.prefilling() if self.hybrid and start == 0 else contextlib.nullcontext():
+                logits = self.target(
+                    input_ids=input_ids,
+                    position_ids=positions,
+                    attention_mask=self.target_masks(visible, positions, keys),
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self.cache_argument: cache},
+                ).logits[:, -1:]  # (1, 1, V)
         finally:
             self.generator.capture.destination = None
         self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
@@ -353,6 +421,17 @@ class DFlashEngine(DFlashStep):
                 buffer[row] = buffer[last]
             self.sequences[row] = self.sequences[last]
         self.sequences.pop()
+        self.active[last] = 0
+        if self.static_shapes:
+            self._idle(last)
+
+    def _idle(self, row: int) -> None:
+        """Make `row` safe to run idle in a padded step: its pages the scratch page, its positions 0, inactive (its
+        anchor never moves, and it commits nothing)."""
+        self.target_tables[row] = self.scratch[0]
+        self.drafter_tables[row] = self.scratch[1]
+        for buffer in (self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length, self.active):
+            buffer[row] = 0
 
     def _give_back(self, sequence: EngineSequence) -> None:
         self.target_pool.give_back(sequence.target_pages)
@@ -360,6 +439,15 @@ class DFlashEngine(DFlashStep):
         sequence.target_pages, sequence.drafter_pages = [], []
 
     # -- the step ---------------------------------------------------------------------------------------------------
+
+    def _target_cache(self, rows: slice, span: int) -> PagedTargetCache:
+        """The target's cache for a forward of `rows` reading positions 0..span-1 (a hybrid's: with those rows'
+        linear-attention states)."""
+        if not self.hybrid:
+            return PagedTargetCache(self.target_pool, self.target_tables[rows], span)
+        conv = {i: state[rows] for i, state in self.conv.items()}
+        recurrent = {i: state[rows] for i, state in self.recurrent.items()}
+        return PagedHybridCache(self.target_pool, self.target_tables[rows], span, conv, recurrent, self.linear_layers)
 
     def _span(self, longest: int) -> int:
         """Positions a forward reads back: `longest` rounded up to SPAN_BUCKET, within the block tables."""
@@ -388,16 +476,17 @@ class DFlashEngine(DFlashStep):
         tokens, accepted = accept(scores, drafts, do_sample, None)
         return scores, tokens, accepted
 
-    @torch.no_grad()
-    def run_step(self) -> dict[Hashable, list[int]]:
-        """One verify step over every row, at the full width or at the policy's; returns per sequence the tokens it
-        committed (1 to the width). The caller retires what ended (eos, its max_new_tokens) before the next step."""
-        n = len(self.sequences)
-        if n == 0:
-            return {}
-        span = self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
+    def _static_shape(self, n: int, span: int) -> tuple[int, int]:
+        """The bucketed (rows, span) a padded step runs at: powers of two, within the rows and the block tables."""
+        rows = min(self.max_batch_size, 1 << max(n - 1, 0).bit_length())
+        buckets = 1 << max(-(-span // SPAN_BUCKET) - 1, 0).bit_length()
+        return rows, min(buckets * SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
+
+    def _rows(self, n: int, span: int, sampled: bool) -> EngineRows:
+        """The step's view of rows 0..n-1 reading positions 0..span-1. Everything here is device work on the engine's
+        buffers, so that a CUDA graph records it with the step."""
         positions = torch.arange(span, device=self.anchor_ids.device)
-        rows = EngineRows(
+        return EngineRows(
             anchor_ids=self.anchor_ids[:n],
             anchor_pos=self.anchor_pos[:n],
             prev_pos=self.prev_pos[:n],
@@ -411,24 +500,64 @@ class DFlashEngine(DFlashStep):
             target_slots=self.target_slots[:n],
             key_slots=positions,
             draft_key_positions=positions,
-            target_cache=PagedTargetCache(self.target_pool, self.target_tables[:n], span),
+            target_cache=self._target_cache(slice(0, n), span),
             drafter_view=PagedView(
                 self.drafter_pool, self.draft_block_slots[:n],
                 read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
             ),
-            **self._sampling(slice(0, n), any(not sequence.sampling.greedy for sequence in self.sequences)),
+            **self._sampling(slice(0, n), sampled),
         )
+
+    def _run_rows(self, n: int, span: int, sampled: bool) -> None:
+        with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+            self.step(self._rows(n, span, sampled))
+
+    def _run_static(self, n: int, span: int, sampled: bool) -> None:
+        """The padded step at shape (n, span): on a CUDA device its first run is eager, on a side stream (the warm-up a
+        capture needs; it is a real step), its second records the graph, which then replays; elsewhere eager."""
+        shape = (n, span, sampled)
+        if not self.use_graphs:
+            self._run_rows(n, span, sampled)
+        elif shape in self.graphs:
+            self.graphs[shape].replay()
+        elif shape not in self.warmed_shapes:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._run_rows(n, span, sampled)
+            torch.cuda.current_stream().wait_stream(side)
+            self.warmed_shapes.add(shape)
+        else:  # recording runs nothing: the replay right after it is the step
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._run_rows(n, span, sampled)
+            self.graphs[shape] = graph
+            graph.replay()
+
+    @torch.no_grad()
+    def run_step(self) -> dict[Hashable, list[int]]:
+        """One verify step over every row, at the full width or at the policy's; returns per sequence the tokens it
+        committed (1 to the width; the step reads the device once, twice under the policy). The caller retires what
+        ended (eos, its max_new_tokens) before the next step."""
+        n = len(self.sequences)
+        if n == 0:
+            return {}
+        span = self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
+        sampled = any(not sequence.sampling.greedy for sequence in self.sequences)
         keys = [sequence.key for sequence in self.sequences]
         width, confidence, draft_seconds = self.block_size, None, None
-        with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
-            if self.policy is None:
-                self.step(rows)
-            else:
+        if self.policy is not None:  # eager, at the running rows' shape: the width is chosen between draft and verify
+            with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
                 started = time.perf_counter()
+                rows = self._rows(n, span, sampled)
                 width, confidence = self._draft_for_policy(rows, keys)
                 verify_started = time.perf_counter()
                 draft_seconds = None if confidence is None else verify_started - started
                 self.verify(rows, None, width)
+        elif self.static_shapes:
+            self._run_static(*self._static_shape(n, span), sampled)
+        else:
+            self._run_rows(n, span, sampled)
         out = self.out[:n].tolist()  # the step's host synchronization (the policy's second)
         accepted = [row[self.block_size] for row in out]
         if self.policy is not None:
@@ -460,6 +589,6 @@ class DFlashEngine(DFlashStep):
 
 
 __all__ = [
-    "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK", "PagedTargetCache",
-    "SPAN_BUCKET",
+    "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK", "PagedHybridCache",
+    "PagedTargetCache", "SPAN_BUCKET",
 ]

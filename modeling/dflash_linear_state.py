@@ -1,11 +1,11 @@
-"""The fast path's target cache for hybrid targets (Qwen3-Next, Qwen3.5, Qwen3.6: Gated DeltaNet layers between
-full-attention ones), with an exact rollback of the linear layers inside the step: no host sync, no data-dependent
-shape, so the whole step stays one CUDA graph.
+"""The linear-attention states of hybrid targets (Qwen3-Next, Qwen3.5, Qwen3.6: Gated DeltaNet layers between
+full-attention ones) in the fast path and the continuous-batching engine, with an exact rollback of the linear layers
+inside the step: no host sync, no data-dependent shape, so the fast path's whole step stays one CUDA graph.
 
 A Gated DeltaNet layer keeps per sequence a conv state (its last K conv inputs, (conv_dim, K)) and a recurrent state
 ((value heads, dk, dv), float32). The verify runs the B rows of a block through each such layer as one chunk, as
 transformers does for any multi-token forward; the sequence then keeps only its first `taken` rows (anchor and
-accepted drafts; 0 for a finished sequence). `HybridStaticCache` leaves the states untouched during the verify and
+accepted drafts; 0 for a finished sequence). `LinearStates` leaves the states untouched during the verify and
 remembers, per layer, what the layer handed it: the conv window [conv state | block inputs] (b, conv_dim, K + B), and
 the arguments of its chunked gated-delta-rule call (queries, keys, values, gates g and beta per block row). After
 acceptance, `commit(taken)`:
@@ -17,7 +17,9 @@ acceptance, `commit(taken)`:
   It re-reads no weights (the projections are not run again) and costs one more pass of the recurrence over B rows:
   benchmarks/NOTES.md, "hybrid targets on the fast path", has the measurements and the other ways weighed.
 
-The full-attention layers keep their keys/values in the `StaticTargetCache` this class extends.
+`LinearStates` holds this rule over per-sequence state buffers its owner hands it; the full-attention layers keep
+their keys/values beside it: in the `StaticTargetCache` that `HybridStaticCache` extends (the fast path), or in the
+engine's page pool (dflash_engine.py's `PagedHybridCache`, over the engine's per-row state buffers).
 
 The layers talk to their cache through transformers' linear-attention methods, renamed between 5.17, 5.24 and 5.25
 (dflash_compat.py's `LinearAttentionCacheMethods` speaks all of them). The chunked rule's arguments are not handed to
@@ -51,7 +53,7 @@ def linear_attention_modules(target: torch.nn.Module) -> dict[int, torch.nn.Modu
 
 
 def hybrid_blocker(target: torch.nn.Module) -> str | None:
-    """Why the fast path cannot serve this hybrid target, or None (called only for HYBRID_FAMILIES)."""
+    """Why the fast path and the engine cannot serve this hybrid target, or None (called only for HYBRID_FAMILIES)."""
     text = target.config.get_text_config()
     modules = linear_attention_modules(target)
     if not modules:
@@ -67,47 +69,49 @@ def hybrid_blocker(target: torch.nn.Module) -> str | None:
 
 @dataclass
 class _Pending:
-    """What a verify handed one linear layer's cache: the conv window (n, conv_dim, K + B) and the chunked rule's
-    call (the function, its arguments)."""
+    """What a verify handed one linear layer's cache: the conv window (n, conv_dim, K + q), the chunked rule's call
+    (the function, its arguments) and the state after all q rows (n, value heads, dk, dv)."""
 
     window: torch.Tensor
     rule: Callable[..., Any] | None = None
     args: tuple = ()
     kwargs: dict | None = None
+    final: torch.Tensor | None = None
 
 
-class HybridStaticCache(LinearAttentionCacheMethods, StaticTargetCache):
-    """`StaticTargetCache` for the full-attention layers plus fixed per-sequence conv and recurrent states for the
-    linear-attention ones; `deferring` + `commit` roll the linear layers back to each sequence's accepted rows."""
-
-    def __init__(
-        self,
-        target: torch.nn.Module,
-        batch_size: int,
-        num_key_value_heads: int,
-        head_dim: int,
-        num_slots: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ):
-        linear = linear_attention_modules(target)
-        super().__init__(
-            len(decoder_layers(target)), batch_size, num_key_value_heads, head_dim, num_slots, dtype, device,
-            keyless_layers=frozenset(linear),
+def linear_state_buffers(
+    modules: dict[int, torch.nn.Module], rows: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Zeroed states for `rows` sequences of each Gated DeltaNet layer in `modules` (`linear_attention_modules`):
+    conv (rows, conv_dim, K) in `dtype`, recurrent (rows, value heads, dk, dv) in float32, as the rule returns it."""
+    conv, recurrent = {}, {}
+    for i, module in modules.items():
+        conv[i] = torch.zeros(rows, module.conv_dim, module.conv_kernel_size, dtype=dtype, device=device)
+        recurrent[i] = torch.zeros(
+            rows, module.num_v_heads, module.head_k_dim, module.head_v_dim, dtype=torch.float32, device=device
         )
-        self.conv: dict[int, torch.Tensor] = {}  # (b, conv_dim, K) the last K conv inputs
-        self.recurrent: dict[int, torch.Tensor] = {}  # (b, value heads, dk, dv) float32, as the rule returns it
-        for i, module in linear.items():
-            self.conv[i] = torch.zeros(batch_size, module.conv_dim, module.conv_kernel_size, dtype=dtype, device=device)
-            self.recurrent[i] = torch.zeros(
-                batch_size, module.num_v_heads, module.head_k_dim, module.head_v_dim, dtype=torch.float32, device=device
-            )
-        self.linear_layers = list(linear.values())
-        self._init_runtime()
+    return conv, recurrent
 
-    def _init_runtime(self) -> None:
-        """The per-forward state, and 5.17's per-layer views over this cache's (or view's) buffers."""
-        self.layers = self.linear_layer_views(len(self.keys))
+
+class LinearStates(LinearAttentionCacheMethods):
+    """The linear-attention layers' states of a target cache, one row per sequence, and the one rollback rule of a
+    verify: `prefilling` for a prompt, `deferring` + `commit` for a verify (the module docstring). Mixed into a cache
+    that keeps the full-attention layers' keys/values: the fast path's `HybridStaticCache` and the continuous-batching
+    engine's paged cache (dflash_engine.py), which hand it views of buffers they own (`bind_linear_states`)."""
+
+    def bind_linear_states(
+        self,
+        conv: dict[int, torch.Tensor],
+        recurrent: dict[int, torch.Tensor],
+        linear_layers: list[torch.nn.Module],
+        num_layers: int,
+    ) -> None:
+        """Read and write these states (layer index -> (n, ...) tensors: `linear_state_buffers`' shapes) for the
+        Gated DeltaNet modules `linear_layers`, in a target of `num_layers` decoder layers."""
+        self.conv = conv  # (n, conv_dim, K) the last K conv inputs
+        self.recurrent = recurrent  # (n, value heads, dk, dv) float32
+        self.linear_layers = linear_layers
+        self.layers = self.linear_layer_views(num_layers)  # what 5.17 reads
         self.fresh = False  # True during the prompt's forward: the layers start from empty states, as in generate
         self.pending: dict[int, _Pending] | None = None  # per linear layer, while a verify is deferred
         self.current_layer: int | None = None
@@ -115,24 +119,6 @@ class HybridStaticCache(LinearAttentionCacheMethods, StaticTargetCache):
     @property
     def kernel_size(self) -> int:
         return next(iter(self.conv.values())).shape[-1]
-
-    def head(self, rows: int) -> "HybridStaticCache":
-        view = super().head(rows)
-        view.conv = {i: state[:rows] for i, state in self.conv.items()}
-        view.recurrent = {i: state[:rows] for i, state in self.recurrent.items()}
-        view.linear_layers = self.linear_layers
-        view._init_runtime()
-        return view
-
-    def carried_state(self) -> list[torch.Tensor]:
-        """The linear layers' conv and recurrent states: each step advances them over the accepted rows."""
-        return [*self.conv.values(), *self.recurrent.values()]
-
-    def reorder(self, index: torch.LongTensor) -> None:
-        super().reorder(index)
-        for states in (self.conv, self.recurrent):
-            for state in states.values():
-                state.copy_(state[index])
 
     # ---- the prompt ----------------------------------------------------------------------------------------------
 
@@ -154,31 +140,46 @@ class HybridStaticCache(LinearAttentionCacheMethods, StaticTargetCache):
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
         """The verify's forward: the linear layers read the committed states and leave them as they are; what
-        `commit` needs is remembered instead, with this thread's calls of the chunked rule."""
+        `commit` needs is remembered instead, with this thread's calls of the chunked rule. (A one-row verify is
+        told the cache records its past, so that its conv, too, hands its window over rather than update the state
+        in place.)"""
         self.pending = {}
 
         def record(rule: Callable[..., Any], args: tuple, kwargs: dict) -> None:
             pending = self.pending[self.current_layer]
             pending.rule, pending.args, pending.kwargs = rule, args, kwargs
 
-        with recording_chunk_rule(self.linear_layers, record):
-            yield
+        views = [view for view in self.layers if view is not None]
+        try:
+            for view in views:  # 5.17 reads it there; later versions ask `is_recording_past`
+                view.record_past = True
+            with recording_chunk_rule(self.linear_layers, record):
+                yield
+        finally:
+            for view in views:
+                view.record_past = False
 
     def commit(self, taken: torch.LongTensor) -> None:
         """Advance each linear layer's states over the first taken[i] rows of the block just verified (n,): 0 keeps a
-        sequence's states as they were, B takes the whole block."""
+        sequence's states as they were, all of them takes the whole block."""
         kernel = self.kernel_size
         for i, pending in self.pending.items():
-            if pending.rule is None or "g" not in pending.kwargs or "beta" not in pending.kwargs:
+            window = pending.window  # (n, conv_dim, K + q)
+            # one row: the layer ran the recurrent rule, not the chunked one, and handed over its state after the row
+            one_row = pending.rule is None and pending.final is not None and window.shape[-1] == kernel + 1
+            if not one_row and (pending.rule is None or "g" not in pending.kwargs or "beta" not in pending.kwargs):
                 raise RuntimeError(
                     f"layer {i}'s verify did not call the chunked gated delta rule with g= and beta= as expected; "
-                    "this transformers version is not supported by the fast path (pass dflash_fast_path=False)"
+                    "this transformers version is not supported by the fast path (pass dflash_fast_path=False) nor by "
+                    "continuous batching"
                 )
-            window = pending.window  # (n, conv_dim, K + B)
             columns = taken[:, None] + torch.arange(kernel, device=taken.device)  # (n, K)
             self.conv[i].copy_(window.gather(2, columns[:, None, :].expand(-1, window.shape[1], -1)))
-            g, beta = pending.kwargs["g"], pending.kwargs["beta"]  # (n, B, value heads) each
-            keep = torch.arange(g.shape[1], device=taken.device) < taken[:, None]  # (n, B)
+            if one_row:  # taken is 0 or 1
+                self.recurrent[i].copy_(torch.where(taken[:, None, None, None] > 0, pending.final, self.recurrent[i]))
+                continue
+            g, beta = pending.kwargs["g"], pending.kwargs["beta"]  # (n, q, value heads) each
+            keep = torch.arange(g.shape[1], device=taken.device) < taken[:, None]  # (n, q)
             kwargs = dict(pending.kwargs, initial_state=self.recurrent[i], output_final_state=True)
             kwargs["g"], kwargs["beta"] = g * keep[..., None], beta * keep[..., None]
             _, final = pending.rule(*pending.args, **kwargs)
@@ -202,7 +203,59 @@ class HybridStaticCache(LinearAttentionCacheMethods, StaticTargetCache):
         """The state after every row of the forward: kept for the prompt; during a verify `commit` decides."""
         if self.pending is None:
             self.recurrent[layer_idx].copy_(state)
+        else:
+            self.pending[layer_idx].final = state
         return self.recurrent[layer_idx]
 
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """True during a verify: a one-row forward's conv then hands its window to `conv_window` (5.24 on)."""
+        return self.pending is not None
 
-__all__ = ["CHUNK_RULE", "HYBRID_FAMILIES", "HybridStaticCache", "hybrid_blocker", "linear_attention_modules"]
+
+class HybridStaticCache(LinearStates, StaticTargetCache):
+    """`StaticTargetCache` for the full-attention layers plus fixed per-sequence conv and recurrent states for the
+    linear-attention ones; `deferring` + `commit` roll the linear layers back to each sequence's accepted rows."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        batch_size: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        linear = linear_attention_modules(target)
+        super().__init__(
+            len(decoder_layers(target)), batch_size, num_key_value_heads, head_dim, num_slots, dtype, device,
+            keyless_layers=frozenset(linear),
+        )
+        conv, recurrent = linear_state_buffers(linear, batch_size, dtype, device)
+        self.bind_linear_states(conv, recurrent, list(linear.values()), len(self.keys))
+
+    def head(self, rows: int) -> "HybridStaticCache":
+        view = super().head(rows)
+        view.bind_linear_states(
+            {i: state[:rows] for i, state in self.conv.items()},
+            {i: state[:rows] for i, state in self.recurrent.items()},
+            self.linear_layers,
+            len(self.keys),
+        )
+        return view
+
+    def carried_state(self) -> list[torch.Tensor]:
+        """The linear layers' conv and recurrent states: each step advances them over the accepted rows."""
+        return [*self.conv.values(), *self.recurrent.values()]
+
+    def reorder(self, index: torch.LongTensor) -> None:
+        super().reorder(index)
+        for states in (self.conv, self.recurrent):
+            for state in states.values():
+                state.copy_(state[index])
+
+
+__all__ = [
+    "CHUNK_RULE", "HYBRID_FAMILIES", "HybridStaticCache", "LinearStates", "hybrid_blocker", "linear_attention_modules",
+    "linear_state_buffers",
+]

@@ -68,7 +68,9 @@ class DflashProposerState:
 
 
 class PagedDrafterCache:
-    """Page pools of drafter keys/values (one per layer) and the free list that hands pages to sequences."""
+    """Page pools of drafter keys/values (one per layer) and the free list that hands pages to sequences. The
+    continuous-batching engine keeps its target's keys/values in one too, with no pool for `keyless_layers` (a hybrid
+    target's linear-attention layers, which attend to no keys)."""
 
     def __init__(
         self,
@@ -78,10 +80,12 @@ class PagedDrafterCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        keyless_layers: frozenset[int] = frozenset(),
     ):
         shape = (num_pages * PAGE_SIZE, num_key_value_heads, head_dim)  # flat slots: page * PAGE_SIZE + offset
-        self.key_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shapes = [(0, num_key_value_heads, head_dim) if i in keyless_layers else shape for i in range(num_layers)]
+        self.key_pools = [torch.zeros(size, dtype=dtype, device=device) for size in shapes]
+        self.value_pools = [torch.zeros(size, dtype=dtype, device=device) for size in shapes]
         self.num_pages = num_pages
         self.device = torch.device(device)
         # Stack of free page ids; popping from the end hands out low ids first.

@@ -2,9 +2,10 @@
 test_continuous_batching.py, with the target, the drafter and both page pools on CUDA.
 
 CI runs the engine on the CPU; these run it as a GPU runs it: `python3 -m pytest -q tests/test_engine_gpu.py` on a
-GPU machine (benchmarks/gpu/README.md). In float32, on tiny random Llama and Qwen3 targets: staggered arrivals, a
-cancellation, eos inside a block and requests waiting for pages all equal each request's own plain greedy generate
-on the same GPU, the drafter ran, and both pools are whole afterwards; a seeded sampled run repeats.
+GPU machine (benchmarks/gpu/README.md). In float32, on tiny random Llama, Qwen3 and Qwen3.5 (hybrid) targets, with
+the steps recorded as CUDA graphs (the default on a GPU) and run eagerly: staggered arrivals, a cancellation, eos
+inside a block and requests waiting for pages all equal each request's own plain greedy generate on the same GPU, the
+drafter ran, and both pools are whole afterwards; a seeded sampled run repeats with its steps graph-replayed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers import GenerationConfig
 
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
+from tests.test_families import family_target
 from tests.test_continuous_batching import FIXED_PLANS, GREEDY, run_schedule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine on CUDA needs a GPU")
@@ -28,12 +30,14 @@ def plain_greedy(target: torch.nn.Module, prompt: list[int], max_new_tokens: int
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5_text"])
 @pytest.mark.parametrize("max_tokens", [None, 96])  # 96: requests wait for pages while others run
-def test_greedy_requests_equal_plain_greedy_on_the_gpu(family, max_tokens):
-    target = tiny_target(family).cuda()
+@pytest.mark.parametrize("graphs", [True, False])
+def test_greedy_requests_equal_plain_greedy_on_the_gpu(family, max_tokens, graphs):
+    target = (tiny_target(family) if family != "qwen3_5_text" else family_target(family, seed=3)).cuda()
     drafter = tiny_drafter(target).cuda()
-    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=3, max_tokens=max_tokens)
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=3, max_tokens=max_tokens,
+                                              static_shapes=graphs)
     arrivals, cancels, expected = {}, {}, {}
     for i, plan in enumerate(FIXED_PLANS):
         prompt = random_prompt(plan["prompt_length"], seed=plan["seed"])[0].tolist()
@@ -54,8 +58,8 @@ def test_greedy_requests_equal_plain_greedy_on_the_gpu(family, max_tokens):
             assert output.generated_tokens == reference[: len(output.generated_tokens)], request_id
         if request_id not in cancelled:
             assert outputs[request_id][-1].generated_tokens == reference, request_id
-    assert manager.engine.anchor_ids.is_cuda and manager.engine.target_pool.key_pools[0].is_cuda
-    assert manager.engine.row_steps > 0
+    assert manager.engine.anchor_ids.is_cuda and manager.engine.row_steps > 0
+    assert bool(manager.engine.graphs) == graphs  # shapes seen twice were recorded and replayed
     usage = manager.engine.pool_usage()
     assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0
 
@@ -69,6 +73,9 @@ def test_a_seeded_sampled_run_repeats_on_the_gpu():
     runs = []
     for _ in range(2):
         torch.manual_seed(3)
-        runs.append({key: out.generated_tokens for key, out in target.generate_batch(
-            prompts, generation_config=sampled, assistant_model=drafter).items()})
+        manager = DFlashContinuousBatchingManager(target, drafter, sampled, max_batch_size=4)
+        arrivals = {0: [dict(input_ids=prompt, request_id=f"r{i}") for i, prompt in enumerate(prompts)]}
+        outputs, _, _ = run_schedule(manager, arrivals, {})
+        runs.append({key: got[-1].generated_tokens for key, got in outputs.items()})
+        assert manager.engine.graphs  # the sampled steps were graph-replayed
     assert runs[0] == runs[1] and all(len(tokens) == 24 for tokens in runs[0].values())

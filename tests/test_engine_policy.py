@@ -268,6 +268,10 @@ def test_the_option_defaults_to_on_on_a_cpu_and_passes_through_the_entry_points(
     assert DFlashEngine(target, drafter, max_batch_size=2, adaptive=False).policy is None
     with pytest.raises(ValueError, match="adaptive must be True, False, None"):
         DFlashEngine(target, drafter, adaptive="yes")
+    # static shapes (CUDA graphs) replay whole steps: the policy, which chooses widths mid-step, is off with them
+    assert DFlashEngine(target, drafter, max_batch_size=2, static_shapes=True).policy is None
+    with pytest.raises(ValueError, match="exclude each other"):
+        DFlashEngine(target, drafter, static_shapes=True, adaptive=True)
     policy = make_policy("plain")
     manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter,
                                               dflash_adaptive=policy)

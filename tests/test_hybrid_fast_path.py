@@ -102,13 +102,16 @@ def test_finished_rows_leave_the_batch(family):
 
 @torch.no_grad()
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
-def test_commit_leaves_the_states_of_plain_decoding(family):
-    """After a verify of B rows and `commit(taken)`, each sequence's conv and recurrent states are those transformers'
-    own cache holds after plain decoding of the prompt and the first taken rows (0, 1, B - 1 and B here). The
-    tolerance covers a chunked forward against token-by-token decoding at this weight scale (about 3e-5); a state off
-    by one row differs by orders of magnitude more."""
+@pytest.mark.parametrize("block, taken", [(5, [0, 1, 4, 5]), (1, [0, 1])])
+def test_commit_leaves_the_states_of_plain_decoding(family, block, taken):
+    """After a verify of `block` rows and `commit(taken)`, each sequence's conv and recurrent states are those
+    transformers' own cache holds after plain decoding of the prompt and the first taken rows (0, 1, B - 1 and B
+    here). A one-row verify (a step that verifies the target's own token only) runs the layers' one-token paths, the
+    recurrent rule and the conv's in-place update, which the cache turns into its deferred window. The tolerance
+    covers a chunked forward against token-by-token decoding at this weight scale (about 3e-5); a state off by one row
+    differs by orders of magnitude more."""
     target = family_target(family, seed=7, **SCALE)
-    block, prompt_len, taken = 5, 6, torch.tensor([0, 1, 4, 5])
+    prompt_len, taken = 6, torch.tensor(taken)
     batch = len(taken)
     ids = random_prompt(prompt_len + block, seed=7, batch=batch)
     text = target.config.get_text_config()

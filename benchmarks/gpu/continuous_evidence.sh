@@ -10,6 +10,8 @@
 #       HumanEval prompts, all at once: transformers' manager with and without the drafter, and our fixed batches
 #   call 4, carry .stage/prompts:          bash benchmarks/gpu/continuous_evidence.sh chat
 #       the same on 32 held-out chat turns
+#   any call:                              bash benchmarks/gpu/continuous_evidence.sh graphs
+#       the engine's GPU checks, then its step eager and graph-replayed (benchmarks/gpu/engine_graphs.py)
 set -u
 source benchmarks/gpu/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -20,12 +22,16 @@ needs_smollm2() {
     if [ -z "${HF_DFLASH_SMOLLM2_GGUF:-}" ]; then echo "no SmolLM2 GGUF here yet: carry .stage/a, b, c"; exit 1; fi
     if [ ! -f .stage/prompts/heldout32.jsonl.gz ]; then echo "no prompts: carry .stage/prompts"; exit 1; fi
 }
-case "${1:?checks, env, humaneval or chat}" in
+case "${1:?checks, env, humaneval, chat or graphs}" in
 checks)
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_fast_path_gpu.py 2>&1 \
         | tail -n 15
     ;;
 env)
+    ;;
+graphs)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -n 8
+    timeout 150 python3 benchmarks/gpu/engine_graphs.py --out "$OUT/engine_graphs_gpu.json" 2>&1 | grep '^{'
     ;;
 humaneval)
     needs_smollm2
@@ -38,6 +44,6 @@ chat)
         --out "$OUT/smollm2_continuous_chat_gpu.json" 2>&1 | tail -n 30
     ;;
 *)
-    echo "unknown part: $1 (checks, env, humaneval or chat)"; exit 2
+    echo "unknown part: $1 (checks, env, humaneval, chat or graphs)"; exit 2
     ;;
 esac
