@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct's shape with random weights (bfloat16) and the shipped drafter: n requests of 128 prompt tokens
 are admitted, then each mode runs warm-up steps and `--steps` timed ones (the device synchronized around them).
 Random weights accept almost no drafts, so every step verifies a whole block for every request, which is what a step
-costs. Writes a JSON report to `--out`. `python3 benchmarks/gpu/engine_graphs.py --out $OUT/engine_graphs.json`
+costs. Writes a JSON report to `--out` and its plot beside it (.png). `python3 benchmarks/gpu/engine_graphs.py --out $OUT/engine_graphs.json`
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from hf_dflash.bench.harness import synchronize
+from hf_dflash.bench.harness import grouped_bars, pyplot, synchronize
 from hf_dflash.generate_cli import DEFAULT_DRAFTER
 from hf_dflash.modeling import DFlashDraftModel
 from hf_dflash.modeling.dflash_engine import DFlashEngine
@@ -72,6 +72,21 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
+    plot(report, args.out.removesuffix(".json") + ".png")
+
+
+def plot(report: dict, path: str) -> None:
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    rows = report["rows"]
+    grouped_bars(axis, [str(row["requests"]) for row in rows], {
+        "eager": [row["eager_ms_per_step"] for row in rows],
+        "CUDA graphs": [row["graphs_ms_per_step"] for row in rows],
+    }, "ms per step")
+    axis.set_xlabel("running requests")
+    axis.set_title(f"Engine step, SmolLM2 shape (bf16, random weights), {report['machine']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
