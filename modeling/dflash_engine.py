@@ -172,8 +172,8 @@ class DFlashEngine(DFlashStep):
         context = min(limit for limit in limits if limit)
         self.max_sequence_length = min(max_sequence_length or context, context)
         block = drafter.config.block_size
-        if max_tokens is None:
-            max_tokens = max_batch_size * (min(self.max_sequence_length, 2048) + block)
+        if max_tokens is None:  # whole pages per sequence: each reserves its own
+            max_tokens = max_batch_size * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         device = drafter.fc.weight.device
         self.static_shapes = device.type == "cuda" if static_shapes is None else static_shapes
