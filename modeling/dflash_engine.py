@@ -206,9 +206,9 @@ class DFlashEngine(DFlashStep):
         context = min(limit for limit in limits if limit)
         self.max_sequence_length = min(max_sequence_length or context, context)
         block = drafter.config.block_size
-        if max_tokens is None:
+        if max_tokens is None:  # whole pages per sequence: each reserves its own
             sequences = min(max_batch_size, DEFAULT_MEMORY_SEQUENCES)
-            max_tokens = sequences * (min(self.max_sequence_length, 2048) + block)
+            max_tokens = sequences * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         device = drafter.fc.weight.device
         if static_shapes is None:

@@ -305,3 +305,15 @@ def test_dflash2_parts_times_each_part_of_both_drafters(tmp_path):
     assert set(parts["convolutions"]) == {"DFlash2"}  # DFlash has none
     for part in ("layers", "lm_head", "propose"):
         assert set(parts[part]) == {"DFlash", "DFlash2"} and all(v[0] > 0 for v in parts[part].values())
+
+
+def test_engine_step_times_the_eager_and_the_static_step(tmp_path, capsys):
+    report = run_scenario("engine-step", tmp_path, "--shape", "tiny", "--requests", "1", "3", "--steps", "2",
+                          "--warmup", "2", "--prompt-tokens", "9")
+    assert [row["requests"] for row in report["rows"]] == [1, 3]
+    for row in report["rows"]:
+        assert row["eager_ms_per_step"] > 0 and row["static_ms_per_step"] > 0
+        assert row["static_graphs"] == 0  # a CPU runs the padded step eagerly
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "engine-step", "--warmup", "1", "--out", str(tmp_path / "bad.json")])
+    assert refused.value.code == 2 and "--warmup must be at least 2" in capsys.readouterr().err

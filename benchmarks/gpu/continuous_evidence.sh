@@ -11,7 +11,7 @@
 #   call 4, carry .stage/prompts:          bash benchmarks/gpu/continuous_evidence.sh chat
 #       the same on 32 held-out chat turns
 #   any call:                              bash benchmarks/gpu/continuous_evidence.sh graphs
-#       the engine's GPU checks, then its step eager and graph-replayed (benchmarks/gpu/engine_graphs.py)
+#       the engine's GPU checks, then its step eager and graph-replayed (`hf-dflash bench engine-step`)
 set -u
 source benchmarks/gpu/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -31,7 +31,7 @@ env)
     ;;
 graphs)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -n 8
-    timeout 150 python3 benchmarks/gpu/engine_graphs.py --out "$OUT/engine_graphs_gpu.json" 2>&1 | grep '^{'
+    timeout 150 python3 -m hf_dflash.cli bench engine-step --out "$OUT/engine_step_gpu.json" 2>&1 | grep requests
     ;;
 humaneval)
     needs_smollm2

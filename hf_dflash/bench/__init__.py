@@ -43,6 +43,7 @@ SCENARIOS = {
     "closeness": "hf_dflash.bench.closeness",
     "soak": "hf_dflash.bench.soak",
     "continuous": "hf_dflash.bench.continuous",
+    "engine-step": "hf_dflash.bench.engine_step",
     "dflash2-parts": "hf_dflash.bench.dflash2_parts",
     "training-throughput": "hf_dflash.bench.training_throughput",
     "training-curves": "hf_dflash.bench.training_curves",

@@ -1,0 +1,139 @@
+"""The continuous-batching engine's step, eager and at static shapes (recorded as CUDA graphs on a GPU), side by side.
+
+For each `--requests` count, two engines (modeling/dflash_engine.py) over the same target and drafter admit that
+many requests of `--prompt-tokens` random prompt tokens and run `--warmup` steps, then `--steps` timed ones (the
+device synchronized around them):
+- `eager`: every step at the running batch's own shape, op by op;
+- `static`: every step padded to its bucketed shape (rows and span rounded up to powers of two), which a GPU runs
+  once, then records as a CUDA graph and replays; on a CPU the padded step runs eagerly, which shows what the padding
+  costs there.
+`--shape smollm2` (the default) is SmolLM2-135M-Instruct's shape with random weights and the shipped drafter; `tiny`
+a small Llama and a random drafter for it (for checks). Random weights accept almost no drafts, so every step
+verifies a whole block for every request: the figure is what a step costs, not how many tokens it commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from . import harness
+
+# target shapes: Llama configurations with random weights
+SHAPES = {
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    tie_word_embeddings=True),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024),
+}
+MODES = {"eager": False, "static": True}  # mode -> the engine's static_shapes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=list(SHAPES), default="smollm2",
+                        help="smollm2 (default: its shape, random weights, the shipped drafter) or tiny")
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16], help="running requests, one row each")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per mode and request count")
+    parser.add_argument("--warmup", type=int, default=8,
+                        help="untimed steps first (a static shape runs once, then is recorded, before timing)")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="auto (default): bf16 on a GPU, fp32 on a CPU")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+
+
+def check(args: argparse.Namespace) -> None:
+    from ..cli_checks import at_least, check_device
+
+    for value in args.requests:
+        at_least("--requests", value, 1)
+    for option in ("prompt_tokens", "steps"):
+        at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
+    at_least("--warmup", args.warmup, 2, " (a static shape is seen twice before it replays)")
+    check_device("--device", args.device)
+
+
+def models(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..generate_cli import DEFAULT_DRAFTER
+    from ..modeling import DFlashConfig, DFlashDraftModel
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape])).to(device, dtype).eval()
+    if args.shape == "smollm2":
+        drafter = DFlashDraftModel.from_pretrained(DEFAULT_DRAFTER, dtype=dtype)
+    else:
+        drafter = DFlashDraftModel(DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=8,
+                                                           mask_token_id=SHAPES["tiny"]["vocab_size"] - 1))
+    return target, drafter.to(device, dtype).eval()
+
+
+@torch.no_grad()
+def seconds_per_step(engine: object, args: argparse.Namespace, requests: int, vocab: int) -> float:
+    from transformers import GenerationConfig
+
+    from ..modeling.dflash_row_sampling import SamplingSettings
+
+    greedy = SamplingSettings.from_config(GenerationConfig(do_sample=False))
+    generator = torch.Generator().manual_seed(0)
+    for key in range(requests):
+        prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=generator).tolist()
+        engine.admit(key, prompt, args.warmup + args.steps + 1, greedy)
+    for _ in range(args.warmup):
+        engine.run_step()
+    device = engine.anchor_ids.device
+    harness.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.run_step()
+    harness.synchronize(device)
+    return (time.perf_counter() - start) / args.steps
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..modeling.dflash_engine import DFlashEngine
+
+    device = args.device or harness.default_device()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    target, drafter = models(args, device, dtype)
+    report = harness.header(args, device)
+    rows = []
+    for requests in args.requests:
+        row = {"requests": requests}
+        for mode, static in MODES.items():
+            engine = DFlashEngine(target, drafter, max_batch_size=max(args.requests),
+                                  max_sequence_length=args.prompt_tokens + args.warmup + args.steps + 1,
+                                  static_shapes=static)
+            row[f"{mode}_ms_per_step"] = 1000 * seconds_per_step(engine, args, requests, target.config.vocab_size)
+            row[f"{mode}_graphs"] = len(engine.graphs)
+        row["eager_over_static"] = row["eager_ms_per_step"] / row["static_ms_per_step"]
+        print(f"{requests:>3} requests: eager {row['eager_ms_per_step']:.2f} ms, static "
+              f"{row['static_ms_per_step']:.2f} ms per step ({row['static_graphs']} CUDA graphs), eager / static "
+              f"{row['eager_over_static']:.2f}x", flush=True)
+        rows.append(row)
+    report.update(shape=args.shape, dtype=str(dtype).removeprefix("torch."), prompt_tokens=args.prompt_tokens,
+                  statistic=f"mean of {args.steps} steps after {args.warmup} warm-up steps", rows=rows)
+    harness.write_report(args.out, report, plot)
+    return 0
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = harness.pyplot()
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    rows = report["rows"]
+    graphs = any(row["static_graphs"] for row in rows)
+    harness.grouped_bars(axis, [str(row["requests"]) for row in rows], {
+        "eager": [row["eager_ms_per_step"] for row in rows],
+        "CUDA graphs" if graphs else "static shapes, eager": [row["static_ms_per_step"] for row in rows],
+    }, "ms per step")
+    axis.set_xlabel("running requests")
+    axis.set_title(f"engine step, {report['shape']} shape ({report['dtype']}), {report['machine']} "
+                   f"({report['date'][:10]})", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
