@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -158,6 +159,25 @@ request_plans = st.lists(
 )
 
 
+def schedule(plans: list[dict], reference: Callable[[list[int], int], list[int]]) -> tuple[dict, dict, dict, dict]:
+    """The requests of `plans` as turns of arrivals and cancellations, and per request id the tokens it must get
+    (its `reference` greedy answer, cut at its eos) and its prompt followed by its whole reference answer."""
+    arrivals, cancels, expected, full = {}, {}, {}, {}
+    for i, plan in enumerate(plans):
+        prompt = random_prompt(plan["prompt_length"], seed=plan["seed"])[0].tolist()
+        answer = reference(prompt, plan["max_new_tokens"])
+        full[f"r{i}"] = prompt + answer
+        eos = answer[plan["eos_at"]] if plan["eos_at"] is not None and plan["eos_at"] < len(answer) else None
+        expected[f"r{i}"] = answer[: answer.index(eos) + 1] if eos is not None else answer
+        arrivals.setdefault(plan["arrival"], []).append(dict(
+            input_ids=prompt, request_id=f"r{i}", max_new_tokens=plan["max_new_tokens"], streaming=True,
+            eos_token_id=-1 if eos is None else eos,
+        ))
+        if plan["cancel_after"] is not None:
+            cancels.setdefault(plan["arrival"] + plan["cancel_after"], []).append(f"r{i}")
+    return arrivals, cancels, expected, full
+
+
 def check_schedule(family: str, plans: list[dict], max_batch_size: int, small_pool: bool,
                    wrong_every: int | None = None, static_shapes: bool = False) -> DFlashEngine:
     """Run the schedule of `plans` and check every request against its own plain greedy generate; with
@@ -166,19 +186,7 @@ def check_schedule(family: str, plans: list[dict], max_batch_size: int, small_po
     target, drafter = pair(family)
     manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=max_batch_size,
                                               max_tokens=128 if small_pool else None, static_shapes=static_shapes)
-    arrivals, cancels, expected, full = {}, {}, {}, {}
-    for i, plan in enumerate(plans):
-        prompt = random_prompt(plan["prompt_length"], seed=plan["seed"])[0].tolist()
-        reference = plain_greedy(target, prompt, plan["max_new_tokens"])
-        full[f"r{i}"] = prompt + reference
-        eos = reference[plan["eos_at"]] if plan["eos_at"] is not None and plan["eos_at"] < len(reference) else None
-        expected[f"r{i}"] = reference[: reference.index(eos) + 1] if eos is not None else reference
-        arrivals.setdefault(plan["arrival"], []).append(dict(
-            input_ids=prompt, request_id=f"r{i}", max_new_tokens=plan["max_new_tokens"], streaming=True,
-            eos_token_id=-1 if eos is None else eos,
-        ))
-        if plan["cancel_after"] is not None:
-            cancels.setdefault(plan["arrival"] + plan["cancel_after"], []).append(f"r{i}")
+    arrivals, cancels, expected, full = schedule(plans, lambda prompt, new: plain_greedy(target, prompt, new))
     with oracle_drafts(full, wrong_every) if wrong_every else contextlib.nullcontext():
         outputs, scheduler, _ = run_schedule(manager, arrivals, cancels)
     cancelled = {request_id for ids in cancels.values() for request_id in ids}

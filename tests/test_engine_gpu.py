@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_families import family_target
-from tests.test_continuous_batching import FIXED_PLANS, GREEDY, run_schedule
+from tests.test_continuous_batching import FIXED_PLANS, GREEDY, run_schedule, schedule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine on CUDA needs a GPU")
 
@@ -38,18 +38,7 @@ def test_greedy_requests_equal_plain_greedy_on_the_gpu(family, max_tokens, graph
     drafter = tiny_drafter(target).cuda()
     manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=3, max_tokens=max_tokens,
                                               static_shapes=graphs)
-    arrivals, cancels, expected = {}, {}, {}
-    for i, plan in enumerate(FIXED_PLANS):
-        prompt = random_prompt(plan["prompt_length"], seed=plan["seed"])[0].tolist()
-        reference = plain_greedy(target, prompt, plan["max_new_tokens"])
-        eos = reference[plan["eos_at"]] if plan["eos_at"] is not None else None
-        expected[f"r{i}"] = reference[: reference.index(eos) + 1] if eos is not None else reference
-        arrivals.setdefault(plan["arrival"], []).append(dict(
-            input_ids=prompt, request_id=f"r{i}", max_new_tokens=plan["max_new_tokens"], streaming=True,
-            eos_token_id=-1 if eos is None else eos,
-        ))
-        if plan["cancel_after"] is not None:
-            cancels.setdefault(plan["arrival"] + plan["cancel_after"], []).append(f"r{i}")
+    arrivals, cancels, expected, _ = schedule(FIXED_PLANS, lambda prompt, new: plain_greedy(target, prompt, new))
     outputs, scheduler, _ = run_schedule(manager, arrivals, cancels)
     cancelled = {request_id for ids in cancels.values() for request_id in ids}
     for request_id, reference in expected.items():
