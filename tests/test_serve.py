@@ -231,7 +231,7 @@ def test_a_sampled_request_with_a_tiny_top_p_is_greedy(server, reference):
 
 
 def chi_square_upper(degrees: int, z: float = 3.09) -> float:
-    """The chi-square quantile at 1 - 0.001 (z = 3.09), by Wilson and Hilferty's approximation."""
+    """The chi-square quantile at 1 - 0.001 (z = 3.09; 3.72 for 1 - 0.0001), by Wilson and Hilferty's approximation."""
     return degrees * (1 - 2 / (9 * degrees) + z * math.sqrt(2 / (9 * degrees))) ** 3
 
 
@@ -273,8 +273,11 @@ def test_sampled_first_tokens_follow_each_requests_temperature(server, reference
     answers = [text for text, _, _ in run(server, sample_all)]
     cold, hot = Counter(answers[:samples]), Counter(answers[samples:])
     for counts, own, other in ((cold, 0.5, 1.5), (hot, 1.5, 0.5)):
+        # At p = 0.001 a right temperature fails by chance one run in a thousand, per fit; that happened once in CI
+        # (transformers' own manager, 21.05 against 20.75). The fit to its own temperature is judged at p = 0.0001,
+        # the misfit to the other at p = 0.001 (a wrong temperature lands far beyond either).
         statistic, degrees = chi_square(counts, distribution(own), samples)
-        assert statistic < chi_square_upper(degrees), (own, counts)
+        assert statistic < chi_square_upper(degrees, z=3.72), (own, counts)
         statistic, degrees = chi_square(counts, distribution(other), samples)
         assert statistic > chi_square_upper(degrees), (own, "fits the other temperature too", counts)
 
