@@ -55,6 +55,7 @@ from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument
+from .dflash_fast_path import bucket_size
 from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
@@ -426,11 +427,11 @@ class DFlashEngine(DFlashStep):
             self._idle(last)
 
     def _idle(self, row: int) -> None:
-        """Make `row` safe to run idle in a padded step: its pages the scratch page, its positions 0, inactive (its
-        anchor never moves, and it commits nothing)."""
+        """Make an inactive `row` (its `active` 0: its anchor never moves, it commits nothing) safe to run idle in a
+        padded step: its pages the scratch page, its positions 0."""
         self.target_tables[row] = self.scratch[0]
         self.drafter_tables[row] = self.scratch[1]
-        for buffer in (self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length, self.active):
+        for buffer in (self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length):
             buffer[row] = 0
 
     def _give_back(self, sequence: EngineSequence) -> None:
@@ -478,7 +479,7 @@ class DFlashEngine(DFlashStep):
 
     def _static_shape(self, n: int, span: int) -> tuple[int, int]:
         """The bucketed (rows, span) a padded step runs at: powers of two, within the rows and the block tables."""
-        rows = min(self.max_batch_size, 1 << max(n - 1, 0).bit_length())
+        rows = bucket_size(n, self.max_batch_size)
         buckets = 1 << max(-(-span // SPAN_BUCKET) - 1, 0).bit_length()
         return rows, min(buckets * SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
 
