@@ -113,6 +113,16 @@ def test_no_adaptive_verifies_every_step_at_the_full_block_and_rows_are_set(opti
     assert engine["policy"] is False and list(engine["width_steps"]) == ["4"] and engine["rows"] == 2
 
 
+def test_cb_cuda_graphs_reaches_the_drafters_manager(options, tmp_path):
+    # on a CPU "on" runs the engine's padded static-shape step eagerly (no graph): the option reached the engine
+    report = run_continuous(tmp_path, *options, "--requests", "2", "--concurrency", "2", "--max-new-tokens", "6",
+                            "--arms", "cb-drafter", "--no-adaptive", "--cb-cuda-graphs", "on")
+    (run,) = report["runs"]
+    assert run["completed"] == 2 and run["identical_to_plain"]["identical"] == 2
+    assert run["engine"]["static_shapes"] is True and run["engine"]["cuda_graphs"] is False
+    assert "--cb-cuda-graphs on" in report["command"]
+
+
 def test_a_poisson_arrival_and_one_arm(options, tmp_path):
     report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "2", "--max-new-tokens", "4",
                             "--rate", "20", "--seed", "1", "--arms", "cb")

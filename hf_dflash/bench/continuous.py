@@ -32,7 +32,9 @@ manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (d
 CPU), and the report adds its engine's rows and what it did over the run: steps per verified width (1: plain steps,
 no drafting), the plain steps' fraction, the mean width and tau (tokens committed per sequence and step).
 `--cb-max-requests` sets both managers' `max_requests_per_batch` (default: each its own: transformers' holds as many
-as its step's tokens allow, ours `DEFAULT_MAX_BATCH_SIZE` rows).
+as its step's tokens allow, ours `DEFAULT_MAX_BATCH_SIZE` rows), and `--cb-cuda-graphs on|off` both managers'
+`use_cuda_graph` (default: each its own: transformers' records graphs where its attention needs no mask, so not for
+SDPA; ours wherever it runs on a GPU without the verify policy).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def continuous_run(
     cb_config = ContinuousBatchingConfig(max_batch_tokens=args.cb_max_batch_tokens)
     if args.cb_max_requests is not None:
         cb_config.max_requests_per_batch = args.cb_max_requests
+    if args.cb_cuda_graphs is not None:
+        cb_config.use_cuda_graph = args.cb_cuda_graphs == "on"
     page_size = getattr(cb_config, "page_size", None) or cb_config.block_size  # named page_size from 5.25
     cb_config.num_blocks = args.cb_num_blocks or cache_pages(concurrency, request_tokens, page_size)
     extra = {} if drafter is None else {"assistant_model": drafter, "dflash_adaptive": args.adaptive}
@@ -131,7 +135,8 @@ def continuous_run(
         manager.stop(block=True, hard_stop=True)
     if engine is None:
         return None
-    return {"rows": engine.max_batch_size, **engine_steps(before, engine_totals(engine), engine.policy is not None)}
+    return {"rows": engine.max_batch_size, "static_shapes": engine.static_shapes, "cuda_graphs": engine.use_graphs,
+            **engine_steps(before, engine_totals(engine), engine.policy is not None)}
 
 
 def engine_totals(engine: Any) -> tuple[Counter, int, int]:
@@ -468,6 +473,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cb-max-requests", type=int, default=None,
                         help="the most requests one continuous-batching step holds (max_requests_per_batch; default: "
                         "each manager's own)")
+    parser.add_argument("--cb-cuda-graphs", choices=["on", "off"], default=None,
+                        help="both managers' use_cuda_graph (default: each manager's own choice)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                         help="the drafter's engine's verify policy (default: the engine's own, on on a CPU)")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
