@@ -454,21 +454,34 @@ class DFlashContinuousBatchingManager:
                 self._unclaimed.pop(request_id, None)
 
     def _admit(self, scheduler: DFlashScheduler) -> None:
-        """Admit waiting requests in arrival order while the engine has room for the first of them."""
+        """Admit waiting requests in arrival order while the engine has room for the first of them: those whose
+        prompts come to at most the engine's `prefill_chunk` tokens together, prefilled in one forward
+        (`DFlashEngine.admit_many`)."""
         while scheduler.waiting_requests:
-            request = next(iter(scheduler.waiting_requests.values()))
-            if not self.engine.fits_now(len(request.prompt), request.max_new_tokens):
+            batch, ahead = [], []
+            for request in scheduler.waiting_requests.values():
+                length = len(request.prompt)
+                if ahead and sum(n for n, _ in ahead) + length > self.engine.prefill_chunk:
+                    break
+                if not self.engine.fits_now(length, request.max_new_tokens, ahead):
+                    break
+                batch.append(request)
+                ahead.append((length, request.max_new_tokens))
+            if not batch:
                 return
-            del scheduler.waiting_requests[request.request_id]
-            request.status, request.started_time = RequestStatus.PREFILLING, time.perf_counter()
-            try:
-                first = self.engine.admit(request.request_id, request.prompt, request.max_new_tokens, request.sampling)
-            except Exception as error:  # this request's prefill failed: it alone fails
-                self._fail(request, error)
-                continue
-            request.status = RequestStatus.DECODING
-            scheduler.active_requests[request.request_id] = request
-            self._commit(scheduler, request, [first])
+            for request in batch:
+                del scheduler.waiting_requests[request.request_id]
+                request.status, request.started_time = RequestStatus.PREFILLING, time.perf_counter()
+            outcomes = self.engine.admit_many(
+                [(request.request_id, request.prompt, request.max_new_tokens, request.sampling) for request in batch]
+            )
+            for request, outcome in zip(batch, outcomes):
+                if isinstance(outcome, Exception):  # this request's prefill failed: it alone fails
+                    self._fail(request, outcome)
+                    continue
+                request.status = RequestStatus.DECODING
+                scheduler.active_requests[request.request_id] = request
+                self._commit(scheduler, request, [outcome])
 
     def _step(self, scheduler: DFlashScheduler) -> None:
         try:

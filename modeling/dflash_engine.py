@@ -3,7 +3,7 @@
 The engine holds up to `max_batch_size` sequences in rows 0..n-1 and advances them together with the verify step of
 dflash_step.py (the fast path's step: per-row anchors, the same masks, the same acceptance). A sequence is admitted at
 any step (`admit`: its prompt prefilled, in chunks of `prefill_chunk` positions, into rows nobody else reads, its
-first token chosen) and retired at any step (`retire`: its pages go back, the last row moves into its place, so the
+first token chosen; `admit_many`: several short prompts packed into one forward) and retired at any step (`retire`: its pages go back, the last row moves into its place, so the
 running rows stay first and a step never computes for an empty row).
 
 It serves the targets the fast path serves (full and sliding-window attention, MoE), hybrid ones included: Qwen3-Next
@@ -100,30 +100,32 @@ class EngineSequence:
 class PagedTargetCache:
     """The target's keys/values of rows 0..n-1, in a page pool they share. `write_slots` (n, q) are the positions
     of the forward in flight (set before it); `update` stores its keys/values (n, g, q, d) there through the block
-    tables (n, pages) and returns each row's positions 0..span-1 (n, g, span, d)."""
+    tables (n, pages) and returns the pages `read_pages` (n, P) of each row, positions 0..P * PAGE_SIZE - 1
+    (n, g, P * PAGE_SIZE, d). A packed prefill (`DFlashEngine.admit_many`) sets `pool_slots` instead: the flat pool
+    slots of its queries, which belong to several sequences."""
 
-    def __init__(self, pool: PagedDrafterCache, block_tables: torch.Tensor, span: int):
+    def __init__(self, pool: PagedDrafterCache, block_tables: torch.Tensor | None, read_pages: torch.Tensor):
         self.pool = pool
         self.block_tables = block_tables
-        positions = torch.arange(span, device=block_tables.device).expand(block_tables.shape[0], span)
-        self.read_slots = page_slots(block_tables, positions)  # (n, span)
-        self.write_slots = None
+        self.read_pages = read_pages
+        self._write_positions: torch.Tensor | None = None
+        self.pool_slots: torch.Tensor | None = None
 
     @property
     def write_slots(self) -> torch.Tensor | None:
         return self._write_positions
 
     @write_slots.setter
-    def write_slots(self, positions: torch.Tensor | None) -> None:
+    def write_slots(self, positions: torch.Tensor) -> None:
         # the forward's positions become pool slots once here, not once per layer in `update`
         self._write_positions = positions
-        self._write_pool_slots = None if positions is None else page_slots(self.block_tables, positions)
+        self.pool_slots = page_slots(self.block_tables, positions)
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.pool.write_rows(layer_idx, self._write_pool_slots, key, value)
-        return self.pool.read(layer_idx, self.read_slots)
+        self.pool.write_rows(layer_idx, self.pool_slots, key, value)
+        return self.pool.read_pages(layer_idx, self.read_pages)
 
 
 class PagedHybridCache(LinearStates, PagedTargetCache):
@@ -140,7 +142,7 @@ class PagedHybridCache(LinearStates, PagedTargetCache):
         recurrent: dict[int, torch.Tensor],
         linear_layers: list[torch.nn.Module],
     ):
-        super().__init__(pool, block_tables, span)
+        super().__init__(pool, block_tables, block_tables[:, : span // PAGE_SIZE])
         self.bind_linear_states(conv, recurrent, linear_layers, len(pool.key_pools))
 
 
@@ -308,10 +310,11 @@ class DFlashEngine(DFlashStep):
                 f"engine's whole memory ({self.max_tokens} tokens per model); raise max_tokens or ask for fewer tokens"
             )
 
-    def fits_now(self, prompt_length: int, max_new_tokens: int) -> bool:
-        """Whether a free row and the request's pages are there now."""
-        pages = self.pages_for(prompt_length, max_new_tokens)
-        return len(self.sequences) < self.max_batch_size and pages <= min(
+    def fits_now(self, prompt_length: int, max_new_tokens: int, ahead: list[tuple[int, int]] = ()) -> bool:
+        """Whether a free row and the request's pages are there now, after the requests `ahead` of it (their
+        (prompt length, max_new_tokens)), which `admit_many` would admit with it, took theirs."""
+        pages = sum(self.pages_for(*request) for request in [*ahead, (prompt_length, max_new_tokens)])
+        return len(self.sequences) + len(ahead) < self.max_batch_size and pages <= min(
             len(self.target_pool.free_pages), len(self.drafter_pool.free_pages)
         )
 
@@ -337,30 +340,82 @@ class DFlashEngine(DFlashStep):
         self.check_request(len(prompt), max_new_tokens)
         if not self.fits_now(len(prompt), max_new_tokens):
             raise RuntimeError("admit called without room (check fits_now first); this is a bug: please report it")
-        row, length, device = len(self.sequences), len(prompt), self.anchor_ids.device
+        row = len(self.sequences)
+        sequence = self._place(row, key, prompt, max_new_tokens, sampling)
+        try:
+            with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+                first = self._prefill(row, torch.tensor([prompt], device=self.anchor_ids.device), sampling)
+        except BaseException:
+            self._give_back(sequence)
+            raise
+        self._start(row, sequence, first)
+        return int(first)
+
+    @torch.no_grad()
+    def admit_many(
+        self, requests: list[tuple[Hashable, list[int], int, SamplingSettings]]
+    ) -> list[int | Exception]:
+        """`admit` for several requests (key, prompt, max_new_tokens, sampling), in that order: per request its first
+        token, or the exception that kept it out (the others are admitted all the same). The caller checked that they
+        fit together (`fits_now` with the ones before each as `ahead`).
+
+        Where their prompts come to at most `prefill_chunk` tokens, they are prefilled in one target forward, packed
+        end to end into one sequence whose tokens see their own prompt only: one forward instead of one per request,
+        as transformers' manager packs its prefills. A hybrid target's linear-attention layers cannot tell packed
+        prompts apart, and a longer total is chunked per prompt: those requests, and any whose packed forward
+        raised, are admitted one at a time (so a fault stays with its request)."""
+        if len(requests) < 2 or self.hybrid or sum(len(prompt) for _, prompt, _, _ in requests) > self.prefill_chunk:
+            return [self._admit_or_error(*request) for request in requests]
+        first_row = len(self.sequences)
+        placed = []
+        try:
+            for _, prompt, max_new_tokens, _ in requests:
+                self.check_request(len(prompt), max_new_tokens)
+            for row, request in enumerate(requests, first_row):
+                placed.append(self._place(row, *request))
+            with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+                prompts = [prompt for _, prompt, _, _ in requests]
+                firsts = self._prefill_packed(first_row, prompts, any(not sampling.greedy for *_, sampling in requests))
+        except BaseException as error:
+            for sequence in placed:
+                self._give_back(sequence)
+            if not isinstance(error, Exception):
+                raise
+            return [self._admit_or_error(*request) for request in requests]
+        for row, (sequence, first) in enumerate(zip(placed, firsts), first_row):
+            self._start(row, sequence, first)
+        return firsts.tolist()
+
+    def _admit_or_error(self, *request: object) -> int | Exception:
+        try:
+            return self.admit(*request)
+        except Exception as error:
+            return error
+
+    def _place(
+        self, row: int, key: Hashable, prompt: list[int], max_new_tokens: int, sampling: SamplingSettings
+    ) -> EngineSequence:
+        """Take a request's pages and point `row`'s block tables and sampling settings at them (not yet running)."""
+        length = len(prompt)
         pages = self.pages_for(length, max_new_tokens)
         sequence = EngineSequence(
             key, length, length + max_new_tokens, sampling, self.target_pool.take(pages), self.drafter_pool.take(pages)
         )
-        try:
-            tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
-            for table, taken in tables:
-                table[row].zero_()
-                table[row, :pages] = torch.tensor(taken, device=device)
-            self._set_sampling(row, sampling)
-            with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
-                first = self._prefill(row, torch.tensor([prompt], device=device), sampling)
-        except BaseException:
-            self._give_back(sequence)
-            raise
+        for table, taken in ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages)):
+            table[row].zero_()
+            table[row, :pages] = torch.tensor(taken, device=self.anchor_ids.device)
+        self._set_sampling(row, sampling)
+        return sequence
+
+    def _start(self, row: int, sequence: EngineSequence, first: torch.Tensor) -> None:
+        """A prefilled row runs from the next step on, its first token the anchor."""
         self.anchor_ids[row, 0] = first
         self.active[row] = 1
-        self.anchor_pos[row] = self.prev_pos[row] = length  # the first step has no verify rows to store
-        self.max_length[row] = length + max_new_tokens
+        self.anchor_pos[row] = self.prev_pos[row] = sequence.position  # the first step has no verify rows to store
+        self.max_length[row] = sequence.max_length
         self.sequences.append(sequence)
         if self.policy is not None:
-            self.policy.add(key)
-        return int(first)
+            self.policy.add(sequence.key)
 
     def _set_sampling(self, row: int, sampling: SamplingSettings) -> None:
         sampled = not sampling.greedy
@@ -410,6 +465,46 @@ class DFlashEngine(DFlashStep):
         self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
         return logits
 
+    def _prefill_packed(self, first_row: int, prompts: list[list[int]], sampled: bool) -> torch.Tensor:
+        """The prompts of rows first_row.. in one target forward (1, T), T their total length: each prompt's keys and
+        values go to its own row's pages, each token reads back its own prompt's pages only (a block-diagonal causal
+        mask), and each prompt's last position gives its row's first token under its own sampling settings (`sampled`:
+        whether any of them samples). Returns the first tokens (k,)."""
+        device = self.anchor_ids.device
+        rows = range(first_row, first_row + len(prompts))
+        lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
+        pages = -(-lengths // PAGE_SIZE)
+        positions = torch.cat([torch.arange(len(prompt), device=device) for prompt in prompts])[None]  # (1, T)
+        key_positions = torch.cat([torch.arange(n * PAGE_SIZE, device=device) for n in pages.tolist()])[None]  # (1, K)
+        prompt_of_query = torch.repeat_interleave(torch.arange(len(prompts), device=device), lengths)  # (T,)
+        prompt_of_key = torch.repeat_interleave(torch.arange(len(prompts), device=device), pages * PAGE_SIZE)  # (K,)
+        visible = (prompt_of_query[:, None] == prompt_of_key[None, :]) & (key_positions <= positions[0, :, None])
+        read_pages = torch.cat([self.target_tables[row, :n] for row, n in zip(rows, pages.tolist())])[None]  # (1, P)
+        cache = PagedTargetCache(self.target_pool, None, read_pages)
+
+        def slots(tables: torch.Tensor) -> torch.Tensor:  # (1, T) flat pool slots of every prompt's positions
+            return torch.cat([page_slots(tables[row : row + 1], torch.arange(len(prompt), device=device)[None])
+                              for row, prompt in zip(rows, prompts)], dim=1)
+
+        cache.pool_slots = slots(self.target_tables)
+        captured = self.verify_rows.new_empty(1, positions.shape[1], self.verify_rows.shape[-1])
+        self.generator.capture.destination = captured
+        try:
+            logits = self.target(
+                input_ids=torch.tensor([[token for prompt in prompts for token in prompt]], device=device),
+                position_ids=positions,
+                attention_mask=self.target_masks(visible[None], positions, key_positions),
+                use_cache=True,
+                logits_to_keep=lengths.cumsum(0) - 1,  # each prompt's last position
+                **{self.cache_argument: cache},
+            ).logits[0, :, None]  # (k, 1, V)
+        finally:
+            self.generator.capture.destination = None
+        self.generator.write_context(captured, positions, slots(self.drafter_tables))
+        scores, do_sample = self._scores(logits, **self._sampling(slice(first_row, first_row + len(prompts)), sampled))
+        tokens, _ = accept(scores, logits.new_zeros(len(prompts), 0, dtype=torch.long), do_sample, None)
+        return tokens[:, 0]
+
     def retire(self, key: Hashable) -> None:
         """Free `key`'s row and pages at once; the last row moves into its place."""
         row = next(i for i, sequence in enumerate(self.sequences) if sequence.key == key)
@@ -445,7 +540,8 @@ class DFlashEngine(DFlashStep):
         """The target's cache for a forward of `rows` reading positions 0..span-1 (a hybrid's: with those rows'
         linear-attention states)."""
         if not self.hybrid:
-            return PagedTargetCache(self.target_pool, self.target_tables[rows], span)
+            tables = self.target_tables[rows]
+            return PagedTargetCache(self.target_pool, tables, tables[:, : span // PAGE_SIZE])
         conv = {i: state[rows] for i, state in self.conv.items()}
         recurrent = {i: state[rows] for i, state in self.recurrent.items()}
         return PagedHybridCache(self.target_pool, self.target_tables[rows], span, conv, recurrent, self.linear_layers)

@@ -24,7 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import GenerationConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -336,6 +336,59 @@ def test_long_prompts_are_prefilled_in_chunks_and_stay_exact(family):
             tokens[key] += new
     for i, prompt in enumerate(prompts):
         assert tokens[f"r{i}"][:10] == plain_greedy(target, prompt, 10)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_requests_admitted_together_are_prefilled_in_one_forward_and_stay_exact(family):
+    """`admit_many` packs prompts end to end into one target forward (a sliding-window family included: its window is
+    applied within each prompt); every request then equals plain greedy. A packed forward that raises is retried one
+    request at a time, so a fault stays with its request: here only the packed forward fails."""
+    target, drafter = pair(family)
+    greedy = SamplingSettings.from_config(GREEDY)
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (5, 17, 33, 9)]
+    for fail_packed in (False, True):
+        engine = DFlashEngine(target, drafter, max_batch_size=8, adaptive=False)
+        widths = []
+
+        def hook(module, args, kwargs):
+            widths.append(kwargs["input_ids"].shape[1])
+            if fail_packed and widths[-1] == sum(map(len, prompts)):
+                raise RuntimeError("injected fault in the packed forward")
+
+        handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            firsts = engine.admit_many([(f"r{i}", prompt, 10, greedy) for i, prompt in enumerate(prompts)])
+        finally:
+            handle.remove()
+        assert widths == [64] + ([5, 17, 33, 9] if fail_packed else [])
+        assert engine.pool_usage()["target_pages_used"] == sum(engine.pages_for(len(p), 10) for p in prompts)
+        tokens = {f"r{i}": [first] for i, first in enumerate(firsts)}
+        while any(len(t) < 10 for t in tokens.values()):
+            for key, new in engine.run_step().items():
+                tokens[key] += new
+        for i, prompt in enumerate(prompts):
+            assert tokens[f"r{i}"][:10] == plain_greedy(target, prompt, 10), (family, fail_packed, i)
+
+
+def test_the_manager_packs_waiting_prompts_up_to_prefill_chunk_tokens():
+    """Requests waiting together are admitted in forwards of at most `max_batch_tokens` prompt tokens (a longer prompt
+    alone, in chunks), in arrival order."""
+    target, drafter = pair("llama")
+    config = ContinuousBatchingConfig(max_batch_tokens=40)
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, config, max_batch_size=8)
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (10, 20, 15, 50, 6)]
+    widths = []
+    handle = target.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        arrivals = {0: [dict(input_ids=p, request_id=f"r{i}", max_new_tokens=6) for i, p in enumerate(prompts)]}
+        outputs, _, _ = run_schedule(manager, arrivals, {})
+    finally:
+        handle.remove()
+    assert widths[:5] == [30, 15, 40, 10, 6]  # 10 + 20; 15 (+ 50 would pass 40); 50 in chunks of 40 and 10; 6
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"][-1].generated_tokens == plain_greedy(target, prompt, 6)
 
 
 # --------------------------------------------------------------------------------------------------
