@@ -9,8 +9,6 @@ Threads. Nothing here swaps a process-wide name for the duration of a call:
 - `recording_chunk_rule`: the Gated DeltaNet modeling files call their chunked rule through a module-level name
   (not an attribute of the layer), so the name is pointed once, for good, at a pass-through that records the rule's
   arguments only for the thread inside `recording_chunk_rule`; every other call runs the rule unchanged.
-- `forwards_wrapped`: a module instance's `forward` is replaced while a call runs (per instance, as accelerate's
-  hooks do); the replacement acts only in the thread that installed it and calls the original in any other.
 - `set_attention_implementation`: rewrites one model's config; dflash_attention.py's function behaves as plain sdpa
   in any thread but the one that switched it, and is registered with sdpa's mask builder for those threads' masks.
 - `dynamo_cache_size_limit`: torch's `config.patch`, whose patched values are thread-local in recent torch (2.13
@@ -172,7 +170,7 @@ def set_linear_states(layer: Any, conv: torch.Tensor, recurrent: torch.Tensor) -
 def linear_token_count(layer: Any) -> torch.Tensor | None:
     """The tokens a linear-attention cache layer has read (`cumulative_length_linear`, a 0-dim tensor, from
     transformers 5.25; None before). From 5.25 it is what `cache.get_seq_length()` reports when layer 0 is linear
-    (Qwen3.5, Qwen3-Next), so DFlash sets it back after rolling a verify back."""
+    (Qwen3.5, Qwen3-Next), so DFlash counts the rows each verify kept (dflash_target_cache.py)."""
     return getattr(layer, "cumulative_length_linear", None)
 
 
@@ -196,7 +194,7 @@ class LinearLayerView:
 
 class LinearAttentionCacheMethods:
     """The methods through which transformers' Gated DeltaNet layers talk to their cache, for a cache of our own
-    (dflash_linear_state.py's `HybridStaticCache`). They were renamed between versions: 5.17 calls
+    (dflash_linear_state.py's `LinearStates`, in each of DFlash's loops). They were renamed between versions: 5.17 calls
     `has_previous_state`, `update_conv_state`, `update_recurrent_state` and reads `layers[i]` (`LinearLayerView`);
     5.24 calls `get_conv_state`, `get_recurrent_state`, `is_recording_past`; 5.25 adds
     `get_recurrent_states_to_keep` and `increase_count`. All are spoken here over what the subclass provides:
@@ -271,7 +269,7 @@ def _modeling_module(layer: torch.nn.Module) -> Any:
 
 def chunk_rule_reachable(layer: torch.nn.Module) -> bool:
     """Whether the modeling file of a Gated DeltaNet `layer` calls its chunked rule under `CHUNK_RULE` (all supported
-    versions do; a later one that does not leaves the fast path unable to record it)."""
+    versions do; a later one that does not leaves DFlash unable to record it, and its rollback with it)."""
     return callable(getattr(_modeling_module(layer), CHUNK_RULE, None))
 
 
@@ -294,7 +292,7 @@ def recording_chunk_rule(
     layers: list[torch.nn.Module], record: Callable[[Callable[..., Any], tuple, dict], None]
 ) -> Iterator[None]:
     """Within, every call of the chunked gated delta rule made by this thread (the Gated DeltaNet `layers` of a
-    verify) is reported as `record(rule, args, kwargs)` before it runs unchanged; DFlash's fast path needs the
+    verify) is reported as `record(rule, args, kwargs)` before it runs unchanged; DFlash's rollback needs the
     arguments (queries, keys, values, g, beta) to advance each sequence's state over its accepted rows only
     (dflash_linear_state.py), and transformers hands them to no cache method (all versions).
 
@@ -312,43 +310,6 @@ def recording_chunk_rule(
         yield
     finally:
         _CHUNK_RULE_CALLS.record = previous
-
-
-# ---- a module instance's forward -----------------------------------------------------------------------------------
-
-
-def _this_thread_only(owner: int, wrapped: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return (wrapped if threading.get_ident() == owner else original)(*args, **kwargs)
-
-    return run
-
-
-@contextmanager
-def forwards_wrapped(
-    modules: dict[int, torch.nn.Module], wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]
-) -> Iterator[None]:
-    """Within, `modules[i].forward` is `wrap(i, forward)` for calls from this thread; calls from any other thread run
-    the forward as it was. On exit, also on an exception, a forward set on the instance (accelerate's offload hooks)
-    is put back as it was, else the instance attribute is removed (the class's forward again).
-
-    Setting `forward` on a module instance is how accelerate attaches its hooks; transformers' layers (all versions)
-    take no callback, and DFlash's eager loop needs each Gated DeltaNet layer's input rows and states of a verify to
-    replay the rows a sequence accepted (dflash_target_cache.py). The swap is per instance and per thread: the
-    target's other users in other threads (plain generate) do not see it."""
-    owner = threading.get_ident()
-    own = {i: module.__dict__.get("forward") for i, module in modules.items()}
-    for i, module in modules.items():
-        forward = module.forward
-        module.forward = _this_thread_only(owner, wrap(i, forward), forward)
-    try:
-        yield
-    finally:
-        for i, module in modules.items():
-            if own[i] is None:
-                del module.forward
-            else:
-                module.forward = own[i]
 
 
 # ---- torch -----------------------------------------------------------------------------------------------------------
@@ -397,7 +358,7 @@ __all__ = [
     "CACHE_ARGUMENTS", "CHUNK_RULE", "LinearAttentionCacheMethods", "LinearLayerView", "accelerate_hook",
     "attention_implementation", "cache_argument", "cache_from_kwargs", "chunk_rule_reachable",
     "default_generation_params", "distribution_checks_default", "drop_front_slots", "dynamo_cache_size_limit",
-    "experts_implementation", "forward_hook_count", "forwards_wrapped", "full_history_layer",
+    "experts_implementation", "forward_hook_count", "full_history_layer",
     "has_attention_implementation", "is_dynamic_layer", "is_linear_cache_layer", "linear_states",
     "linear_token_count", "model_from_config", "pad_token_tensor", "recording_chunk_rule", "register_attention",
     "sdpa_backend_choice", "sdpa_backends_enabled", "set_attention_implementation", "set_linear_states",

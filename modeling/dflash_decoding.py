@@ -199,14 +199,14 @@ class EagerDecoding:
         anchor_positions = torch.tensor([s.ctx_len for s in self.generator.states], device=device)  # padding excluded
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(live), num_rows)], dim=1)
         self.generator.capture_rows(num_rows)
-        with self.target_cache.verifying():
+        with self.target_cache.verifying() as cache:
             logits = self.target(
                 input_ids=block,
                 attention_mask=self.target_cache.verify_mask(self.attention_mask, num_rows),
                 position_ids=anchor_positions[:, None] + torch.arange(num_rows, device=device),
                 use_cache=True,
                 logits_to_keep=num_rows,
-                **{self.cache_arg: self.cache},
+                **{self.cache_arg: cache},
             ).logits
         # the committed prefixes, which only processors that run on the host read
         prefixes = None

@@ -1,6 +1,7 @@
 """The linear-attention states of hybrid targets (Qwen3-Next, Qwen3.5, Qwen3.6: Gated DeltaNet layers between
-full-attention ones) in the fast path and the continuous-batching engine, with an exact rollback of the linear layers
-inside the step: no host sync, no data-dependent shape, so the fast path's whole step stays one CUDA graph.
+full-attention ones) and the one exact rollback of the linear layers after a verify, in each of DFlash's loops (the
+fast path, the continuous-batching engine, the eager loop): no host sync, no data-dependent shape, so the fast path's
+whole step stays one CUDA graph.
 
 A Gated DeltaNet layer keeps per sequence a conv state (its last K conv inputs, (conv_dim, K)) and a recurrent state
 ((value heads, dk, dv), float32). The verify runs the B rows of a block through each such layer as one chunk, as
@@ -15,11 +16,13 @@ acceptance, `commit(taken)`:
   past `taken`. A row with g = 0 and beta = 0 leaves the state as it was (decay exp(0) = 1, update scaled by 0), which
   is how the rule's own kernels pad a chunk; so one call gives every sequence its state after exactly its own rows.
   It re-reads no weights (the projections are not run again) and costs one more pass of the recurrence over B rows:
-  benchmarks/NOTES.md, "hybrid targets on the fast path", has the measurements and the other ways weighed.
+  benchmarks/families.md, "hybrid targets on the fast path", has the measurements and the other ways weighed.
 
 `LinearStates` holds this rule over per-sequence state buffers its owner hands it; the full-attention layers keep
-their keys/values beside it: in the `StaticTargetCache` that `HybridStaticCache` extends (the fast path), or in the
-engine's page pool (dflash_engine.py's `PagedHybridCache`, over the engine's per-row state buffers).
+their keys/values beside it: in the `StaticTargetCache` that `HybridStaticCache` extends (the fast path), in the
+engine's page pool (dflash_engine.py's `PagedHybridCache`, over the engine's per-row state buffers), or in
+transformers' own DynamicCache (dflash_target_cache.py's `LinearVerifyCache`, over that cache's state tensors, for
+the eager loop's verify).
 
 The layers talk to their cache through transformers' linear-attention methods, renamed between 5.17, 5.24 and 5.25
 (dflash_compat.py's `LinearAttentionCacheMethods` speaks all of them). The chunked rule's arguments are not handed to
@@ -96,8 +99,9 @@ def linear_state_buffers(
 class LinearStates(LinearAttentionCacheMethods):
     """The linear-attention layers' states of a target cache, one row per sequence, and the one rollback rule of a
     verify: `prefilling` for a prompt, `deferring` + `commit` for a verify (the module docstring). Mixed into a cache
-    that keeps the full-attention layers' keys/values: the fast path's `HybridStaticCache` and the continuous-batching
-    engine's paged cache (dflash_engine.py), which hand it views of buffers they own (`bind_linear_states`)."""
+    that keeps the full-attention layers' keys/values: the fast path's `HybridStaticCache`, the continuous-batching
+    engine's paged cache (dflash_engine.py) and the eager loop's `LinearVerifyCache` (dflash_target_cache.py), which
+    hand it views of tensors they hold (`bind_linear_states`)."""
 
     def bind_linear_states(
         self,
@@ -170,9 +174,9 @@ class LinearStates(LinearAttentionCacheMethods):
             if not one_row and (pending.rule is None or "g" not in pending.kwargs or "beta" not in pending.kwargs):
                 raise RuntimeError(
                     f"layer {i}'s verify did not call the chunked gated delta rule with g= and beta= as expected; "
-                    "this transformers version is not supported by the fast path (pass dflash_fast_path=False) nor by "
-                    "continuous batching"
+                    "DFlash cannot roll back this transformers version's Gated DeltaNet layers"
                 )
+            taken = taken.to(window.device)  # a no-op unless the target's layers sit on several devices
             columns = taken[:, None] + torch.arange(kernel, device=taken.device)  # (n, K)
             self.conv[i].copy_(window.gather(2, columns[:, None, :].expand(-1, window.shape[1], -1)))
             if one_row:  # taken is 0 or 1

@@ -14,11 +14,12 @@ accepted. Plain decoding never writes a row it does not keep, so what "keep" mea
   front after each step, so a sliding layer holds about W + B slots, as in plain decoding. gpt-oss's attention sinks
   are learned per-head logits, not cached rows, so no row is kept for them.
 - linear attention (Gated DeltaNet in Qwen3-Next / Qwen3.5: a conv state and a recurrent state per sequence, no rows
-  to crop): the verify runs each such layer over the block as transformers does (one chunk, continuing from the
-  states), after keeping the states from before the block and the layer's input rows; after acceptance the states
-  are put back and the layer runs again over each sequence's accepted rows only (one call per distinct acceptance
-  count of the batch). Why this and not keeping the states after every verified row: benchmarks/NOTES.md, "Target
-  families" (measured: about half the time and 1/B of the memory).
+  to crop): rolled back by the one rule of the fast path and the continuous-batching engine (dflash_linear_state.py's
+  `LinearStates`). The verify forward takes a `LinearVerifyCache`: the DynamicCache itself for every call but the
+  Gated DeltaNet layers', which go to a `LinearStates` over the DynamicCache's own state tensors. It leaves the states
+  as they were and records each layer's conv window and chunked-rule call; after acceptance `commit` gathers each
+  sequence's conv state at its kept rows and re-runs only the rule, once for the batch, with its gates zeroed past
+  each sequence's kept rows: the layers' projections do not run again (benchmarks/families.md weighs the ways).
 
 `TargetCacheRollback` is the one object the decoding loop talks to about the target's cache.
 
@@ -29,16 +30,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .dflash_capture import decoder_layers
 from .dflash_compat import (
-    attention_implementation, drop_front_slots, forwards_wrapped, full_history_layer, is_dynamic_layer,
+    CHUNK_RULE, attention_implementation, chunk_rule_reachable, drop_front_slots, full_history_layer, is_dynamic_layer,
     is_linear_cache_layer, linear_states, linear_token_count, set_linear_states, set_linear_token_count,
 )
+from .dflash_linear_state import LinearStates
 from .dflash_masks import FULL, LINEAR, SLIDING, in_window, target_attention_mask
 
 
@@ -83,10 +84,18 @@ def rollback_problem(target: torch.nn.Module, cache: Any) -> str | None:
         )
     layers = decoder_layers(target)
     recurrent = [i for i, kind in enumerate(kinds) if kind == LINEAR and not hasattr(layers[i], "linear_attn")]
-    if recurrent:  # we replay the decode step of Gated DeltaNet layers (`linear_attn`), not of other recurrences
+    if recurrent:  # we roll back Gated DeltaNet layers (`linear_attn`), not other recurrences
         return (
             f"DFlash cannot decode {family} targets: layers {recurrent} keep recurrent or convolution states that "
             "it cannot roll back (it rolls back Gated DeltaNet layers, as in Qwen3-Next and Qwen3.5)"
+        )
+    # the rollback re-runs the chunked rule the layers called (dflash_linear_state.py)
+    linear = [i for i, kind in enumerate(kinds) if kind == LINEAR]
+    unreachable = [i for i in linear if not chunk_rule_reachable(layers[i].linear_attn)]
+    if unreachable:
+        return (
+            f"DFlash cannot roll back the Gated DeltaNet layers {unreachable} of this {family} target: their modeling "
+            f"file has no {CHUNK_RULE} (this transformers changed how they are called)"
         )
     windows = sliding_windows(cache)
     if len(windows) > 1:
@@ -101,17 +110,28 @@ def rollback_problem(target: torch.nn.Module, cache: Any) -> str | None:
     return None
 
 
-@dataclass
-class BlockInput:
-    """A linear-attention layer's call in a verify: its forward, input rows (b, q, H) and other arguments, and its
-    states from before the block (conv (b, conv_dim, K), recurrent (b, heads, dk, dv))."""
+class LinearVerifyCache(LinearStates):
+    """transformers' `cache` (a DynamicCache) as a verify forward of the eager loop sees it: the Gated DeltaNet layers'
+    calls go to `LinearStates` over the cache's own conv and recurrent tensors of `linear_modules` (layer index ->
+    module), so `deferring` + `commit` roll them back as in the fast path; every other call and attribute (the
+    attention layers' `update`, what the model's mask builders read) is the cache's own. One per verify (between
+    verifies `keep` replaces the cache's tensors)."""
 
-    forward: Any
-    hidden_states: torch.Tensor
-    args: tuple
-    kwargs: dict
-    conv_before: torch.Tensor
-    recurrent_before: torch.Tensor
+    def __init__(self, cache: Any, linear_modules: dict[int, torch.nn.Module]):
+        self.cache = cache
+        states = {i: linear_states(cache.layers[i]) for i in linear_modules}
+        self.bind_linear_states(
+            {i: conv for i, (conv, _) in states.items()},  # (b, conv_dim, K)
+            {i: recurrent for i, (_, recurrent) in states.items()},  # (b, value heads, dk, dv)
+            list(linear_modules.values()),
+            len(cache.layers),
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        """What this object does not define is the DynamicCache's (called only for names not found here)."""
+        if name == "cache":  # not set yet (a copy being built): no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.cache, name)
 
 
 class TargetCacheRollback:
@@ -141,8 +161,7 @@ class TargetCacheRollback:
         self.sliding_start = 0  # slots of the full layout that the sliding layers have dropped from their front
         layers = decoder_layers(target)
         self.linear_modules = {i: layers[i].linear_attn for i, kind in enumerate(self.kinds) if kind == LINEAR}
-        # Per linear layer, what `rollback` needs of the verify in flight.
-        self.block_inputs: dict[int, BlockInput] = {}
+        self.linear: LinearVerifyCache | None = None  # the linear layers' view of the verify in flight
 
     # ---- the verify forward ------------------------------------------------------------------------------------
 
@@ -161,23 +180,15 @@ class TargetCacheRollback:
         return target_attention_mask(visible, windowed[..., self.sliding_start :], self.mask_types, self.dtype)
 
     @contextlib.contextmanager
-    def verifying(self) -> Iterator[None]:
-        """Inside the block, each linear-attention layer keeps its states from before the verify and its input rows,
-        for `rollback`; outside it, the layers are as transformers made them. (Per layer instance and for this
-        thread only: `forwards_wrapped`.)"""
-        self.block_inputs = {}
-        with forwards_wrapped(self.linear_modules, self._remembering):
-            yield
-
-    def _remembering(self, layer: int, forward: Any) -> Any:
-        states = self.cache.layers[layer]
-
-        def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            before = tuple(state.clone() for state in linear_states(states))
-            self.block_inputs[layer] = BlockInput(forward, hidden_states, args, kwargs, *before)
-            return forward(hidden_states, *args, **kwargs)
-
-        return run
+    def verifying(self) -> Iterator[Any]:
+        """Yields the cache the verify forward takes: without Gated DeltaNet layers transformers' cache itself, with
+        them a `LinearVerifyCache` over it whose linear layers wait for `rollback` to advance their states."""
+        if not self.linear_modules:
+            yield self.cache
+            return
+        self.linear = LinearVerifyCache(self.cache, self.linear_modules)
+        with self.linear.deferring():
+            yield self.linear
 
     # ---- after acceptance ------------------------------------------------------------------------------------
 
@@ -196,32 +207,24 @@ class TargetCacheRollback:
         for row, taken in enumerate(accepted):  # rows a sequence rejected are masked out for good
             if taken < most:
                 attention_mask[row, taken - most :] = 0
-        for layer, block in self.block_inputs.items():
-            self._re_advance(self.cache.layers[layer], block, accepted)
-        self.block_inputs = {}
+        if self.linear is not None:
+            self._commit_linear(most, accepted)
         self._drop_unseen_sliding_slots(attention_mask)
         return attention_mask
 
-    @staticmethod
-    def _re_advance(states: Any, block: BlockInput, accepted: list[int]) -> None:
-        """Put a linear layer's states back to before the block, then advance them over the accepted rows only: the
-        sequences that accepted the same count run together, through transformers' own forward of the layer."""
-        conv, recurrent = linear_states(states)  # (b, ...) each, kept by the cache
+    def _commit_linear(self, most: int, accepted: list[int]) -> None:
+        """Advance the Gated DeltaNet layers' states over each sequence's anchor and accepted drafts
+        (`LinearStates.commit`)."""
+        device = next(iter(self.linear.conv.values())).device
+        self.linear.commit(torch.tensor(accepted, device=device) + 1)
+        self.linear = None
         # From transformers 5.25 a linear layer counts the tokens it has read, and that count is what
-        # `cache.get_seq_length()` reports when layer 0 is linear (Qwen3.5, Qwen3-Next). The verify counted every
-        # block row and the re-runs below count again: end where the attention layers' crop ends.
-        counted = linear_token_count(states)
-        kept = counted - (block.hidden_states.shape[1] - 1 - max(accepted)) if counted is not None else None
-        kwargs = {name: value for name, value in block.kwargs.items() if name != "attention_mask"}  # no padding
-        for taken in sorted(set(accepted)):
-            rows = torch.tensor([row for row, a in enumerate(accepted) if a == taken], device=conv.device)
-            # the layer reads and updates the cache's tensors in place: give it these sequences' own copies
-            set_linear_states(states, block.conv_before[rows], block.recurrent_before[rows])
-            block.forward(block.hidden_states[rows, : taken + 1], *block.args, **kwargs)
-            conv[rows], recurrent[rows] = linear_states(states)
-        set_linear_states(states, conv, recurrent)
-        if kept is not None:
-            set_linear_token_count(states, kept)
+        # `cache.get_seq_length()` reports when layer 0 is linear (Qwen3.5, Qwen3-Next). The verify's calls did not
+        # reach the cache's layers: count the rows the attention layers kept, anchor and `most` drafts.
+        for i in self.linear_modules:
+            counted = linear_token_count(self.cache.layers[i])
+            if counted is not None:
+                set_linear_token_count(self.cache.layers[i], counted + most + 1)
 
     def after_prefill(self, attention_mask: torch.Tensor) -> None:
         """The prompt's forward is done; attention_mask (b, P) is its mask."""
@@ -255,4 +258,4 @@ class TargetCacheRollback:
                 layer.batch_select_indices(index)
 
 
-__all__ = ["TargetCacheRollback", "layer_kinds", "rollback_problem", "sliding_windows"]
+__all__ = ["LinearVerifyCache", "TargetCacheRollback", "layer_kinds", "rollback_problem", "sliding_windows"]

@@ -179,26 +179,6 @@ def test_chunk_rule_recorded_for_the_recording_thread_only():
     assert torch.equal(outputs["here"], expected) and torch.equal(outputs["other"], expected)
 
 
-def test_forwards_wrapped_for_this_thread_only():
-    module = torch.nn.Linear(2, 2)
-    seen = []
-
-    def wrap(i, forward):
-        def run(x):
-            seen.append(threading.get_ident())
-            return forward(x)
-
-        return run
-
-    with dflash_compat.forwards_wrapped({0: module}, wrap):
-        thread = threading.Thread(target=module, args=(torch.zeros(1, 2),))
-        thread.start()
-        thread.join()
-        module(torch.zeros(1, 2))
-    assert seen == [threading.get_ident()]
-    assert "forward" not in module.__dict__  # the class's forward again
-
-
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_linear_cache_speaks_what_this_transformers_calls(family):
     """Every cache method and attribute the installed transformers' Gated DeltaNet modeling file reaches for exists on

@@ -4,16 +4,16 @@ A verify feeds B = 16 rows through every linear-attention layer; each sequence k
 anchor and its accepted drafts). The layer's conv and recurrent states must then be those after the kept rows.
 One layer (transformers' own class, its PyTorch kernels), at Qwen3-Next-80B-A3B's shape (transformers' default
 Qwen3NextConfig: the target of Qwen3-Coder-Next-DFlash) and Qwen3.5-4B's (hidden 2560), float32, median ms:
-- the eager loop's choices, batch 1, a = 7: the one-token decode step; the block as one chunk (no rollback);
-  per-position states (the B rows through the one-token step one at a time, the states after each kept, row a's
-  picked: what vLLM and SGLang keep for these layers); re-advance (the states before the block kept, the chunk run,
-  then the states restored and the layer run again over the a + 1 kept rows). Also the state bytes per sequence.
-- the fast path's choices, batch 1 (8 rows kept) and batch 4 (1, 5, 9 and 16 kept: ragged), each without a host sync
-  or a data-dependent shape except the last: the masked chunk re-run (the fast path's `HybridStaticCache.commit`: the
-  chunked rule again over the B rows from the states before the block, g and beta zeroed past each row's count);
-  the masked B-step loop (the same inputs through transformers' token-by-token recurrent rule); re-advance through
-  the layer (its forward again over the kept rows, one call per distinct count; projections included). The masked
-  ways are checked to leave the same states before anything is timed.
+- the ways first weighed for the eager loop, batch 1, a = 7: the one-token decode step; the block as one chunk (no
+  rollback); per-position states (the B rows through the one-token step one at a time, the states after each kept,
+  row a's picked: what vLLM and SGLang keep for these layers); re-advance (the states before the block kept, the chunk
+  run, then the states restored and the layer run again over the a + 1 kept rows). Also the state bytes per sequence.
+- the ways weighed for the fast path, batch 1 (8 rows kept) and batch 4 (1, 5, 9 and 16 kept: ragged), each without a
+  host sync or a data-dependent shape except the last: the masked chunk re-run (`LinearStates.commit`, the rule every
+  loop now uses: the chunked rule again over the B rows from the states before the block, g and beta zeroed past each
+  row's count); the masked B-step loop (the same inputs through transformers' token-by-token recurrent rule);
+  re-advance through the layer (its forward again over the kept rows, one call per distinct count; projections
+  included). The masked ways are checked to leave the same states before anything is timed.
 """
 
 from __future__ import annotations
