@@ -455,13 +455,13 @@ class DFlashContinuousBatchingManager:
 
     def _admit(self, scheduler: DFlashScheduler) -> None:
         """Admit waiting requests in arrival order while the engine has room for the first of them: those whose
-        prompts come to at most the engine's `prefill_chunk` tokens together, prefilled in one forward
+        prompts come to at most the engine's `pack_tokens` tokens together, prefilled in one forward
         (`DFlashEngine.admit_many`)."""
         while scheduler.waiting_requests:
             batch, ahead = [], []
             for request in scheduler.waiting_requests.values():
                 length = len(request.prompt)
-                if ahead and sum(n for n, _ in ahead) + length > self.engine.prefill_chunk:
+                if ahead and sum(n for n, _ in ahead) + length > self.engine.pack_tokens:
                     break
                 if not self.engine.fits_now(length, request.max_new_tokens, ahead):
                     break

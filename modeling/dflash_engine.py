@@ -3,8 +3,9 @@
 The engine holds up to `max_batch_size` sequences in rows 0..n-1 and advances them together with the verify step of
 dflash_step.py (the fast path's step: per-row anchors, the same masks, the same acceptance). A sequence is admitted at
 any step (`admit`: its prompt prefilled, in chunks of `prefill_chunk` positions, into rows nobody else reads, its
-first token chosen; `admit_many`: several short prompts packed into one forward) and retired at any step (`retire`: its pages go back, the last row moves into its place, so the
-running rows stay first and a step never computes for an empty row).
+first token chosen; `admit_many`: several short prompts packed into one forward) and retired at any step (`retire`:
+its pages go back, the last row moves into its place, so the running rows stay first and a step never computes for an
+empty row).
 
 It serves the targets the fast path serves (full and sliding-window attention, MoE), hybrid ones included: Qwen3-Next
 and Qwen3.5/3.6, text and multimodal, whose Gated DeltaNet (linear-attention) layers keep states instead of keys.
@@ -70,6 +71,10 @@ from .dflash_step import DFlashStep, StepRows
 SPAN_BUCKET = 64
 # A prompt is prefilled in forwards of at most this many positions (the default of `prefill_chunk`).
 PREFILL_CHUNK = 512
+# The most prompt tokens one packed prefill (`admit_many`) takes on a CPU. A packed forward attends from every token to
+# every other of the pack, masked: beside one forward per prompt that is cheap on a GPU, while on a CPU its cost grows
+# with the square of the pack (benchmarks/batches-and-serving.md).
+CPU_PACK_TOKENS = 512
 # The pools' default size, in sequences of the longest request (at most 2048 positions each): rows past it fill when
 # requests are shorter, so that wide batches cost no more memory than this.
 DEFAULT_MEMORY_SEQUENCES = 8
@@ -159,7 +164,9 @@ class DFlashEngine(DFlashStep):
         max_sequence_length: the longest request, prompt and new tokens (default: the target's context, and the
             drafter's when it has one).
         prefill_chunk: the most prompt positions one prefill forward takes; a longer prompt is prefilled in chunks,
-            each reading the ones before it from the pages (the same tokens, less memory for its attention).
+            each reading the ones before it from the pages (the same tokens, less memory for its attention). Shorter
+            prompts admitted together share forwards of at most this many positions (on a CPU at most
+            `CPU_PACK_TOKENS`): `pack_tokens`.
         static_shapes: run every step at a bucketed shape, which a CUDA device records once as a CUDA graph per
             shape and then replays (None, the default: on a CUDA device, unless `adaptive` is on). The rows run at
             the next power of two (rows past the running ones are idle: inactive, their pages a scratch page no
@@ -205,6 +212,8 @@ class DFlashEngine(DFlashStep):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        device = drafter.fc.weight.device
+        self.pack_tokens = prefill_chunk if device.type == "cuda" else min(prefill_chunk, CPU_PACK_TOKENS)
         limits = [text.max_position_embeddings, getattr(drafter.config, "max_position_embeddings", None)]
         context = min(limit for limit in limits if limit)
         self.max_sequence_length = min(max_sequence_length or context, context)
@@ -213,7 +222,6 @@ class DFlashEngine(DFlashStep):
             sequences = min(max_batch_size, DEFAULT_MEMORY_SEQUENCES)
             max_tokens = sequences * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
-        device = drafter.fc.weight.device
         if static_shapes is None:
             static_shapes = device.type == "cuda" and adaptive in (None, False)
         self.static_shapes = static_shapes
@@ -359,12 +367,12 @@ class DFlashEngine(DFlashStep):
         token, or the exception that kept it out (the others are admitted all the same). The caller checked that they
         fit together (`fits_now` with the ones before each as `ahead`).
 
-        Where their prompts come to at most `prefill_chunk` tokens, they are prefilled in one target forward, packed
+        Where their prompts come to at most `pack_tokens` tokens, they are prefilled in one target forward, packed
         end to end into one sequence whose tokens see their own prompt only: one forward instead of one per request,
         as transformers' manager packs its prefills. A hybrid target's linear-attention layers cannot tell packed
         prompts apart, and a longer total is chunked per prompt: those requests, and any whose packed forward
         raised, are admitted one at a time (so a fault stays with its request)."""
-        if len(requests) < 2 or self.hybrid or sum(len(prompt) for _, prompt, _, _ in requests) > self.prefill_chunk:
+        if len(requests) < 2 or self.hybrid or sum(len(prompt) for _, prompt, _, _ in requests) > self.pack_tokens:
             return [self._admit_or_error(*request) for request in requests]
         first_row = len(self.sequences)
         placed = []
@@ -401,7 +409,8 @@ class DFlashEngine(DFlashStep):
         sequence = EngineSequence(
             key, length, length + max_new_tokens, sampling, self.target_pool.take(pages), self.drafter_pool.take(pages)
         )
-        for table, taken in ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages)):
+        tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
+        for table, taken in tables:
             table[row].zero_()
             table[row, :pages] = torch.tensor(taken, device=self.anchor_ids.device)
         self._set_sampling(row, sampling)
@@ -686,6 +695,6 @@ class DFlashEngine(DFlashStep):
 
 
 __all__ = [
-    "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK", "PagedHybridCache",
-    "PagedTargetCache", "SPAN_BUCKET",
+    "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK",
+    "PagedHybridCache", "PagedTargetCache", "SPAN_BUCKET",
 ]

@@ -10,6 +10,11 @@ device synchronized around them):
 `--shape smollm2` (the default) is SmolLM2-135M-Instruct's shape with random weights and the shipped drafter; `tiny`
 a small Llama and a random drafter for it (for checks). Random weights accept almost no drafts, so every step
 verifies a whole block for every request: the figure is what a step costs, not how many tokens it commits.
+
+Before the steps, the same requests' admission is timed both ways, each in a fresh engine after one untimed round
+(the first forward at a new shape costs more): `alone`, one prefill forward per request (`admit`), and `packed`,
+the prompts packed end to end into forwards of at most `--prefill-chunk` tokens, at most `CPU_PACK_TOKENS` on a CPU
+(`admit_many`, what the continuous-batching manager does with requests that wait together).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="smollm2 (default: its shape, random weights, the shipped drafter) or tiny")
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16], help="running requests, one row each")
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--prefill-chunk", type=int, default=2048,
+                        help="the most prompt tokens of one packed prefill forward (transformers' max_batch_tokens)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per mode and request count")
     parser.add_argument("--warmup", type=int, default=8,
                         help="untimed steps first (a static shape runs once, then is recorded, before timing)")
@@ -51,7 +58,7 @@ def check(args: argparse.Namespace) -> None:
 
     for value in args.requests:
         at_least("--requests", value, 1)
-    for option in ("prompt_tokens", "steps"):
+    for option in ("prompt_tokens", "prefill_chunk", "steps"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     at_least("--warmup", args.warmup, 2, " (a static shape is seen twice before it replays)")
     check_device("--device", args.device)
@@ -73,17 +80,44 @@ def models(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[t
     return target, drafter.to(device, dtype).eval()
 
 
-@torch.no_grad()
-def seconds_per_step(engine: object, args: argparse.Namespace, requests: int, vocab: int) -> float:
+def admissions(args: argparse.Namespace, requests: int, vocab: int) -> list[tuple]:
+    """`requests` requests of `--prompt-tokens` random tokens, greedy, as `admit` and `admit_many` take them."""
     from transformers import GenerationConfig
 
     from ..modeling.dflash_row_sampling import SamplingSettings
 
     greedy = SamplingSettings.from_config(GenerationConfig(do_sample=False))
     generator = torch.Generator().manual_seed(0)
-    for key in range(requests):
-        prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=generator).tolist()
-        engine.admit(key, prompt, args.warmup + args.steps + 1, greedy)
+    return [(key, torch.randint(0, vocab, (args.prompt_tokens,), generator=generator).tolist(),
+             args.warmup + args.steps + 1, greedy) for key in range(requests)]
+
+
+@torch.no_grad()
+def admit_seconds(engine: object, requests: list[tuple], packed: bool) -> float:
+    """Seconds to admit `requests`: one `admit` each, or `admit_many` over packs of at most the engine's
+    `pack_tokens` tokens."""
+    device = engine.anchor_ids.device
+    harness.synchronize(device)
+    start = time.perf_counter()
+    if not packed:
+        for request in requests:
+            engine.admit(*request)
+    else:
+        pack: list[tuple] = []
+        for request in requests:
+            if pack and sum(len(prompt) for _, prompt, _, _ in pack) + len(request[1]) > engine.pack_tokens:
+                engine.admit_many(pack)
+                pack = []
+            pack.append(request)
+        engine.admit_many(pack)
+    harness.synchronize(device)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def seconds_per_step(engine: object, args: argparse.Namespace, requests: int, vocab: int) -> float:
+    for request in admissions(args, requests, vocab):
+        engine.admit(*request)
     for _ in range(args.warmup):
         engine.run_step()
     device = engine.anchor_ids.device
@@ -104,36 +138,57 @@ def run(args: argparse.Namespace) -> int:
     target, drafter = models(args, device, dtype)
     report = harness.header(args, device)
     rows = []
+    length = args.prompt_tokens + args.warmup + args.steps + 1
+    rows_memory = max(args.requests) * (length + drafter.config.block_size + 16)  # whole pages for every request
+
+    def engine_for(static: bool) -> DFlashEngine:
+        return DFlashEngine(target, drafter, max_batch_size=max(args.requests), max_sequence_length=length,
+                            max_tokens=rows_memory, prefill_chunk=args.prefill_chunk, static_shapes=static)
+
     for requests in args.requests:
         row = {"requests": requests}
+        for packed in (False, True):
+            work = admissions(args, requests, target.config.vocab_size)
+            admit_seconds(engine_for(False), work, packed)  # untimed: new shapes cost more once
+            seconds = admit_seconds(engine_for(False), work, packed)
+            row[f"admit_{'packed' if packed else 'alone'}_ms"] = 1000 * seconds
+        row["admit_alone_over_packed"] = row["admit_alone_ms"] / row["admit_packed_ms"]
         for mode, static in MODES.items():
-            engine = DFlashEngine(target, drafter, max_batch_size=max(args.requests),
-                                  max_sequence_length=args.prompt_tokens + args.warmup + args.steps + 1,
-                                  static_shapes=static)
+            engine = engine_for(static)
             row[f"{mode}_ms_per_step"] = 1000 * seconds_per_step(engine, args, requests, target.config.vocab_size)
             row[f"{mode}_graphs"] = len(engine.graphs)
         row["eager_over_static"] = row["eager_ms_per_step"] / row["static_ms_per_step"]
         print(f"{requests:>3} requests: eager {row['eager_ms_per_step']:.2f} ms, static "
               f"{row['static_ms_per_step']:.2f} ms per step ({row['static_graphs']} CUDA graphs), eager / static "
-              f"{row['eager_over_static']:.2f}x", flush=True)
+              f"{row['eager_over_static']:.2f}x; admitted one by one {row['admit_alone_ms']:.1f} ms, packed "
+              f"{row['admit_packed_ms']:.1f} ms ({row['admit_alone_over_packed']:.2f}x)", flush=True)
         rows.append(row)
     report.update(shape=args.shape, dtype=str(dtype).removeprefix("torch."), prompt_tokens=args.prompt_tokens,
-                  statistic=f"mean of {args.steps} steps after {args.warmup} warm-up steps", rows=rows)
+                  prefill_chunk=args.prefill_chunk, pack_tokens=engine_for(False).pack_tokens,
+                  statistic=f"mean of {args.steps} steps after {args.warmup} warm-up steps; admission: one round "
+                  "after an untimed one", rows=rows)
     harness.write_report(args.out, report, plot)
     return 0
 
 
 def plot(report: dict, path: Path) -> None:
     plt = harness.pyplot()
-    figure, axis = plt.subplots(figsize=(6, 3.5))
+    figure, (axis, admit_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
     rows = report["rows"]
+    groups = [str(row["requests"]) for row in rows]
     graphs = any(row["static_graphs"] for row in rows)
-    harness.grouped_bars(axis, [str(row["requests"]) for row in rows], {
+    harness.grouped_bars(axis, groups, {
         "eager": [row["eager_ms_per_step"] for row in rows],
         "CUDA graphs" if graphs else "static shapes, eager": [row["static_ms_per_step"] for row in rows],
     }, "ms per step")
     axis.set_xlabel("running requests")
     axis.set_title(f"engine step, {report['shape']} shape ({report['dtype']}), {report['machine']} "
                    f"({report['date'][:10]})", fontsize=9)
+    harness.grouped_bars(admit_axis, groups, {
+        "one prefill per request": [row["admit_alone_ms"] for row in rows],
+        "packed prefills": [row["admit_packed_ms"] for row in rows],
+    }, "ms to admit them all")
+    admit_axis.set_xlabel("requests admitted")
+    admit_axis.set_title(f"admission, {report['prompt_tokens']} prompt tokens each", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
