@@ -141,9 +141,10 @@ def run(args: argparse.Namespace) -> int:
     length = args.prompt_tokens + args.warmup + args.steps + 1
     rows_memory = max(args.requests) * (length + drafter.config.block_size + 16)  # whole pages for every request
 
-    def engine_for(static: bool) -> DFlashEngine:
+    def engine_for(static: bool) -> DFlashEngine:  # full-width steps both ways (the verify policy is off)
         return DFlashEngine(target, drafter, max_batch_size=max(args.requests), max_sequence_length=length,
-                            max_tokens=rows_memory, prefill_chunk=args.prefill_chunk, static_shapes=static)
+                            max_tokens=rows_memory, prefill_chunk=args.prefill_chunk, static_shapes=static,
+                            adaptive=False)
 
     for requests in args.requests:
         row = {"requests": requests}
