@@ -3,7 +3,7 @@
 Given a mask, transformers' sdpa attention copies every key/value head G times (`repeat_kv`, G = heads per key/value
 head) before calling `scaled_dot_product_attention`, because torch's fused CUDA kernels do not all take a mask and
 grouped heads together. A verify step attends 16 rows to every slot of the static cache, so that copy of all L slots
-of every layer dominates its growth with context (benchmarks/NOTES.md, issue 15).
+of every layer dominates its growth with context (benchmarks/step-cost.md).
 
 Two ways to read each key/value head once, chosen per call:
 - On CUDA, torch's sdpa takes grouped heads itself (`enable_gqa=True`) when its dispatch serves the call with a fused
@@ -18,7 +18,7 @@ Two ways to read each key/value head once, chosen per call:
   over the group's rows. This is an ordinary multi-head sdpa call with a mask, which every sdpa backend that takes a
   mask serves. transformers does the same for one query row (`pack_gqa`, 5.24).
 On an H200 with torch 2.11 both ran cuDNN's attention, and enable_gqa was 2.5-4.5% faster per step: it copies
-neither the query nor the mask per layer (benchmarks/NOTES.md, "flat cost").
+neither the query nor the mask per layer (benchmarks/step-cost.md).
 
 `grouped_attention(*models)` switches the models whose attention is "sdpa" to this function for the forwards inside
 it (it is registered in transformers' AttentionInterface under `GROUPED_SDPA`) and puts every config back on exit,

@@ -288,7 +288,7 @@ def dflash_generate(
     `dflash_sampling` (a generate keyword) picks the acceptance rule under do_sample: "rejection" (the default)
     samples drafts from the drafter's distribution (at the generation temperature) and runs full rejection
     sampling; "point_mass" proposes the drafter's argmax and accepts it when it equals the target's sample. Both
-    are exact; rejection gave the higher tau with our SmolLM2 drafter (benchmarks/NOTES.md).
+    are exact; rejection gave the higher tau with our SmolLM2 drafter (benchmarks/sampling.md).
     `dflash_verify_rows` (a generate keyword, default: the block size) caps the rows the target verifies per step,
     anchor included: where a target forward costs in proportion to its rows (a CPU), verifying only the drafts that
     are likely to be accepted is cheaper. It never changes the output.

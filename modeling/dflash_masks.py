@@ -23,7 +23,7 @@ def in_window(
 ) -> torch.Tensor:
     """Which keys a sliding layer lets each query see: the `window` positions up to and including its own, causal
     (for a DFlash drafter's block rows too, as z-lab's reference and vLLM run the published sliding-window drafters:
-    benchmarks/NOTES.md); or with `causal` False the positions less than `window` away on either side, as a DFlash2
+    benchmarks/families.md); or with `causal` False the positions less than `window` away on either side, as a DFlash2
     drafter's block rows see each other (the caller bounds the keys a block may see at all).
     query_positions (..., q), key_positions (..., kv) -> bool (..., q, kv)."""
     behind = query_positions[..., :, None] - key_positions[..., None, :]

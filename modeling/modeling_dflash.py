@@ -5,7 +5,7 @@ dim. The context (captured target hidden states) never enters the residual strea
 contribute keys and values, next to the block rows' own. Attention is not causal: block rows see all context and
 each other. Sliding-window layers (`layer_types`, as in the published Qwen3.5/3.6 drafters) are the exception: a
 block row there sees the `sliding_window` positions up to its own, causally, also inside the block, which is how
-z-lab's reference and vLLM run those drafters (benchmarks/NOTES.md, "Target families"); the runtime builds that mask.
+z-lab's reference and vLLM run those drafters (benchmarks/families.md); the runtime builds that mask.
 
 Two ways in:
 - `forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache)`: transformers' native DFlash
