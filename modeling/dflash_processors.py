@@ -188,11 +188,11 @@ class TopKTopP:
         return torch.where(keep, scores, -float("inf"))
 
 
-# On a CUDA device TopKTopP's twenty-odd small kernels cost more than the pair's one sort of a few rows. Measured on an
-# H200, both recorded as CUDA graphs (benchmarks/sampling.md, 2026-12-05): 0.76 ms merged against 0.60 ms for the pair at
-# 16 x 151,936 scores (Qwen3-8B, batch 1), 1.10 against 1.56 ms at 256 x 49,152 (SmolLM2, batch 16). The line is
-# drawn where a straight line through each method's two points crosses the other's, about 5M scores; the shapes in
-# between were not measured. On a CPU the merged step was faster at every shape tried (2x or more, 16 to 256 rows).
+# On a CUDA device TopKTopP's twenty-odd small kernels cost more than the pair's one sort of a few rows: on an H200,
+# with both recorded as CUDA graphs, the pair was faster at 16 x 151,936 scores (Qwen3-8B, batch 1) and the merged step
+# at 256 x 49,152 (SmolLM2, batch 16). The line is drawn where a straight line through each method's two points
+# crosses the other's, about 5M scores; the shapes in between were not measured. On a CPU the merged step was faster at
+# every shape tried (16 to 256 rows). The timings: benchmarks/sampling.md, 2026-12-05.
 MERGED_TOP_K_TOP_P_FROM_CUDA = 5_000_000
 
 
