@@ -15,6 +15,11 @@ Before the steps, the same requests' admission is timed both ways, each in a fre
 (the first forward at a new shape costs more): `alone`, one prefill forward per request (`admit`), and `packed`,
 the prompts packed end to end into forwards of at most `--prefill-chunk` tokens, at most `CPU_PACK_TOKENS` on a CPU
 (`admit_many`, what the continuous-batching manager does with requests that wait together).
+
+Last, what a new shape costs (`new_shapes`): one engine at static shapes admits the largest `--requests` count,
+then, for each count from the largest down (as requests end and the batch shrinks), runs three steps, each timed
+alone: the first at a shape the engine has not run (on a GPU: its first run, before any recording), the second and
+the third (recorded, then replayed). The report adds the device memory the process held at its peak.
 """
 
 from __future__ import annotations
@@ -129,6 +134,39 @@ def seconds_per_step(engine: object, args: argparse.Namespace, requests: int, vo
     return (time.perf_counter() - start) / args.steps
 
 
+@torch.no_grad()
+def new_shape_steps(target: torch.nn.Module, drafter: torch.nn.Module, args: argparse.Namespace) -> list[dict]:
+    """Milliseconds of three steps at each running-request count, largest first (see the module docstring)."""
+    from ..modeling.dflash_engine import DFlashEngine
+
+    counts = sorted(set(args.requests), reverse=True)
+    steps = 3 * len(counts)
+    length = args.prompt_tokens + steps * drafter.config.block_size  # room for every step to commit a whole block
+    pages = -(-(length + drafter.config.block_size) // 16)  # what `DFlashEngine.pages_for` reserves per request
+    engine = DFlashEngine(target, drafter, max_batch_size=counts[0], max_sequence_length=length,
+                          max_tokens=counts[0] * pages * 16, static_shapes=True, adaptive=False)
+    # admissions' max_new_tokens: warmup + steps + 1, here the rest of `length`
+    work = argparse.Namespace(prompt_tokens=args.prompt_tokens, warmup=0, steps=length - args.prompt_tokens - 1)
+    for request in admissions(work, counts[0], target.config.vocab_size):
+        engine.admit(*request)
+    device = engine.anchor_ids.device
+    rows = []
+    for count in counts:
+        while len(engine.sequences) > count:
+            engine.retire(engine.sequences[-1].key)
+        times = []
+        for _ in range(3):
+            harness.synchronize(device)
+            start = time.perf_counter()
+            engine.run_step()
+            harness.synchronize(device)
+            times.append(1000 * (time.perf_counter() - start))
+        rows.append({"requests": count, "first_ms": times[0], "second_ms": times[1], "third_ms": times[2]})
+        print(f"{count:>3} requests, a new shape: {times[0]:.1f} ms, then {times[1]:.1f} and {times[2]:.1f} ms",
+              flush=True)
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from ..modeling.dflash_engine import DFlashEngine
 
@@ -164,10 +202,15 @@ def run(args: argparse.Namespace) -> int:
               f"{row['eager_over_static']:.2f}x; admitted one by one {row['admit_alone_ms']:.1f} ms, packed "
               f"{row['admit_packed_ms']:.1f} ms ({row['admit_alone_over_packed']:.2f}x)", flush=True)
         rows.append(row)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    new_shapes = new_shape_steps(target, drafter, args)
+    if device.startswith("cuda"):
+        report["new_shapes_peak_memory_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     report.update(shape=args.shape, dtype=str(dtype).removeprefix("torch."), prompt_tokens=args.prompt_tokens,
                   prefill_chunk=args.prefill_chunk, pack_tokens=engine_for(False).pack_tokens,
                   statistic=f"mean of {args.steps} steps after {args.warmup} warm-up steps; admission: one round "
-                  "after an untimed one", rows=rows)
+                  "after an untimed one", rows=rows, new_shapes=new_shapes)
     harness.write_report(args.out, report, plot)
     return 0
 
