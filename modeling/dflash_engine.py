@@ -277,6 +277,9 @@ class DFlashEngine(DFlashStep):
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.warmed_shapes: set[tuple[int, int, bool]] = set()
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # One stream for every shape's first, eager run: the caching allocator keeps freed memory per stream, so a new
+        # stream per shape would hold each shape's working memory apart and ask the driver for fresh memory every time.
+        self.warm_up_stream = torch.cuda.Stream(device) if self.use_graphs else None
         # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps), and
         # steps per verified width (1: plain steps, which skip the drafter).
         self.row_steps = 0
@@ -627,7 +630,7 @@ class DFlashEngine(DFlashStep):
         elif shape in self.graphs:
             self.graphs[shape].replay()
         elif shape not in self.warmed_shapes:
-            side = torch.cuda.Stream()
+            side = self.warm_up_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._run_rows(n, span, sampled)
