@@ -194,8 +194,27 @@ class DFlashContinuousBatchingManager:
 
     # -- control ----------------------------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def warmup(self) -> None:
-        """Nothing to record: the engine runs eagerly (kept for transformers' API)."""
+        """Where the engine runs static shapes (recorded as CUDA graphs on a GPU), run one short greedy request through
+        it before serving: its prefill and steps pay the one-time costs (on a GPU: kernels chosen, memory cached, the
+        first step shapes run and recorded), so the first real requests do not wait for them. Its row and pages are
+        free again afterwards; greedy requests' tokens do not change. Elsewhere nothing to do, as transformers' own
+        manager does nothing without graphs or compilation. It waits for the worker's step in progress, if any."""
+        engine = self.engine
+        with self._step_lock:
+            if engine.static_shapes and not engine.sequences:
+                block = engine.block_size
+                prompt = [0] * block  # token 0 exists in every vocabulary; what it decodes to does not matter here
+                if engine.fits_now(len(prompt), 2 * block):
+                    key = ("warm-up", id(self))  # not a request id: those are strings
+                    engine.admit(key, prompt, 2 * block, SamplingSettings())
+                    try:
+                        # two steps at least (each commits at most a block): a first run and, on a GPU, its recording
+                        while engine.sequences and engine.sequences[0].position < engine.sequences[0].max_length - 1:
+                            engine.run_step()
+                    finally:
+                        engine.retire(key)
         self.warmed_up = True
 
     def is_running(self) -> bool:

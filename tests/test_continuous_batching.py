@@ -179,13 +179,20 @@ def schedule(plans: list[dict], reference: Callable[[list[int], int], list[int]]
 
 
 def check_schedule(family: str, plans: list[dict], max_batch_size: int, small_pool: bool,
-                   wrong_every: int | None = None, static_shapes: bool = False) -> DFlashEngine:
+                   wrong_every: int | None = None, static_shapes: bool = False,
+                   warm_up: bool = False) -> DFlashEngine:
     """Run the schedule of `plans` and check every request against its own plain greedy generate; with
     `wrong_every`, under `oracle_drafts`; with `static_shapes`, every step padded to its bucketed shape, as a GPU
-    records it (dflash_engine.py). Returns the engine."""
+    records it (dflash_engine.py); with `warm_up`, after the manager's `warmup`. Returns the engine."""
     target, drafter = pair(family)
     manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=max_batch_size,
                                               max_tokens=128 if small_pool else None, static_shapes=static_shapes)
+    if warm_up:
+        manager.warmup()
+        engine = manager.engine
+        # with static shapes its request ran two steps at least (a first run and, on a GPU, its recording) and left
+        assert engine.row_steps >= 2 if static_shapes else engine.row_steps == 0
+        assert not engine.sequences and engine.pool_usage()["target_pages_used"] == 0
     arrivals, cancels, expected, full = schedule(plans, lambda prompt, new: plain_greedy(target, prompt, new))
     with oracle_drafts(full, wrong_every) if wrong_every else contextlib.nullcontext():
         outputs, scheduler, _ = run_schedule(manager, arrivals, cancels)
@@ -239,6 +246,12 @@ def test_greedy_identity_with_static_shapes(family):
     assert {rows for _, rows, _, _ in shapes} == {1, 2, 4} and {span for _, _, span, _ in shapes} <= {64, 128}
     assert any(running < rows for running, rows, _, _ in shapes)  # idle rows ran beside running ones
     assert engine.pool_usage()["target_pages_used"] == 0 and engine.compute_free_capacity() == 1.0
+
+
+@pytest.mark.parametrize("static_shapes", [True, False])
+def test_warmup_runs_a_request_through_static_shapes_and_changes_no_answer(static_shapes):
+    check_schedule("llama", FIXED_PLANS, max_batch_size=4, small_pool=False, static_shapes=static_shapes,
+                   warm_up=True)
 
 
 def test_greedy_identity_with_a_dflash2_drafter():
