@@ -13,7 +13,8 @@
 #   call 4 or 5, carry .stage/prompts:     bash benchmarks/gpu/continuous_evidence.sh humaneval-cb-graphs
 #       HumanEval again, both managers with CUDA graphs (transformers' own records none for SDPA by default)
 #   any call:                              bash benchmarks/gpu/continuous_evidence.sh graphs
-#       the engine's GPU checks, then its step eager and graph-replayed (`hf-dflash bench engine-step`)
+#       the engine's GPU checks, then its step eager and graph-replayed, and what a new step shape costs
+#       (`hf-dflash bench engine-step`)
 set -u
 source benchmarks/gpu/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
