@@ -8,6 +8,12 @@ number (a 500 at 5.17, a bare Python message at 5.25). These checks add only wha
 whose JSON body names the field and what it takes, in transformers serve's own error shape (`{"detail": ...}`), and
 the request never reaches the model.
 
+Others ask for what continuous batching never applies, and transformers serve drops them without a word (or with a
+line in the server's log only): a `stop` text, a `frequency_penalty` (which plain `generate` would apply as a
+repetition penalty), `logit_bias`, `n` answers, log-probabilities, and `generation_config` settings other than the
+token limit, eos and sampling. Each is refused the same way, naming the field (`UNAPPLIED_FIELDS`), so that no
+client takes an answer for what it did not ask.
+
 The checks read the request's JSON only (no tokenizing): the prompt's length is checked after its chat template, by
 transformers serve (from 5.25) and by the manager, which refuses a request whose prompt and answer it can never
 hold (`serve.refuse_what_never_fits`).
@@ -91,6 +97,49 @@ def _sampling_problem(body: dict) -> str | None:
     return None
 
 
+# What continuous batching applies of a request (transformers serve's and ours alike, which hf-dflash serve always
+# runs): its token limit, its eos and its sampling settings. These OpenAI fields, which plain `generate` would honour
+# or the answer would reflect, it never sees; each is refused unless it asks for nothing (its value -> whether it
+# does). `generation_config` (a JSON object of generation settings) is checked key by key against APPLIED_SETTINGS.
+UNAPPLIED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "stop": (lambda value: value is None or value == [] or value == "", "cut the answer at the stop text yourself"),
+    "frequency_penalty": (lambda value: value is None or value == 0, "leave it out"),
+    "presence_penalty": (lambda value: value is None or value == 0, "leave it out"),
+    "logit_bias": (lambda value: value is None or value == {}, "leave it out"),
+    "n": (lambda value: value is None or value == 1, "send the request n times"),
+    "best_of": (lambda value: value is None or value == 1, "leave it out"),
+    "logprobs": (lambda value: value is None or value is False, "no log-probabilities are returned; leave it out"),
+    "top_logprobs": (lambda value: value is None, "no log-probabilities are returned; leave it out"),
+    "echo": (lambda value: value is None or value is False, "prepend the prompt yourself"),
+}
+APPLIED_SETTINGS = ("max_new_tokens", "eos_token_id", "do_sample", "temperature", "top_k", "top_p")
+
+
+def _unapplied_problem(body: dict) -> str | None:
+    for name, (asks_nothing, fix) in UNAPPLIED_FIELDS.items():
+        if name in body and not asks_nothing(body[name]):
+            return (
+                f"`{name}` is not applied here: continuous batching, which serves every request, takes only its "
+                f"token limit, eos and sampling settings; {fix}"
+            )
+    settings = body.get("generation_config")
+    if settings is None:
+        return None
+    try:
+        settings = json.loads(settings) if isinstance(settings, str) else None
+    except json.JSONDecodeError:
+        settings = None
+    if not isinstance(settings, dict):
+        return "`generation_config` must be a JSON object of generation settings, as a string"
+    unapplied = sorted(set(settings) - set(APPLIED_SETTINGS))
+    if unapplied:
+        return (
+            f"`generation_config` sets {', '.join(unapplied)}, which continuous batching does not apply; it applies "
+            f"{', '.join(APPLIED_SETTINGS)}"
+        )
+    return None
+
+
 def request_problem(path: str, body: Any, limits: RequestLimits) -> str | None:
     """What is wrong with a request `body` to the generation endpoint `path`, in one sentence; None if nothing."""
     if not isinstance(body, dict):
@@ -111,7 +160,7 @@ def request_problem(path: str, body: Any, limits: RequestLimits) -> str | None:
             problem = _answer_cap_problem(name, body[name], limits)
             if problem:
                 return problem
-    return _sampling_problem(body)
+    return _sampling_problem(body) or _unapplied_problem(body)
 
 
 # ----------------------------------------------------------------------------------------------------------------

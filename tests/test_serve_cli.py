@@ -133,6 +133,18 @@ LIMITS = RequestLimits(1024, "the drafter's context")
         (CHAT, {"messages": MESSAGES, "model": 3}, "`model` must be a string"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": True}, "`max_tokens` must be a whole number"),
         ("/v1/responses", {"input": "Hi", "max_output_tokens": 5000}, "`max_output_tokens` 5000 is more than"),
+        # what continuous batching would drop without a word
+        (CHAT, {"messages": MESSAGES, "stop": ["\n"]}, "`stop` is not applied here"),
+        ("/v1/completions", {"prompt": "Hi", "stop": "."}, "`stop` is not applied here"),
+        (CHAT, {"messages": MESSAGES, "frequency_penalty": 0.5}, "`frequency_penalty` is not applied"),
+        (CHAT, {"messages": MESSAGES, "presence_penalty": -1}, "`presence_penalty` is not applied"),
+        (CHAT, {"messages": MESSAGES, "logit_bias": {"5": 10}}, "`logit_bias` is not applied"),
+        (CHAT, {"messages": MESSAGES, "n": 2}, "send the request n times"),
+        (CHAT, {"messages": MESSAGES, "logprobs": True}, "no log-probabilities are returned"),
+        ("/v1/completions", {"prompt": "Hi", "echo": True}, "`echo` is not applied"),
+        (CHAT, {"messages": MESSAGES, "generation_config": '{"repetition_penalty": 1.3, "top_k": 5}'},
+         "`generation_config` sets repetition_penalty, which continuous batching does not apply"),
+        ("/v1/responses", {"input": "Hi", "generation_config": "[1]"}, "must be a JSON object"),
     ],
 )
 def test_request_problems_name_the_field(path, body, expected):
@@ -146,6 +158,10 @@ def test_good_requests_pass_the_checks():
     assert request_problem(CHAT, {"messages": tool_turn}, LIMITS) is None
     assert request_problem("/v1/completions", {"prompt": "Hi", "max_tokens": 5}, RequestLimits()) is None
     assert request_problem("/v1/responses", {"input": [{"role": "user", "content": "Hi"}]}, LIMITS) is None
+    # the fields continuous batching does not apply pass where they ask for nothing
+    asks_nothing = {"stop": None, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "n": 1,
+                    "logprobs": False, "top_logprobs": None, "generation_config": '{"temperature": 0.5, "top_k": 4}'}
+    assert request_problem(CHAT, {"messages": MESSAGES, **asks_nothing}, LIMITS) is None
 
 
 def test_the_limit_is_the_smaller_of_the_target_and_drafter_contexts(served_model):
