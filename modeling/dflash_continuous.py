@@ -16,8 +16,9 @@ what ended (its eos, its max_new_tokens, a cancellation) in the same step, so it
 request at once. A request that fails in its prefill fails alone; one step that raises fails the requests in it, and
 the worker keeps serving.
 
-Per request: max_new_tokens, eos_token_id, and temperature / top_k / top_p (dflash_row_sampling.py); greedy
-requests equal plain greedy `generate` token for token, sampled ones follow the target's distribution.
+Per request: max_new_tokens, eos_token_id, temperature / top_k / top_p and repetition_penalty
+(dflash_row_sampling.py); greedy requests equal plain greedy `generate` token for token (with their penalty, if
+any), sampled ones follow the target's distribution.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -129,7 +130,7 @@ class DFlashContinuousBatchingManager:
         model: the target.
         drafter: a DFlash drafter trained for it.
         generation_config: defaults for every request (max_new_tokens, eos_token_id, do_sample, temperature, top_k,
-            top_p); options the engine does not apply per row are refused here with a ValueError.
+            top_p, repetition_penalty); options the engine does not apply per row are refused here with a ValueError.
         continuous_batching_config: transformers' `ContinuousBatchingConfig`; its `max_requests_per_batch` sets the
             rows, `num_blocks` x its page size the tokens each pool holds, and `max_batch_tokens` the most prompt
             positions one prefill forward takes (longer prompts are prefilled in chunks); `use_cuda_graph` whether

@@ -48,6 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -63,7 +64,7 @@ from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
 from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView
 from .dflash_policy import VerifyPolicy
-from .dflash_row_sampling import SamplingSettings, warp
+from .dflash_row_sampling import SamplingSettings, penalize, warp
 from .dflash_static_cache import page_slots
 from .dflash_step import DFlashStep, StepRows
 
@@ -82,12 +83,27 @@ DEFAULT_MEMORY_SEQUENCES = 8
 
 @dataclass
 class EngineRows(StepRows):
-    """`StepRows` with each row's sampling settings (all None when every row is greedy)."""
+    """`StepRows` with each row's sampling settings (all None when every row is greedy) and repetition penalty (None,
+    and `presence` None, when no row has one)."""
 
     do_sample: torch.Tensor | None = None  # (n,) bool
     temperature: torch.Tensor | None = None  # (n,) float32
     top_k: torch.Tensor | None = None  # (n,) long, 0: off
     top_p: torch.Tensor | None = None  # (n,) float32
+    repetition_penalty: torch.Tensor | None = None  # (n,) float32, 1: off
+
+
+class RowScoring(NamedTuple):
+    """What the rows' scores take before their tokens are chosen: a warp where some row samples, a repetition penalty
+    where some row has one (a recorded step computes one of these kinds, so each has its own graphs)."""
+
+    sampled: bool
+    penalized: bool
+
+    @classmethod
+    def of(cls, settings: list[SamplingSettings]) -> "RowScoring":
+        """The kind the rows of these settings need."""
+        return cls(any(not s.greedy for s in settings), any(s.penalized for s in settings))
 
 
 @dataclass
@@ -263,19 +279,23 @@ class DFlashEngine(DFlashStep):
         self.temperature = torch.ones(b, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(b, **long)
         self.top_p = torch.ones(b, dtype=torch.float32, device=device)
+        self.repetition_penalty = torch.ones(b, dtype=torch.float32, device=device)
+        # the tokens each row's repetition penalty counts (its prompt and committed tokens), kept for penalized rows
+        vocab = target.get_output_embeddings().weight.shape[0]
+        self.presence = torch.zeros(b, vocab, dtype=torch.bool, device=device)
         self.per_row = (
             self.target_tables, self.drafter_tables, self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length,
-            self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p,
-            *self.conv.values(), *self.recurrent.values(),
+            self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
+            self.presence, *self.conv.values(), *self.recurrent.values(),
         )
         self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
         if self.static_shapes:
             self.scratch = (self.target_pool.take(1)[0], self.drafter_pool.take(1)[0])
             for row in range(b):
                 self._idle(row)
-        # CUDA graphs by shape (rows, span, whether any row samples); shapes run once eagerly before being recorded
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self.warmed_shapes: set[tuple[int, int, bool]] = set()
+        # CUDA graphs by shape (rows, span, `RowScoring`); shapes run once eagerly before being recorded
+        self.graphs: dict[tuple[int, int, RowScoring], torch.cuda.CUDAGraph] = {}
+        self.warmed_shapes: set[tuple[int, int, RowScoring]] = set()
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # One stream for every shape's first, eager run: the caching allocator keeps freed memory per stream, so a new
         # stream per shape would hold each shape's working memory apart and ask the driver for fresh memory every time.
@@ -386,7 +406,8 @@ class DFlashEngine(DFlashStep):
                 placed.append(self._place(row, *request))
             with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
                 prompts = [prompt for _, prompt, _, _ in requests]
-                firsts = self._prefill_packed(first_row, prompts, any(not sampling.greedy for *_, sampling in requests))
+                scoring = RowScoring.of([sampling for *_, sampling in requests])
+                firsts = self._prefill_packed(first_row, prompts, scoring)
         except BaseException as error:
             for sequence in placed:
                 self._give_back(sequence)
@@ -417,11 +438,16 @@ class DFlashEngine(DFlashStep):
             table[row].zero_()
             table[row, :pages] = torch.tensor(taken, device=self.anchor_ids.device)
         self._set_sampling(row, sampling)
+        if sampling.penalized:  # the prompt's tokens count from its first token on
+            self.presence[row] = False
+            self.presence[row, torch.tensor(prompt, device=self.presence.device)] = True
         return sequence
 
     def _start(self, row: int, sequence: EngineSequence, first: torch.Tensor) -> None:
         """A prefilled row runs from the next step on, its first token the anchor."""
         self.anchor_ids[row, 0] = first
+        if sequence.sampling.penalized:
+            self.presence[row, first] = True
         self.active[row] = 1
         self.anchor_pos[row] = self.prev_pos[row] = sequence.position  # the first step has no verify rows to store
         self.max_length[row] = sequence.max_length
@@ -435,6 +461,7 @@ class DFlashEngine(DFlashStep):
         self.temperature[row] = sampling.temperature if sampled else 1.0  # a greedy row's argmax needs no warp
         self.top_k[row] = sampling.top_k
         self.top_p[row] = sampling.top_p
+        self.repetition_penalty[row] = sampling.repetition_penalty
 
     def _prefill(self, row: int, input_ids: torch.LongTensor, sampling: SamplingSettings) -> torch.Tensor:
         """The prompt forward of one row (1, P), in chunks of at most `prefill_chunk` positions: keys/values to its
@@ -445,8 +472,10 @@ class DFlashEngine(DFlashStep):
         for start in range(0, length, self.prefill_chunk):
             end = min(start + self.prefill_chunk, length)
             logits = self._prefill_chunk(row, input_ids[:, start:end], start)
-        scores, do_sample = self._scores(logits, **self._sampling(slice(row, row + 1), not sampling.greedy))
-        tokens, _ = accept(scores, input_ids[:, :0], do_sample, None)
+        no_drafts = input_ids[:, :0]
+        settings = self._sampling(slice(row, row + 1), RowScoring.of([sampling]))
+        scores, do_sample = self._scores(logits, no_drafts, **settings)
+        tokens, _ = accept(scores, no_drafts, do_sample, None)
         return tokens[0, 0]
 
     def _prefill_chunk(self, row: int, input_ids: torch.LongTensor, start: int) -> torch.Tensor:
@@ -477,11 +506,11 @@ class DFlashEngine(DFlashStep):
         self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
         return logits
 
-    def _prefill_packed(self, first_row: int, prompts: list[list[int]], sampled: bool) -> torch.Tensor:
+    def _prefill_packed(self, first_row: int, prompts: list[list[int]], scoring: RowScoring) -> torch.Tensor:
         """The prompts of rows first_row.. in one target forward (1, T), T their total length: each prompt's keys and
         values go to its own row's pages, each token reads back its own prompt's pages only (a block-diagonal causal
-        mask), and each prompt's last position gives its row's first token under its own sampling settings (`sampled`:
-        whether any of them samples). Returns the first tokens (k,)."""
+        mask), and each prompt's last position gives its row's first token under its own sampling settings (`scoring`:
+        of them all). Returns the first tokens (k,)."""
         device = self.anchor_ids.device
         rows = range(first_row, first_row + len(prompts))
         lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
@@ -513,8 +542,10 @@ class DFlashEngine(DFlashStep):
         finally:
             self.generator.capture.destination = None
         self.generator.write_context(captured, positions, slots(self.drafter_tables))
-        scores, do_sample = self._scores(logits, **self._sampling(slice(first_row, first_row + len(prompts)), sampled))
-        tokens, _ = accept(scores, logits.new_zeros(len(prompts), 0, dtype=torch.long), do_sample, None)
+        no_drafts = logits.new_zeros(len(prompts), 0, dtype=torch.long)
+        settings = self._sampling(slice(first_row, first_row + len(prompts)), scoring)
+        scores, do_sample = self._scores(logits, no_drafts, **settings)
+        tokens, _ = accept(scores, no_drafts, do_sample, None)
         return tokens[:, 0]
 
     def retire(self, key: Hashable) -> None:
@@ -562,17 +593,24 @@ class DFlashEngine(DFlashStep):
         """Positions a forward reads back: `longest` rounded up to SPAN_BUCKET, within the block tables."""
         return min(-(-longest // SPAN_BUCKET) * SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
 
-    def _sampling(self, rows: slice, sampled: bool) -> dict[str, torch.Tensor | None]:
-        """`EngineRows`' sampling fields for `rows`: their settings when any of them samples, else None."""
-        names = ("do_sample", "temperature", "top_k", "top_p")
-        return {name: getattr(self, name)[rows] if sampled else None for name in names}
+    def _sampling(self, rows: slice, scoring: RowScoring) -> dict[str, torch.Tensor | None]:
+        """`EngineRows`' sampling and penalty fields for `rows`: their settings where `scoring` asks, else None."""
+        sampling = {name: getattr(self, name)[rows] if scoring.sampled else None
+                    for name in ("do_sample", "temperature", "top_k", "top_p")}
+        penalty = {name: getattr(self, name)[rows] if scoring.penalized else None
+                   for name in ("presence", "repetition_penalty")}
+        return {**sampling, **penalty}
 
     @staticmethod
     def _scores(
-        logits: torch.Tensor, do_sample: torch.Tensor | None, temperature: torch.Tensor | None,
-        top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+        logits: torch.Tensor, drafts: torch.LongTensor, do_sample: torch.Tensor | None,
+        temperature: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+        presence: torch.Tensor | None, repetition_penalty: torch.Tensor | None,
     ) -> tuple[torch.Tensor, bool | torch.Tensor]:
-        """Scores (n, q, V) to choose tokens from, and do_sample: False where no row samples, else per row (n,)."""
+        """Scores (n, q, V) to choose tokens from, and do_sample: False where no row samples, else per row (n,).
+        drafts (n, q - 1): the verified drafts, which row j's repetition penalty counts up to j."""
+        if presence is not None:
+            logits = penalize(logits, presence, drafts, repetition_penalty)
         if do_sample is None:
             return logits, False
         return warp(logits, temperature, top_k, top_p), do_sample
@@ -580,8 +618,12 @@ class DFlashEngine(DFlashStep):
     def choose(
         self, rows: EngineRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
-        """Each row's own sampling settings (greedy rows: the argmax), with the drafter's argmax as its proposal."""
-        scores, do_sample = self._scores(logits, rows.do_sample, rows.temperature, rows.top_k, rows.top_p)
+        """Each row's own repetition penalty and sampling settings (greedy rows: the argmax), with the drafter's argmax
+        as its proposal."""
+        scores, do_sample = self._scores(
+            logits, drafts, rows.do_sample, rows.temperature, rows.top_k, rows.top_p, rows.presence,
+            rows.repetition_penalty,
+        )
         tokens, accepted = accept(scores, drafts, do_sample, None)
         return scores, tokens, accepted
 
@@ -591,7 +633,7 @@ class DFlashEngine(DFlashStep):
         buckets = 1 << max(-(-span // SPAN_BUCKET) - 1, 0).bit_length()
         return rows, min(buckets * SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
 
-    def _rows(self, n: int, span: int, sampled: bool) -> EngineRows:
+    def _rows(self, n: int, span: int, scoring: RowScoring) -> EngineRows:
         """The step's view of rows 0..n-1 reading positions 0..span-1. Everything here is device work on the engine's
         buffers, so that a CUDA graph records it with the step."""
         positions = torch.arange(span, device=self.anchor_ids.device)
@@ -614,32 +656,32 @@ class DFlashEngine(DFlashStep):
                 self.drafter_pool, self.draft_block_slots[:n],
                 read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
             ),
-            **self._sampling(slice(0, n), sampled),
+            **self._sampling(slice(0, n), scoring),
         )
 
-    def _run_rows(self, n: int, span: int, sampled: bool) -> None:
+    def _run_rows(self, n: int, span: int, scoring: RowScoring) -> None:
         with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
-            self.step(self._rows(n, span, sampled))
+            self.step(self._rows(n, span, scoring))
 
-    def _run_static(self, n: int, span: int, sampled: bool) -> None:
+    def _run_static(self, n: int, span: int, scoring: RowScoring) -> None:
         """The padded step at shape (n, span): on a CUDA device its first run is eager, on a side stream (the warm-up a
         capture needs; it is a real step), its second records the graph, which then replays; elsewhere eager."""
-        shape = (n, span, sampled)
+        shape = (n, span, scoring)
         if not self.use_graphs:
-            self._run_rows(n, span, sampled)
+            self._run_rows(n, span, scoring)
         elif shape in self.graphs:
             self.graphs[shape].replay()
         elif shape not in self.warmed_shapes:
             side = self.warm_up_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._run_rows(n, span, sampled)
+                self._run_rows(n, span, scoring)
             torch.cuda.current_stream().wait_stream(side)
             self.warmed_shapes.add(shape)
         else:  # recording runs nothing: the replay right after it is the step
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._run_rows(n, span, sampled)
+                self._run_rows(n, span, scoring)
             self.graphs[shape] = graph
             graph.replay()
 
@@ -652,21 +694,21 @@ class DFlashEngine(DFlashStep):
         if n == 0:
             return {}
         span = self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
-        sampled = any(not sequence.sampling.greedy for sequence in self.sequences)
+        scoring = RowScoring.of([sequence.sampling for sequence in self.sequences])
         keys = [sequence.key for sequence in self.sequences]
         width, confidence, draft_seconds = self.block_size, None, None
         if self.policy is not None:  # eager, at the running rows' shape: the width is chosen between draft and verify
             with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
                 started = time.perf_counter()
-                rows = self._rows(n, span, sampled)
+                rows = self._rows(n, span, scoring)
                 width, confidence = self._draft_for_policy(rows, keys)
                 verify_started = time.perf_counter()
                 draft_seconds = None if confidence is None else verify_started - started
                 self.verify(rows, None, width)
         elif self.static_shapes:
-            self._run_static(*self._static_shape(n, span), sampled)
+            self._run_static(*self._static_shape(n, span), scoring)
         else:
-            self._run_rows(n, span, sampled)
+            self._run_rows(n, span, scoring)
         out = self.out[:n].tolist()  # the step's host synchronization (the policy's second)
         accepted = [row[self.block_size] for row in out]
         if self.policy is not None:

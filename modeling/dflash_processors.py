@@ -292,7 +292,7 @@ class StepProcessors:
                 if processor is self.penalty:
                     every_token = torch.arange(vocab, device=scores.device).expand(b * n, vocab)
                     penalized = self._every_token_penalty(every_token, scores)
-                    scores = torch.where(self._row_presence(presence, drafts), penalized, scores)
+                    scores = torch.where(row_presence(presence, drafts), penalized, scores)
                 elif type(processor) in LENGTH_GATES:
                     trigger_length, holds = LENGTH_GATES[type(processor)]
                     prefix = torch.zeros((), dtype=torch.long, device=scores.device).expand(b * n, trigger_length(processor))
@@ -303,15 +303,17 @@ class StepProcessors:
                     scores = processor(no_prefix, scores)
         return scores.view(b, n, vocab)
 
-    @staticmethod
-    def _row_presence(presence: torch.Tensor, drafts: torch.LongTensor) -> torch.Tensor:
-        """(b * n, V) bool: row j of a sequence counts its prefix's tokens and drafts[:j]."""
-        b, vocab = presence.shape
-        n = drafts.shape[1] + 1
-        earlier = torch.ones(n, n - 1, dtype=torch.int32, device=drafts.device).tril(-1)  # [j, k] = k < j
-        hits = torch.zeros(b, n, vocab, dtype=torch.int32, device=drafts.device)
-        hits.scatter_add_(2, drafts[:, None, :].expand(b, n, n - 1), earlier.expand(b, n, n - 1))
-        return (presence[:, None] | (hits > 0)).reshape(b * n, vocab)
+
+
+def row_presence(presence: torch.Tensor, drafts: torch.LongTensor) -> torch.Tensor:
+    """(b * n, V) bool: the tokens the repetition penalty counts at each verify row. presence (b, V): a sequence's
+    prefix's tokens; drafts (b, n - 1): row j of a sequence also counts drafts[:j]."""
+    b, vocab = presence.shape
+    n = drafts.shape[1] + 1
+    earlier = torch.ones(n, n - 1, dtype=torch.int32, device=drafts.device).tril(-1)  # [j, k] = k < j
+    hits = torch.zeros(b, n, vocab, dtype=torch.int32, device=drafts.device)
+    hits.scatter_add_(2, drafts[:, None, :].expand(b, n, n - 1), earlier.expand(b, n, n - 1))
+    return (presence[:, None] | (hits > 0)).reshape(b * n, vocab)
 
 
 def _row_by_row(
@@ -332,4 +334,4 @@ def _row_by_row(
     )
 
 
-__all__ = ["StepProcessors", "check_logits_processors"]
+__all__ = ["StepProcessors", "check_logits_processors", "row_presence"]

@@ -26,13 +26,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+)
 
 from hf_dflash import DFlashDraftModel
 from hf_dflash.modeling import dflash_linear_state
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
 from hf_dflash.modeling.dflash_engine import DFlashEngine
-from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, warp
+from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, penalize, warp
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_families import HYBRID, family_target
 
@@ -97,6 +99,7 @@ class OracleHead(torch.nn.Module):
             right = torch.tensor([reference[p] if p < len(reference) else 0 for p in positions.tolist()])
             wrong = ((positions + number) % self.wrong_every == 0) | (positions >= len(reference))
             tokens.append(torch.where(wrong, (right + 1) % self.vocab, right))
+        tokens += [torch.zeros(drafts, dtype=torch.long)] * (rows - len(tokens))  # idle rows of a static shape
         return torch.nn.functional.one_hot(torch.stack(tokens), self.vocab).to(hidden.dtype)
 
 
@@ -472,6 +475,33 @@ def test_per_row_warp_equals_transformers_warpers():
         torch.testing.assert_close(warped[row][~torch.isinf(scores)], scores[~torch.isinf(scores)])
 
 
+def test_per_row_penalty_then_warp_equals_transformers_processors():
+    """Each row's repetition penalty on its prefix's tokens and, at verify row j, the drafts before it, then its
+    warpers: transformers' processors in generate's order, called on each row's whole prefix."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 30) * 3  # 2 sequences, 3 verify rows
+    prefixes = [[3, 7, 7, 12], [0, 29, 5]]
+    drafts = torch.tensor([[12, 4], [6, 6]])  # row j follows the prefix and drafts[:j]
+    penalty, temperature, top_k, top_p = (1.4, 2.5), (0.8, 1.5), (0, 6), (0.9, 1.0)
+    presence = torch.zeros(2, 30, dtype=torch.bool)
+    for i, prefix in enumerate(prefixes):
+        presence[i, prefix] = True
+    scores = warp(penalize(logits, presence, drafts, torch.tensor(penalty)), torch.tensor(temperature),
+                  torch.tensor(top_k), torch.tensor(top_p))
+    for i, prefix in enumerate(prefixes):
+        processors = [RepetitionPenaltyLogitsProcessor(penalty[i]), TemperatureLogitsWarper(temperature[i])]
+        processors += [TopKLogitsWarper(top_k[i])] if top_k[i] else []
+        processors += [TopPLogitsWarper(top_p[i])] if top_p[i] < 1 else []
+        for j in range(3):
+            expected = logits[i, j][None].clone()
+            ids = torch.tensor([prefix + drafts[i, :j].tolist()])
+            for processor in processors:
+                expected = processor(ids, expected)
+            assert torch.equal(torch.isinf(scores[i, j]), torch.isinf(expected[0]))
+            finite = ~torch.isinf(expected[0])
+            torch.testing.assert_close(scores[i, j][finite], expected[0][finite])
+
+
 def chi_square_upper(degrees: int, z: float = 3.09) -> float:
     """The chi-square quantile at 1 - 0.001, by Wilson and Hilferty's approximation."""
     return degrees * (1 - 2 / (9 * degrees) + z * math.sqrt(2 / (9 * degrees))) ** 3
@@ -499,6 +529,40 @@ def statistic(counts: Counter, probabilities: dict, total: int) -> tuple[float, 
     if rest_expected > 0:
         value += (rest - rest_expected) ** 2 / rest_expected
     return value, len(big) - (0 if rest_expected > 0 else 1)
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_each_request_takes_its_own_repetition_penalty(static_shapes):
+    """Greedy requests with different repetition penalties (1: none) in one batch, two admitted in one packed prefill
+    and two later: each equals plain greedy generate with its own penalty. The drafts are each request's reference
+    answer, mostly right, so verify rows past the first count the drafts before them, as plain generate counts the
+    tokens it committed; a penalty dropped or applied to the wrong tokens changes the answers."""
+    target, drafter = pair("llama")
+    penalties = {"r0": 1.3, "r1": 1.0, "r2": 1.8, "r3": 1.3}
+    prompts = {key: random_prompt(length, seed=seed)[0].tolist()
+               for (key, length, seed) in [("r0", 6, 1), ("r1", 11, 2), ("r2", 4, 3), ("r3", 9, 4)]}
+
+    @torch.no_grad()
+    def reference(key: str, penalty: float) -> list[int]:
+        ids = torch.tensor([prompts[key]])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, repetition_penalty=penalty)
+        return out[0, ids.shape[1]:].tolist()
+
+    expected = {key: reference(key, penalty) for key, penalty in penalties.items()}
+    # the penalties change these answers, so a request that lost its penalty would fail
+    assert all(expected[key] != reference(key, 1.0) for key in ("r0", "r2", "r3"))
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=4, static_shapes=static_shapes)
+    arrivals = {}
+    for turn, key in zip((0, 0, 2, 3), penalties):
+        options = {} if penalties[key] == 1.0 else {"repetition_penalty": penalties[key]}
+        arrivals.setdefault(turn, []).append(dict(input_ids=prompts[key], request_id=key, max_new_tokens=20,
+                                                  eos_token_id=-1, **options))
+    with oracle_drafts({key: prompts[key] + expected[key] for key in prompts}, wrong_every=7):
+        outputs, _, _ = run_schedule(manager, arrivals, {})
+    assert {key: outputs[key][-1].generated_tokens for key in prompts} == expected
+    assert manager.engine.accepted_drafts > 0
+    assert manager.engine.pool_usage()["target_pages_used"] == 0
 
 
 def test_sampled_requests_follow_their_own_temperature_and_greedy_ones_stay_exact():
@@ -594,9 +658,10 @@ def test_bad_requests_are_refused_before_any_work():
         manager.add_request([1] * 1000, max_new_tokens=100)
     with pytest.raises(ValueError, match="min_p is not served per request"):
         manager.add_request([1, 2], min_p=0.1)
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        target.init_continuous_batching(generation_config=GenerationConfig(repetition_penalty=1.3),
-                                        assistant_model=drafter)
+    with pytest.raises(ValueError, match="also sets min_p"):
+        target.init_continuous_batching(generation_config=GenerationConfig(min_p=0.1), assistant_model=drafter)
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        manager.add_request([1, 2], repetition_penalty=0.0)
     with pytest.raises(ValueError, match="takes a DFlash drafter"):
         target.init_continuous_batching(generation_config=GREEDY, assistant_model=target)
     assert manager.input_queue.empty()
