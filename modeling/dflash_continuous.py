@@ -64,17 +64,20 @@ class Request:
     streaming: bool
     timestamps: list[float] | None
     generated: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None  # the generated tokens' log-probabilities, when the manager returns them
     status: RequestStatus = RequestStatus.PENDING
     error: str | None = None
     created_time: float = field(default_factory=time.perf_counter)
     started_time: float = -1.0
     finished_time: float = -1.0
 
-    def take(self, tokens: list[int]) -> bool:
-        """Append committed tokens up to and including an eos, and at most max_new_tokens in all; True when the
-        request has ended."""
-        for token in tokens:
+    def take(self, tokens: list[int], logprobs: list[float]) -> bool:
+        """Append committed tokens (and their log-probabilities, where kept) up to and including an eos, and at most
+        max_new_tokens in all; True when the request has ended."""
+        for i, token in enumerate(tokens):
             self.generated.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if self.timestamps is not None:
                 self.timestamps.append(time.perf_counter())
             if token in self.eos or len(self.generated) >= self.max_new_tokens:
@@ -86,6 +89,7 @@ class Request:
             request_id=self.request_id,
             prompt_ids=list(self.prompt),
             generated_tokens=list(self.generated),
+            logprobs=[] if self.logprobs is None else list(self.logprobs),
             error=self.error,
             status=self.status,
             created_time=self.created_time,
@@ -134,7 +138,8 @@ class DFlashContinuousBatchingManager:
         continuous_batching_config: transformers' `ContinuousBatchingConfig`; its `max_requests_per_batch` sets the
             rows, `num_blocks` x its page size the tokens each pool holds, and `max_batch_tokens` the most prompt
             positions one prefill forward takes (longer prompts are prefilled in chunks); `use_cuda_graph` whether
-            steps run at bucketed shapes recorded as CUDA graphs (the engine's `static_shapes`; None: on a GPU).
+            steps run at bucketed shapes recorded as CUDA graphs (the engine's `static_shapes`; None: on a GPU);
+            `return_logprobs` whether outputs carry each generated token's log-probability (as transformers' do).
         max_batch_size, max_tokens, static_shapes: the same, directly (they win over the config).
         adaptive: whether the engine's verify policy chooses each step's width (`DFlashEngine`'s `adaptive`: None,
             the default, turns it on where the engine runs on a CPU without static shapes).
@@ -174,6 +179,7 @@ class DFlashContinuousBatchingManager:
         self.engine = DFlashEngine(
             model, drafter, max_batch_size=max_batch_size, max_tokens=max_tokens, prefill_chunk=prefill_chunk,
             static_shapes=static_shapes, adaptive=adaptive,
+            return_logprobs=bool(getattr(cb, "return_logprobs", False)),
         )
         self.logit_processor = RequestOptions()
         self.background_thread_status = WorkerStatus()
@@ -325,6 +331,7 @@ class DFlashContinuousBatchingManager:
             sampling=sampling,
             streaming=streaming,
             timestamps=[] if record_timestamps else None,
+            logprobs=[] if self.engine.return_logprobs else None,
         )
         self.input_queue.put(request)
         self._wake.set()
@@ -515,7 +522,7 @@ class DFlashContinuousBatchingManager:
             self._commit(scheduler, scheduler.active_requests[request_id], tokens)
 
     def _commit(self, scheduler: DFlashScheduler, request: Request, tokens: list[int]) -> None:
-        if request.take(tokens):
+        if request.take(tokens, self.engine.take_logprobs(request.request_id)):
             request.status, request.finished_time = RequestStatus.FINISHED, time.perf_counter()
             del scheduler.active_requests[request.request_id]
             self.engine.retire(request.request_id)

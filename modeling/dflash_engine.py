@@ -91,6 +91,7 @@ class EngineRows(StepRows):
     top_k: torch.Tensor | None = None  # (n,) long, 0: off
     top_p: torch.Tensor | None = None  # (n,) float32
     repetition_penalty: torch.Tensor | None = None  # (n,) float32, 1: off
+    logprobs: torch.Tensor | None = None  # (n, B) float32: the log-probability of each verified row's token, if kept
 
 
 class RowScoring(NamedTuple):
@@ -106,6 +107,12 @@ class RowScoring(NamedTuple):
         return cls(any(not s.greedy for s in settings), any(s.penalized for s in settings))
 
 
+def token_logprobs(scores: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
+    """(n, q) float32: the log-probability of each token (n, q) under the scores (n, q, V) it was chosen from, as
+    transformers' manager reports it (the log of its softmax)."""
+    return scores.float().log_softmax(dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+
 @dataclass
 class EngineSequence:
     """A sequence in one of the engine's rows (host side)."""
@@ -116,6 +123,7 @@ class EngineSequence:
     sampling: SamplingSettings
     target_pages: list[int] = field(default_factory=list)
     drafter_pages: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of tokens committed since the caller last took them
 
 
 class PagedTargetCache:
@@ -194,6 +202,9 @@ class DFlashEngine(DFlashStep):
             `VerifyPolicy(whole_batch=True)`; a `VerifyPolicy`: that one, as given (its cost fit carries over; one
             engine at a time). Its steps run eagerly at the running rows' shape (the width is chosen on the host
             between the drafter and the verify, which a recorded step cannot do), so it excludes static shapes.
+        return_logprobs: whether each committed token's log-probability is kept (`take_logprobs`): under the
+            scores its token was chosen from (the raw logits of a greedy row, a sampled row's processed ones), as
+            transformers' manager reports them with `return_logprobs`.
     """
 
     def __init__(
@@ -206,6 +217,7 @@ class DFlashEngine(DFlashStep):
         prefill_chunk: int = PREFILL_CHUNK,
         static_shapes: bool | None = None,
         adaptive: bool | VerifyPolicy | None = None,
+        return_logprobs: bool = False,
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
@@ -283,6 +295,8 @@ class DFlashEngine(DFlashStep):
         # the tokens each row's repetition penalty counts (its prompt and committed tokens), kept for penalized rows
         vocab = target.get_output_embeddings().weight.shape[0]
         self.presence = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+        self.return_logprobs = return_logprobs
+        self.logprobs = torch.zeros(b, block, dtype=torch.float32, device=device) if return_logprobs else None
         self.per_row = (
             self.target_tables, self.drafter_tables, self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length,
             self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
@@ -375,11 +389,11 @@ class DFlashEngine(DFlashStep):
         sequence = self._place(row, key, prompt, max_new_tokens, sampling)
         try:
             with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
-                first = self._prefill(row, torch.tensor([prompt], device=self.anchor_ids.device), sampling)
+                first, logprob = self._prefill(row, torch.tensor([prompt], device=self.anchor_ids.device), sampling)
         except BaseException:
             self._give_back(sequence)
             raise
-        self._start(row, sequence, first)
+        self._start(row, sequence, first, logprob)
         return int(first)
 
     @torch.no_grad()
@@ -407,15 +421,15 @@ class DFlashEngine(DFlashStep):
             with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
                 prompts = [prompt for _, prompt, _, _ in requests]
                 scoring = RowScoring.of([sampling for *_, sampling in requests])
-                firsts = self._prefill_packed(first_row, prompts, scoring)
+                firsts, logprobs = self._prefill_packed(first_row, prompts, scoring)
         except BaseException as error:
             for sequence in placed:
                 self._give_back(sequence)
             if not isinstance(error, Exception):
                 raise
             return [self._admit_or_error(*request) for request in requests]
-        for row, (sequence, first) in enumerate(zip(placed, firsts), first_row):
-            self._start(row, sequence, first)
+        for i, (row, sequence) in enumerate(zip(range(first_row, first_row + len(placed)), placed)):
+            self._start(row, sequence, firsts[i], None if logprobs is None else logprobs[i])
         return firsts.tolist()
 
     def _admit_or_error(self, *request: object) -> int | Exception:
@@ -443,9 +457,12 @@ class DFlashEngine(DFlashStep):
             self.presence[row, torch.tensor(prompt, device=self.presence.device)] = True
         return sequence
 
-    def _start(self, row: int, sequence: EngineSequence, first: torch.Tensor) -> None:
-        """A prefilled row runs from the next step on, its first token the anchor."""
+    def _start(self, row: int, sequence: EngineSequence, first: torch.Tensor, logprob: torch.Tensor | None) -> None:
+        """A prefilled row runs from the next step on, its first token the anchor (`logprob`: its log-probability,
+        when kept)."""
         self.anchor_ids[row, 0] = first
+        if logprob is not None:
+            sequence.logprobs.append(float(logprob))
         if sequence.sampling.penalized:
             self.presence[row, first] = True
         self.active[row] = 1
@@ -463,7 +480,9 @@ class DFlashEngine(DFlashStep):
         self.top_p[row] = sampling.top_p
         self.repetition_penalty[row] = sampling.repetition_penalty
 
-    def _prefill(self, row: int, input_ids: torch.LongTensor, sampling: SamplingSettings) -> torch.Tensor:
+    def _prefill(
+        self, row: int, input_ids: torch.LongTensor, sampling: SamplingSettings
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompt forward of one row (1, P), in chunks of at most `prefill_chunk` positions: keys/values to its
         pages, captured rows to the drafter's context, and its first token (a 0-d tensor) under its own sampling
         settings. A chunk's queries see the chunks before it through the pages, so the result is that of one forward,
@@ -472,11 +491,18 @@ class DFlashEngine(DFlashStep):
         for start in range(0, length, self.prefill_chunk):
             end = min(start + self.prefill_chunk, length)
             logits = self._prefill_chunk(row, input_ids[:, start:end], start)
-        no_drafts = input_ids[:, :0]
-        settings = self._sampling(slice(row, row + 1), RowScoring.of([sampling]))
-        scores, do_sample = self._scores(logits, no_drafts, **settings)
+        first, logprob = self._first_tokens(logits, slice(row, row + 1), RowScoring.of([sampling]))
+        return first[0], None if logprob is None else logprob[0]
+
+    def _first_tokens(
+        self, logits: torch.Tensor, rows: slice, scoring: RowScoring
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first tokens (k,) of rows `rows` from their prompts' last logits (k, 1, V), each under its own
+        settings, and their log-probabilities (k,) when kept."""
+        no_drafts = logits.new_zeros(logits.shape[0], 0, dtype=torch.long)
+        scores, do_sample = self._scores(logits, no_drafts, **self._sampling(rows, scoring))
         tokens, _ = accept(scores, no_drafts, do_sample, None)
-        return tokens[0, 0]
+        return tokens[:, 0], None if self.logprobs is None else token_logprobs(scores, tokens)[:, 0]
 
     def _prefill_chunk(self, row: int, input_ids: torch.LongTensor, start: int) -> torch.Tensor:
         """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits
@@ -506,11 +532,13 @@ class DFlashEngine(DFlashStep):
         self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
         return logits
 
-    def _prefill_packed(self, first_row: int, prompts: list[list[int]], scoring: RowScoring) -> torch.Tensor:
+    def _prefill_packed(
+        self, first_row: int, prompts: list[list[int]], scoring: RowScoring
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompts of rows first_row.. in one target forward (1, T), T their total length: each prompt's keys and
         values go to its own row's pages, each token reads back its own prompt's pages only (a block-diagonal causal
         mask), and each prompt's last position gives its row's first token under its own sampling settings (`scoring`:
-        of them all). Returns the first tokens (k,)."""
+        of them all). Returns the first tokens (k,) and their log-probabilities (k,) when kept."""
         device = self.anchor_ids.device
         rows = range(first_row, first_row + len(prompts))
         lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
@@ -542,11 +570,7 @@ class DFlashEngine(DFlashStep):
         finally:
             self.generator.capture.destination = None
         self.generator.write_context(captured, positions, slots(self.drafter_tables))
-        no_drafts = logits.new_zeros(len(prompts), 0, dtype=torch.long)
-        settings = self._sampling(slice(first_row, first_row + len(prompts)), scoring)
-        scores, do_sample = self._scores(logits, no_drafts, **settings)
-        tokens, _ = accept(scores, no_drafts, do_sample, None)
-        return tokens[:, 0]
+        return self._first_tokens(logits, slice(first_row, first_row + len(prompts)), scoring)
 
     def retire(self, key: Hashable) -> None:
         """Free `key`'s row and pages at once; the last row moves into its place."""
@@ -619,12 +643,14 @@ class DFlashEngine(DFlashStep):
         self, rows: EngineRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
         """Each row's own repetition penalty and sampling settings (greedy rows: the argmax), with the drafter's argmax
-        as its proposal."""
+        as its proposal; the tokens' log-probabilities go to `rows.logprobs` when kept."""
         scores, do_sample = self._scores(
             logits, drafts, rows.do_sample, rows.temperature, rows.top_k, rows.top_p, rows.presence,
             rows.repetition_penalty,
         )
         tokens, accepted = accept(scores, drafts, do_sample, None)
+        if rows.logprobs is not None:
+            rows.logprobs[:, : tokens.shape[1]].copy_(token_logprobs(scores, tokens))
         return scores, tokens, accepted
 
     def _static_shape(self, n: int, span: int) -> tuple[int, int]:
@@ -656,6 +682,7 @@ class DFlashEngine(DFlashStep):
                 self.drafter_pool, self.draft_block_slots[:n],
                 read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
             ),
+            logprobs=None if self.logprobs is None else self.logprobs[:n],
             **self._sampling(slice(0, n), scoring),
         )
 
@@ -717,11 +744,21 @@ class DFlashEngine(DFlashStep):
         self.width_steps[width] += 1
         self.row_steps += n
         self.accepted_drafts += sum(accepted)
+        logprobs = None if self.logprobs is None else self.logprobs[:n].tolist()
         committed = {}
-        for sequence, row, taken in zip(self.sequences, out, accepted):
+        for i, (sequence, row, taken) in enumerate(zip(self.sequences, out, accepted)):
             sequence.position += taken + 1
             committed[sequence.key] = row[: taken + 1]
+            if logprobs is not None:
+                sequence.logprobs += logprobs[i][: taken + 1]
         return committed
+
+    def take_logprobs(self, key: Hashable) -> list[float]:
+        """The log-probabilities of the tokens `key` committed since the last call (its first token's included), in
+        order; empty unless the engine keeps them (`return_logprobs`)."""
+        sequence = next(sequence for sequence in self.sequences if sequence.key == key)
+        taken, sequence.logprobs = sequence.logprobs, []
+        return taken
 
     def _draft_for_policy(self, rows: EngineRows, keys: list[Hashable]) -> tuple[int, list[list[float]] | None]:
         """Before the verify, under the policy: draft and take the width the drafts' confidence pays for, or only

@@ -565,6 +565,41 @@ def test_each_request_takes_its_own_repetition_penalty(static_shapes):
     assert manager.engine.pool_usage()["target_pages_used"] == 0
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_outputs_carry_each_tokens_logprob_when_the_config_asks(static_shapes):
+    """With `return_logprobs`, as transformers' manager: each generated token's log-probability under the scores it
+    was chosen from (a greedy request's logits, a sampled one's warped scores), the first token's and those of
+    several tokens accepted in one step included; without it, none."""
+    target, drafter = pair("llama")
+    prompts = {"r0": random_prompt(7, seed=5)[0].tolist(), "r1": random_prompt(5, seed=6)[0].tolist()}
+    sampled = dict(temperature=0.8, top_k=20, top_p=0.9)
+    greedy_answer = plain_greedy(target, prompts["r0"], 16)
+    outputs = {}
+    for return_logprobs in (True, False):
+        manager = DFlashContinuousBatchingManager(
+            target, drafter, GREEDY, ContinuousBatchingConfig(return_logprobs=return_logprobs), max_batch_size=2,
+            static_shapes=static_shapes,
+        )
+        arrivals = {0: [dict(input_ids=prompts["r0"], request_id="r0", max_new_tokens=16, eos_token_id=-1),
+                        dict(input_ids=prompts["r1"], request_id="r1", max_new_tokens=16, eos_token_id=-1, **sampled)]}
+        torch.manual_seed(0)
+        with oracle_drafts({"r0": prompts["r0"] + greedy_answer, "r1": prompts["r1"]}, wrong_every=5):
+            results, _, _ = run_schedule(manager, arrivals, {})
+        outputs[return_logprobs] = {key: results[key][-1] for key in prompts}
+        assert manager.engine.accepted_drafts > 0
+    assert all(output.logprobs == [] for output in outputs[False].values())
+    assert outputs[True]["r0"].generated_tokens == greedy_answer
+    for key, output in outputs[True].items():
+        tokens = output.generated_tokens
+        with torch.no_grad():
+            logits = target(torch.tensor([prompts[key] + tokens])).logits[0, len(prompts[key]) - 1 : -1]  # (N, V)
+        scores = logits[None] if key == "r0" else warp(
+            logits[None], *(torch.tensor([sampled[name]]) for name in ("temperature", "top_k", "top_p")))
+        expected = scores.float().log_softmax(dim=-1)[0].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        assert len(output.logprobs) == len(tokens)
+        torch.testing.assert_close(torch.tensor(output.logprobs), expected, atol=1e-4, rtol=0)
+
+
 def test_sampled_requests_follow_their_own_temperature_and_greedy_ones_stay_exact():
     """Vocabulary 4, three new tokens (the last two from verify steps, drafts accepted or not): requests at
     temperature 0.6 and 1.6 and greedy ones share the batch; each sampled set fits its own distribution."""
