@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -50,6 +50,14 @@ logger = logging.get_logger(__name__)
 # the verify policy a wide batch pays on a CPU too (measured: docs/continuous-batching.md); 8 rows kept 56 of 64
 # clients of `hf-dflash serve` waiting.
 DEFAULT_MAX_BATCH_SIZE = 64
+# The `ContinuousBatchingConfig` settings the manager applies. Requests are always processed per request here
+# (`per_request_processors`), and options a request cannot have are refused rather than dropped
+# (`drop_unsupported_processors`). The others size, schedule or compile transformers' own manager: one set away from
+# its default is named in a warning, so that no one takes it for applied.
+APPLIED_CONFIG = frozenset({
+    "max_requests_per_batch", "num_blocks", "page_size", "block_size", "max_batch_tokens", "use_cuda_graph",
+    "return_logprobs", "max_queue_size", "per_request_processors", "drop_unsupported_processors",
+})
 
 
 @dataclass
@@ -127,6 +135,25 @@ class DFlashBatchProcessor:
     cache: DFlashEngine
 
 
+def _warn_unapplied(config: Any) -> None:
+    """Warn, naming them, of the settings of a `ContinuousBatchingConfig` away from their defaults that the manager
+    does not apply (APPLIED_CONFIG)."""
+    if config is None or not is_dataclass(config):
+        return
+    defaults = type(config)()
+    unapplied = sorted(
+        item.name for item in fields(config)
+        if item.name not in APPLIED_CONFIG and getattr(config, item.name) != getattr(defaults, item.name)
+    )
+    if unapplied:
+        logger.warning(
+            "DFlash continuous batching does not apply these ContinuousBatchingConfig settings: "
+            f"{', '.join(unapplied)} (they size, schedule or compile transformers' own manager; the DFlash engine "
+            "reads max_requests_per_batch, num_blocks x page_size, max_batch_tokens, use_cuda_graph, return_logprobs "
+            "and max_queue_size)"
+        )
+
+
 class DFlashContinuousBatchingManager:
     """Continuous batching with a DFlash drafter, with transformers' `ContinuousBatchingManager` API.
 
@@ -172,6 +199,7 @@ class DFlashContinuousBatchingManager:
             page = getattr(cb, "page_size", None) or getattr(cb, "block_size", None)
             max_tokens = cb.num_blocks * page if page else None
         self.continuous_batching_config = cb
+        _warn_unapplied(cb)
         prefill_chunk = getattr(cb, "max_batch_tokens", None) or PREFILL_CHUNK
         if static_shapes is None:  # transformers' config: a bool, or one per path (varlen, decode) once decided
             graphs = getattr(cb, "use_cuda_graph", None)
@@ -185,7 +213,8 @@ class DFlashContinuousBatchingManager:
         self.background_thread_status = WorkerStatus()
         self.batch_processor: DFlashBatchProcessor | None = None
         self.warmed_up = False
-        self.input_queue: queue.Queue[Request] = queue.Queue()
+        # as transformers' manager: add_request waits while `max_queue_size` requests wait to be taken (0: no bound)
+        self.input_queue: queue.Queue[Request] = queue.Queue(maxsize=getattr(cb, "max_queue_size", None) or 0)
         self.cancel_queue: queue.Queue[str] = queue.Queue()
         self.output_queue: queue.Queue[GenerationOutput] = queue.Queue()
         self.result_handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}

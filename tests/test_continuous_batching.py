@@ -26,12 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.testing_utils import CaptureLogger
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
 from hf_dflash import DFlashDraftModel
-from hf_dflash.modeling import dflash_linear_state
+from hf_dflash.modeling import dflash_continuous, dflash_linear_state
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
 from hf_dflash.modeling.dflash_engine import DFlashEngine
 from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, penalize, warp
@@ -684,6 +685,20 @@ def finished_results(manager: DFlashContinuousBatchingManager, count: int, secon
         if result is not None and result.is_finished():
             finished[result.request_id] = result
     return finished
+
+
+def test_config_settings_the_engine_does_not_apply_are_named_and_the_queue_bound_is_kept():
+    target, drafter = pair("llama")
+    config = ContinuousBatchingConfig(allow_block_sharing=False, q_padding_interval_size=64, max_queue_size=3,
+                                      max_batch_tokens=64)
+    with CaptureLogger(dflash_continuous.logger) as captured:
+        manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, config)
+    named = captured.out.split("settings: ")[1].split(" (")[0]
+    assert named == "allow_block_sharing, q_padding_interval_size"  # not what it applies, nor what was left alone
+    assert manager.input_queue.maxsize == 3 and manager.engine.prefill_chunk == 64
+    with CaptureLogger(dflash_continuous.logger) as captured:
+        DFlashContinuousBatchingManager(target, drafter, GREEDY, ContinuousBatchingConfig(max_batch_tokens=64))
+    assert "does not apply" not in captured.out
 
 
 def test_bad_requests_are_refused_before_any_work():
