@@ -566,6 +566,24 @@ def test_each_request_takes_its_own_repetition_penalty(static_shapes):
     assert manager.engine.pool_usage()["target_pages_used"] == 0
 
 
+def test_a_repetition_penalty_in_the_generation_config_applies_to_every_request():
+    """A model whose generation config sets a repetition penalty (several published ones do) is served with it, as
+    generate applies it; a request may still set its own."""
+    target, drafter = pair("llama")
+    config = GenerationConfig(do_sample=False, repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+    prompt = random_prompt(8, seed=9)[0].tolist()
+    manager = DFlashContinuousBatchingManager(target, drafter, config, max_batch_size=2)
+    arrivals = {0: [dict(input_ids=prompt, request_id="r0", max_new_tokens=12),
+                    dict(input_ids=prompt, request_id="r1", max_new_tokens=12, repetition_penalty=1.0)]}
+    outputs, _, _ = run_schedule(manager, arrivals, {})
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        penalized = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                    max_new_tokens=12)[0, len(prompt):].tolist()
+    assert outputs["r0"][-1].generated_tokens == penalized != plain_greedy(target, prompt, 12)
+    assert outputs["r1"][-1].generated_tokens == plain_greedy(target, prompt, 12)
+
+
 @pytest.mark.parametrize("static_shapes", [False, True])
 def test_outputs_carry_each_tokens_logprob_when_the_config_asks(static_shapes):
     """With `return_logprobs`, as transformers' manager: each generated token's log-probability under the scores it
