@@ -70,6 +70,10 @@ from .dflash_step import DFlashStep, StepRows
 
 # The span a step reads is the longest sequence rounded up to this many positions (fewer distinct mask shapes).
 SPAN_BUCKET = 64
+# A static step (`static_shapes`) reads back a power of two times this many positions. Each new shape is first run
+# eagerly and then recorded, which costs far more than attending over unused positions does
+# (benchmarks/batches-and-serving.md): short requests share one span, and longer ones step through few.
+STATIC_SPAN_BUCKET = 256
 # A prompt is prefilled in forwards of at most this many positions (the default of `prefill_chunk`).
 PREFILL_CHUNK = 512
 # The most prompt tokens one packed prefill (`admit_many`) takes on a CPU. A packed forward attends from every token to
@@ -194,7 +198,7 @@ class DFlashEngine(DFlashStep):
         static_shapes: run every step at a bucketed shape, which a CUDA device records once as a CUDA graph per
             shape and then replays (None, the default: on a CUDA device, unless `adaptive` is on). The rows run at
             the next power of two (rows past the running ones are idle: inactive, their pages a scratch page no
-            sequence holds) and the span at the next power of two of SPAN_BUCKET. On a CPU (True) the same padded
+            sequence holds) and the span at the next power of two of STATIC_SPAN_BUCKET. On a CPU (True) the same padded
             step runs eagerly.
         adaptive: whether a `VerifyPolicy` chooses each step's width, down to plain steps (see the module's
             docstring). None (the default): on where the engine runs on a CPU without static shapes, off elsewhere
@@ -656,8 +660,8 @@ class DFlashEngine(DFlashStep):
     def _static_shape(self, n: int, span: int) -> tuple[int, int]:
         """The bucketed (rows, span) a padded step runs at: powers of two, within the rows and the block tables."""
         rows = bucket_size(n, self.max_batch_size)
-        buckets = 1 << max(-(-span // SPAN_BUCKET) - 1, 0).bit_length()
-        return rows, min(buckets * SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
+        buckets = 1 << max(-(-span // STATIC_SPAN_BUCKET) - 1, 0).bit_length()
+        return rows, min(buckets * STATIC_SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
 
     def _rows(self, n: int, span: int, scoring: RowScoring) -> EngineRows:
         """The step's view of rows 0..n-1 reading positions 0..span-1. Everything here is device work on the engine's
@@ -778,5 +782,5 @@ class DFlashEngine(DFlashStep):
 
 __all__ = [
     "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK",
-    "PagedHybridCache", "PagedTargetCache", "SPAN_BUCKET",
+    "PagedHybridCache", "PagedTargetCache", "SPAN_BUCKET", "STATIC_SPAN_BUCKET",
 ]

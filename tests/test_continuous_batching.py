@@ -239,15 +239,18 @@ def test_greedy_identity_other_families(family):
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])
 def test_greedy_identity_with_static_shapes(family):
     """The padded steps a GPU records as CUDA graphs, run eagerly: 1 to 4 running requests step at 1, 2 or 4 rows
-    (idle rows write only to the scratch page) and spans of powers of two; every request equals plain greedy."""
+    (idle rows write only to the scratch page) and spans of 256 times a power of two, a long request's span growing
+    from 256 to 512 positions as it decodes; every request equals plain greedy."""
     shapes = []
     run_static = DFlashEngine._run_static
+    long_request = dict(prompt_length=236, max_new_tokens=24, arrival=1, cancel_after=None, eos_at=None, seed=6)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DFlashEngine, "_run_static",
                       lambda self, *shape: shapes.append((len(self.sequences), *shape)) or run_static(self, *shape))
-        engine = check_schedule(family, FIXED_PLANS, max_batch_size=4, small_pool=False, static_shapes=True)
+        engine = check_schedule(family, [*FIXED_PLANS, long_request], max_batch_size=4, small_pool=False,
+                                static_shapes=True)
     assert engine.static_shapes and not engine.use_graphs
-    assert {rows for _, rows, _, _ in shapes} == {1, 2, 4} and {span for _, _, span, _ in shapes} <= {64, 128}
+    assert {rows for _, rows, _, _ in shapes} == {1, 2, 4} and {span for _, _, span, _ in shapes} == {256, 512}
     assert any(running < rows for running, rows, _, _ in shapes)  # idle rows ran beside running ones
     assert engine.pool_usage()["target_pages_used"] == 0 and engine.compute_free_capacity() == 1.0
 
