@@ -186,8 +186,13 @@ class EagerDecoding:
             if policy is not None:
                 # A DFlash2 row's q depends on the draft sampled before it: a width read from those would depend on
                 # the drafts it keeps, so its confidence comes from the rows' own logits.
-                independent = None if self.generator.drafter.config.is_dflash2 else draft_probs
-                confidence = draft_confidence(draft_logits, independent).tolist()  # (b, B - 1), a host sync
+                dflash2 = self.generator.drafter.config.is_dflash2
+                if draft_probs is None and not dflash2:
+                    # argmax drafts: the proposal's confidence, the probability of each row's argmax, is already the
+                    # largest probability of the row (one softmax over the vocabulary fewer per step)
+                    confidence = self.generator.proposal.confidence.tolist()  # (b, B - 1), a host sync
+                else:
+                    confidence = draft_confidence(draft_logits, None if dflash2 else draft_probs).tolist()
                 num_rows = policy.width(live, confidence, num_rows)
             drafts = drafts[:, : num_rows - 1]
             draft_probs = None if draft_probs is None else draft_probs[:, : num_rows - 1]

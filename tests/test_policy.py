@@ -168,6 +168,15 @@ def test_confidence_reads_the_distribution_never_the_sampled_draft():
     torch.testing.assert_close(draft_confidence(logits, probs_a), torch.softmax(logits, -1).amax(-1))
 
 
+def test_an_argmax_proposals_confidence_is_the_largest_probability_the_policy_reads():
+    """The eager loop reads a greedy DFlash proposal's own confidence instead of a second softmax of its logits."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    logits = torch.randn(2, drafter.config.block_size - 1, target.config.vocab_size) * 4
+    proposal = drafter.propose(logits, None, lambda rows: rows, DecodingRule(do_sample=False, rejection=False))
+    assert torch.equal(proposal.confidence, draft_confidence(logits, None))
+
+
 def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose():
     target = tiny_target("llama")
     drafter = tiny_drafter(target, block_size=8)  # random: its drafts are mostly wrong
