@@ -141,6 +141,60 @@ def test_a_whole_batch_explores_4_then_2_rows_until_it_has_a_line():
     assert list(policy.widths)[:2] == [4, 2] and cost.line(1) is not None
 
 
+def learned_cost(seconds: dict[int, float], draft: float, repeats: int = 3) -> VerifyCost:
+    """A cost learned from `repeats` timings of each width in `seconds` (rows -> verify seconds), and `draft`."""
+    cost = VerifyCost(decay=1.0)
+    for _ in range(repeats):
+        for rows, verify in seconds.items():
+            cost.record(1, rows, verify, draft)
+    return cost
+
+
+def test_a_stepwise_verify_cost_picks_the_cheap_width_that_the_line_fit_misses():
+    """On a CPU a verify's matrix products change kernels at some row count (SmolLM2 on 2 cores: 4 rows cost a third
+    more than 3). Each width's own timing shows the step; the line fitted through them all does not."""
+    step = {k: 1.0 + 0.02 * k + (0.6 if k >= 4 else 0.0) for k in range(1, BLOCK + 1)}
+    cost = learned_cost(step, draft=0.3)
+    verify, draft = cost.curve(1, BLOCK)
+    assert verify == pytest.approx([step[k] for k in range(1, BLOCK + 1)]) and draft == pytest.approx(0.3)
+    row = [[0.6] * (BLOCK - 1)]
+    table = VerifyPolicy(cost, explore_every=1000)
+    line = VerifyPolicy(VerifyCost(fixed=cost.line(1)), explore_every=1000)
+    for policy in (table, line):
+        policy.start(1)
+    assert table.width([0], row, BLOCK) == 3  # the most tokens per second under the true costs
+    assert line.width([0], row, BLOCK) > 4  # the line charges 3 rows too much and 5 or more too little
+
+
+def test_widths_never_timed_are_interpolated_and_a_stall_counts_at_most_twice():
+    cost = learned_cost({2: 1.0, 6: 2.0, 10: 2.4}, draft=0.5, repeats=2)
+    verify, _ = cost.curve(1, 12)
+    _, b, _ = cost.line(1)
+    assert verify[3] == pytest.approx(1.5) and verify[7] == pytest.approx(2.2)  # 4 and 8 rows: between their neighbours
+    # beyond them: the nearest one's mean, moved along the fitted slope
+    assert verify[11] == pytest.approx(2.4 + 2 * b) and verify[0] == pytest.approx(max(1.0 - b, 0.0))
+    cost.record(1, 6, 200.0, None)  # one step stalled by another process: counted as 4.0, twice the mean
+    assert cost.curve(1, 12)[0][5] == pytest.approx((2.0 + 2.0 + 4.0) / 3)
+    drafts = VerifyCost(decay=0.5)
+    for seconds in (0.5, 50.0):
+        drafts.record(1, 2, 1.0, seconds)
+        drafts.record(1, 3, 1.0, None)
+    assert drafts.curve(1, 3)[1] == pytest.approx(0.5 * 0.5 + 0.5 * 1.0)
+
+
+def test_a_probe_step_times_the_width_next_to_the_chosen_one_timed_longest_ago():
+    cost = learned_cost({1: 1.0, 2: 1.02, 4: 1.04, BLOCK: 2.0}, draft=0.1)
+    policy = VerifyPolicy(cost, explore_every=4)
+    policy.start(1)
+    row = [[0.9, 0.9, 0.9] + [0.01] * (BLOCK - 4)]
+    choices = [policy.width([0], row, BLOCK) for _ in range(3)]
+    assert choices[0] == choices[2] == 4  # 4 rows: every confident draft, at about the cost of one row
+    assert choices[1] == 3  # the probe: 3 rows were never timed (5 neither: the one below comes first)
+    cost.record(1, 3, 1.03, 0.1)
+    policy.steps = 5
+    assert policy.width([0], row, BLOCK) == 5  # now 5, never timed
+
+
 def test_choices_repeat_given_the_same_timings():
     def run() -> list[int]:
         policy = VerifyPolicy(VerifyCost(), explore_every=4)
