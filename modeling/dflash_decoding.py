@@ -115,8 +115,11 @@ class EagerDecoding:
         self.host_hooks = host_hooks
         self.live = list(range(batch_size))
         self.presence: torch.Tensor | None = None
+        # With a policy, plain steps may leave their rows waiting (`take_context(defer=True)`): room for two blocks.
+        block_size = drafter.config.block_size
         self.generator = DFlashCandidateGenerator(
-            drafter, target, batch_size, host_hooks.max_length, max_rows=max(prompt_len, drafter.config.block_size)
+            drafter, target, batch_size, host_hooks.max_length, max_rows=max(prompt_len, block_size),
+            pending_rows=block_size if policy is None else 2 * block_size,
         )
 
     def run(self) -> None:
@@ -196,8 +199,8 @@ class EagerDecoding:
                 num_rows = policy.width(live, confidence, num_rows)
             drafts = drafts[:, : num_rows - 1]
             draft_probs = None if draft_probs is None else draft_probs[:, : num_rows - 1]
-        else:  # a plain step: no drafts; the last verify's rows still become drafter context
-            self.generator.take_context()
+        else:  # a plain step: no drafts; the last verify's rows become drafter context, now or with a later step's
+            self.generator.take_context(defer=True)
             num_rows, drafts = 1, anchors[:, :0]
         drafted = time.perf_counter()
         block = torch.cat([anchors, drafts], dim=1)  # (b, n): [anchor, drafts]

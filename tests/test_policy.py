@@ -248,6 +248,60 @@ def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose()
         assert all(taken <= width for taken, width in zip(lengths, policy.widths))
 
 
+class Scripted(VerifyPolicy):
+    """Drafts on the steps `script` marks True (3 rows), plain steps otherwise; keeps each drafted step's drafts."""
+
+    def __init__(self, script: list[bool]):
+        super().__init__(VerifyCost(fixed=(1.0, 1.0, 0.5)))
+        self.script, self.drafted = script, []
+
+    def should_draft(self, live) -> bool:
+        return self.script[len(self.widths) % len(self.script)]
+
+    def width(self, live, confidence, cap: int) -> int:
+        self.drafted.append(confidence)
+        return min(3, cap)
+
+
+def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same(monkeypatch):
+    """A plain step leaves its row in the accumulator while another verify's rows fit (`take_context(defer=True)`):
+    a run of plain steps computes its context keys/values in one pass, and the drafts after it do not change."""
+    from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=8)
+    prompt = random_prompt(6)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    script = [True] + [False] * 12
+    passes = []
+    write_context = DFlashCandidateGenerator.write_context
+
+    def counted(self, rows, positions, slots):
+        passes.append(rows.shape[1])
+        write_context(self, rows, positions, slots)
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "write_context", counted)
+    runs = {}
+    for defer in (True, False):
+        if not defer:  # every plain step computes its row's keys/values at once, as a drafted step does
+            take_context = DFlashCandidateGenerator.take_context
+            monkeypatch.setattr(DFlashCandidateGenerator, "take_context", lambda self, defer=False: take_context(self))
+        passes.clear()
+        policy = Scripted(script)
+        out = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                              dflash_adaptive=policy)
+        assert torch.equal(out, plain)
+        runs[defer] = (list(passes), policy.drafted, list(policy.widths))
+    (deferred, drafted, widths), (eager, drafted_eager, widths_eager) = runs[True], runs[False]
+    assert widths == widths_eager and widths.count(1) >= 10  # the same steps, many of them plain
+    # fewer passes (the prompt's first); the rows of the last plain steps wait for a propose that never comes
+    assert len(deferred) < len(eager) and sum(deferred) <= sum(eager)
+    # a plain run writes once its rows and a verify's would no longer fit in the accumulator (2 blocks): at 9 rows
+    assert 9 in deferred[1:] and max(deferred[1:]) <= 2 * 8
+    # the drafter's confidence in each drafted step's rows: the same context, whenever its keys/values were computed
+    torch.testing.assert_close(torch.tensor(drafted), torch.tensor(drafted_eager), rtol=1e-5, atol=0)
+
+
 def test_dflash_adaptive_true_makes_a_policy_per_call_and_false_keeps_the_full_width(monkeypatch):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
