@@ -178,14 +178,14 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ).last_hidden_state
         # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
         hidden = hidden.to(self.head_device, self.head_dtype)
-        head = self.lm_head if self.draft_head is None else self.draft_head
-        if hidden.device.type == "cpu":
-            # On a CPU the head runs over all B rows, row 0's too, and drops it after: MKL's float32 product is much
-            # faster for 16 rows than for 15 (about 3.3 ms against 6.0 ms over SmolLM2's 16,384-row draft head on a
-            # 2-core CPU, benchmarks/step-cost.md), and the rows 1..B-1 it keeps are the same rows.
-            return hidden[:, 1:], head(hidden)[:, 1:]
+        if self.draft_head is not None and hidden.device.type == "cpu":
+            # On a CPU the draft head (our copy of the kept lm_head rows) runs over all B rows, row 0's too, and drops
+            # it after: MKL's float32 product is much faster for 16 rows than for 15 (about 3.3 ms against 6.0 ms
+            # over SmolLM2's 16,384-row draft head on a 2-core CPU, benchmarks/step-cost.md), and the rows 1..B-1 it
+            # keeps are the same rows. The target's own lm_head keeps seeing exactly the draft rows.
+            return hidden[:, 1:], self.draft_head(hidden)[:, 1:]
         hidden = hidden[:, 1:]
-        return hidden, head(hidden)
+        return hidden, self.lm_head(hidden) if self.draft_head is None else self.draft_head(hidden)
 
     def propose(
         self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.LongTensor, rule: DecodingRule
