@@ -77,8 +77,11 @@ class _ClassCost:
 
     def add(self, rows: int, seconds: float, decay: float) -> None:
         width_sum, count, _ = self.widths.get(rows, (0.0, 0.0, 0))
-        if count:  # a step stalled by another process counts as at most `STALL` times the width's mean
-            seconds = min(seconds, STALL * width_sum / count)
+        # A step stalled by another process counts as at most `STALL` times the width's mean; a width's first timing
+        # as at most `STALL` times the dearest width's.
+        means = [total / weight for total, weight, _ in self.widths.values()]
+        if means:
+            seconds = min(seconds, STALL * (width_sum / count if count else max(means)))
         values = (1.0, rows, rows * rows, seconds, rows * seconds)
         self.sums = [decay * total + value for total, value in zip(self.sums, values)]
         self.records += 1

@@ -175,6 +175,8 @@ def test_widths_never_timed_are_interpolated_and_a_stall_counts_at_most_twice():
     assert verify[11] == pytest.approx(2.4 + 2 * b) and verify[0] == pytest.approx(max(1.0 - b, 0.0))
     cost.record(1, 6, 200.0, None)  # one step stalled by another process: counted as 4.0, twice the mean
     assert cost.curve(1, 12)[0][5] == pytest.approx((2.0 + 2.0 + 4.0) / 3)
+    cost.record(1, 7, 300.0, None)  # a width's first timing, stalled: twice the dearest mean (6 rows' now)
+    assert cost.curve(1, 12)[0][6] == pytest.approx(2 * (2.0 + 2.0 + 4.0) / 3)
     drafts = VerifyCost(decay=0.5)
     for seconds in (0.5, 50.0):
         drafts.record(1, 2, 1.0, seconds)
