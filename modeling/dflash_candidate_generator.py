@@ -53,8 +53,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         batch_size: sequences decoded together.
         max_length: longest sequence (prompt + new tokens) any of them may reach; sizes the page pool.
         max_rows: most target rows captured in one forward (the padded prompt length, or B); sizes the scratch.
-        pending_rows: rows a state holds between a verify and the next propose (default: a block). The fast path
-            passes 0: its step writes the verified rows to the pages itself.
+        pending_rows: rows a state holds before their keys/values are computed (default: a block, one verify's;
+            more let plain steps defer theirs, `take_context`). The fast path passes 0: its step writes the verified
+            rows to the pages itself.
         num_pages: pages of the drafter's pool (default: every page `batch_size` sequences of `max_length` need; the
             continuous-batching engine sizes its shared pool itself).
     """
@@ -87,8 +88,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.capture = TargetHiddenCapture(target, config.target_layer_ids, config.target_hidden_size)
         # Hooks write here; a verify's rows are then copied to their sequence's accumulator.
         self.scratch = torch.empty(batch_size, max_rows, config.num_context_features, dtype=dtype, device=device)
-        # Between two proposes a sequence gains the rows of one verify, at most a block; the prompt's rows, which can
-        # be far more, go to the pages straight from the scratch (`commit_prefill`).
+        # A verify adds at most a block of rows, which wait here for the next propose (or a plain step's deferred
+        # pass); the prompt's rows, which can be far more, go to the pages straight from the scratch (`commit_prefill`).
         pending_rows = self.block_size if pending_rows is None else pending_rows
         self.states = [
             DflashProposerState(
@@ -176,7 +177,14 @@ class DFlashCandidateGenerator(CandidateGenerator):
             noise_embeds=noise_embeds, position_ids=positions, attention_mask=attention_mask, cache=view
         ).last_hidden_state
         # Row 0 only echoes the anchor; rows 1..B-1 predict the tokens after it.
-        hidden = hidden[:, 1:].to(self.head_device, self.head_dtype)
+        hidden = hidden.to(self.head_device, self.head_dtype)
+        if self.draft_head is not None and hidden.device.type == "cpu":
+            # On a CPU the draft head (our copy of the kept lm_head rows) runs over all B rows, row 0's too, and drops
+            # it after: MKL's float32 product is much faster for 16 rows than for 15 (about 3.3 ms against 6.0 ms
+            # over SmolLM2's 16,384-row draft head on a 2-core CPU, benchmarks/step-cost.md), and the rows 1..B-1 it
+            # keeps are the same rows. The target's own lm_head keeps seeing exactly the draft rows.
+            return hidden[:, 1:], self.draft_head(hidden)[:, 1:]
+        hidden = hidden[:, 1:]
         return hidden, self.lm_head(hidden) if self.draft_head is None else self.draft_head(hidden)
 
     def propose(
@@ -202,14 +210,21 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.proposal = self.propose(hidden, draft_logits, anchor_ids, rule)
         return torch.cat([input_ids, self.proposal.drafts.to(input_ids.device)], dim=1), draft_logits
 
-    def take_context(self) -> None:
+    def take_context(self, defer: bool = False) -> None:
         """Before a verify: the rows the last verify appended go to the pages (keys/values computed once), and every
         state then waits for this verify. Each propose starts with it; a step that verifies the anchors alone without
-        drafting (dflash_policy.py) calls it instead, since the accumulator holds only one verify's rows."""
+        drafting (dflash_policy.py) calls it instead, since the accumulator holds a bounded number of rows.
+
+        `defer` (such a step): the rows may stay in the accumulator while another verify's rows still fit behind them
+        in every state; the next propose, or a later step, then computes them all in one pass. One pass over the
+        drafter's context weights costs about as much for 1 row as for 16 on a CPU, and a run of plain steps would
+        otherwise pay it at each step."""
         for state in self.states:
             if not state.context_ready:
                 raise RuntimeError("propose called twice without a verify in between: the drafter context is stale")
             state.context_ready = False
+        if defer and all(s.ctx_len - s.ctx_committed + self.block_size <= s.max_pending_rows for s in self.states):
+            return
         self.store_new_context(self.states)
 
     def update_candidate_strategy(

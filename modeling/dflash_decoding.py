@@ -115,8 +115,11 @@ class EagerDecoding:
         self.host_hooks = host_hooks
         self.live = list(range(batch_size))
         self.presence: torch.Tensor | None = None
+        # With a policy, plain steps may leave their rows waiting (`take_context(defer=True)`): room for two blocks.
+        block_size = drafter.config.block_size
         self.generator = DFlashCandidateGenerator(
-            drafter, target, batch_size, host_hooks.max_length, max_rows=max(prompt_len, drafter.config.block_size)
+            drafter, target, batch_size, host_hooks.max_length, max_rows=max(prompt_len, block_size),
+            pending_rows=block_size if policy is None else 2 * block_size,
         )
 
     def run(self) -> None:
@@ -186,13 +189,18 @@ class EagerDecoding:
             if policy is not None:
                 # A DFlash2 row's q depends on the draft sampled before it: a width read from those would depend on
                 # the drafts it keeps, so its confidence comes from the rows' own logits.
-                independent = None if self.generator.drafter.config.is_dflash2 else draft_probs
-                confidence = draft_confidence(draft_logits, independent).tolist()  # (b, B - 1), a host sync
+                dflash2 = self.generator.drafter.config.is_dflash2
+                if draft_probs is None and not dflash2:
+                    # argmax drafts: the proposal's confidence, the probability of each row's argmax, is already the
+                    # largest probability of the row (one softmax over the vocabulary fewer per step)
+                    confidence = self.generator.proposal.confidence.tolist()  # (b, B - 1), a host sync
+                else:
+                    confidence = draft_confidence(draft_logits, None if dflash2 else draft_probs).tolist()
                 num_rows = policy.width(live, confidence, num_rows)
             drafts = drafts[:, : num_rows - 1]
             draft_probs = None if draft_probs is None else draft_probs[:, : num_rows - 1]
-        else:  # a plain step: no drafts; the last verify's rows still become drafter context
-            self.generator.take_context()
+        else:  # a plain step: no drafts; the last verify's rows become drafter context, now or with a later step's
+            self.generator.take_context(defer=True)
             num_rows, drafts = 1, anchors[:, :0]
         drafted = time.perf_counter()
         block = torch.cat([anchors, drafts], dim=1)  # (b, n): [anchor, drafts]

@@ -11,13 +11,16 @@ The policy weighs, per step:
   accepted given the drafts before it were: the drafter's own probability of draft i (its confidence), times a
   per-sequence calibration ratio (decayed counts of drafts accepted over confidence spent on the drafts the target
   judged), so a drafter over-confident on this prompt is discounted and an under-confident one trusted more;
-- what a width k costs on this machine: `VerifyCost` fits seconds = a + b * k to the verify steps' own timings, per
-  batch-size class, plus the drafter's mean seconds per step;
+- what a width k costs on this machine: `VerifyCost` keeps, per batch-size class, each width's own mean seconds from
+  the verify steps' timings (a CPU's cost is a staircase in k, not a line: its matrix products change kernels at some
+  row count), fills the widths never timed from their timed neighbours and a line a + b * k fitted to them all, and
+  adds the drafter's mean seconds per step;
 and verifies the k that maximises E(k) / (drafter + verify(k)). Before drafting, it decides whether to draft at all:
 when a sequence's recent drafted steps committed fewer tokens per second than a plain one-row step would, the step
 skips the drafter and verifies the anchor alone (per batch: only when every sequence would). A few steps explore
-(`explore_every`): one verifies the full width, one drafts after a run of plain steps, so the fit and the calibration
-keep seeing what they would otherwise stop measuring.
+(`explore_every`): one verifies the full width, one drafts after a run of plain steps, and halfway between two
+full-width steps one times the width next to its choice that was timed longest ago (or never), so the costs and the
+calibration keep seeing what they would otherwise stop measuring.
 
 Sequences are named by any hashable key, so that they can join and leave a running batch: generate's eager loop
 names its batch rows 0..b-1 (`start`), the continuous-batching engine (dflash_engine.py) names each request as it is
@@ -31,6 +34,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +45,18 @@ from dataclasses import dataclass, field
 PRIOR = 0.25
 # The most recent widths a policy keeps in `widths` (an engine's policy runs as long as its server).
 WIDTH_LOG = 4096
+# A timing counts as at most this many times the mean of its kind so far: a step stalled by another process on a
+# shared machine would otherwise make drafting, or a width, look dear for many steps, and a drafter the policy stopped
+# running is timed again only when it explores.
+STALL = 2.0
+
+
+def _at(curve: Sequence[float], rows: float) -> float:
+    """curve[k - 1] is the cost of k rows: its value at a mean of `rows` rows (between two widths, on the line
+    between them)."""
+    low = min(max(int(rows), 1), len(curve))
+    high = min(low + 1, len(curve))
+    return curve[low - 1] + (rows - low) * (curve[high - 1] - curve[low - 1]) if high > low else curve[low - 1]
 
 
 def batch_class(batch_size: int) -> int:
@@ -49,17 +65,28 @@ def batch_class(batch_size: int) -> int:
 
 
 @dataclass
-class _LineFit:
-    """Decayed weighted least squares of seconds against rows: sums of w, w*k, w*k^2, w*t, w*k*t."""
+class _ClassCost:
+    """One batch-size class's timings: decayed weighted least squares of seconds against rows (sums of w, w*k, w*k^2,
+    w*t, w*k*t), each width's own decayed mean seconds, and the drafter's decayed mean seconds per step."""
 
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    widths: set[int] = field(default_factory=set)
-    draft_seconds: float | None = None  # decayed mean of the drafter's seconds per step
+    # per width: [decayed sum of seconds, decayed count, the record number of its latest timing]
+    widths: dict[int, list[float]] = field(default_factory=dict)
+    records: int = 0
+    draft_seconds: float | None = None
 
     def add(self, rows: int, seconds: float, decay: float) -> None:
+        width_sum, count, _ = self.widths.get(rows, (0.0, 0.0, 0))
+        # A step stalled by another process counts as at most `STALL` times the width's mean; a width's first timing
+        # as at most `STALL` times the dearest width's.
+        means = [total / weight for total, weight, _ in self.widths.values()]
+        if means:
+            seconds = min(seconds, STALL * (width_sum / count if count else max(means)))
         values = (1.0, rows, rows * rows, seconds, rows * seconds)
         self.sums = [decay * total + value for total, value in zip(self.sums, values)]
-        self.widths.add(rows)
+        self.records += 1
+        # A width's mean decays only when it is timed again: a width the policy stopped choosing keeps its figure.
+        self.widths[rows] = [decay * width_sum + seconds, decay * count + 1.0, self.records]
 
     def line(self) -> tuple[float, float] | None:
         """(a, b) with a, b >= 0, once two different widths were timed; else None."""
@@ -74,32 +101,54 @@ class _LineFit:
             return t0 / s0, 0.0
         return max((t0 - slope * s1) / s0, 0.0), slope
 
+    def curve(self, cap: int, slope: float) -> list[float]:
+        """Seconds of a verify of 1..cap rows: a timed width's own mean; between two timed widths, the straight line
+        between their means; outside them, the nearest one's mean moved along the fitted `slope`."""
+        means = {k: total / count for k, (total, count, _) in self.widths.items()}
+        timed = sorted(means)
+        curve = []
+        for k in range(1, cap + 1):
+            below = max((w for w in timed if w <= k), default=None)
+            above = min((w for w in timed if w >= k), default=None)
+            if below is not None and above is not None:
+                share = 0.0 if above == below else (k - below) / (above - below)
+                curve.append(means[below] + share * (means[above] - means[below]))
+            elif below is not None:
+                curve.append(means[below] + slope * (k - below))
+            else:
+                curve.append(max(means[above] - slope * (above - k), 0.0))
+        return curve
+
 
 class VerifyCost:
     """The measured cost of a step on this machine, learned online from the step's own timings.
 
-    Per batch-size class (`batch_class`): verify(k) = a + b * k seconds for a verify of k rows per sequence (the
-    target's forward, the processors and acceptance), fitted to the recent steps (weights decay by `decay` per step),
-    and the drafter's mean seconds per drafted step. `fixed` = (a, b, drafter seconds) skips learning (tests inject
-    costs this way); `record` then does nothing.
+    Per batch-size class (`batch_class`): the seconds of a verify of k rows per sequence (the target's forward, the
+    processors and acceptance) and the drafter's mean seconds per drafted step, from the recent steps (weights decay
+    by `decay` per step). A verify's cost need not be a line in k: on a CPU the matrix products change kernels with
+    the row count (SmolLM2 on a 2-core CPU: 3 rows cost a fifth more than 1, 4 rows a third more than 3, then
+    little more up to 16; benchmarks/step-cost.md), so each width keeps its own mean (`curve`), and the line
+    a + b * k fitted to all of them (`line`) only fills in widths never timed. `fixed` = (a, b, drafter seconds)
+    skips learning and makes the cost that line exactly (tests inject costs this way); `record` then does nothing.
     """
 
     def __init__(self, decay: float = 0.95, fixed: tuple[float, float, float] | None = None):
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay, self.fixed = decay, fixed
-        self.fits: dict[int, _LineFit] = {}
+        self.fits: dict[int, _ClassCost] = {}
 
     def record(self, batch_size: int, rows: int, verify_seconds: float, draft_seconds: float | None) -> None:
         """One step's timings: its verify of `rows` rows, and its drafter pass (None when it did not draft)."""
         if self.fixed is not None:
             return
-        fit = self.fits.setdefault(batch_class(batch_size), _LineFit())
+        fit = self.fits.setdefault(batch_class(batch_size), _ClassCost())
         fit.add(rows, verify_seconds, self.decay)
         if draft_seconds is not None:
             previous = fit.draft_seconds
             fit.draft_seconds = (
-                draft_seconds if previous is None else self.decay * previous + (1 - self.decay) * draft_seconds
+                draft_seconds if previous is None
+                else self.decay * previous + (1 - self.decay) * min(draft_seconds, STALL * previous)
             )
 
     def line(self, batch_size: int) -> tuple[float, float, float] | None:
@@ -112,9 +161,27 @@ class VerifyCost:
         line = fit.line()
         return None if line is None else (*line, fit.draft_seconds)
 
+    def curve(self, batch_size: int, cap: int) -> tuple[list[float], float] | None:
+        """([seconds of a verify of 1, ..., cap rows], drafter seconds) for this batch size, or None until `line`
+        has one (two widths and one drafter pass timed)."""
+        line = self.line(batch_size)
+        if line is None:
+            return None
+        a, b, draft = line
+        if self.fixed is not None:
+            return [a + b * k for k in range(1, cap + 1)], draft
+        return self.fits[batch_class(batch_size)].curve(cap, b), draft
+
     def widths_seen(self, batch_size: int) -> set[int]:
         fit = self.fits.get(batch_class(batch_size))
-        return set() if fit is None else fit.widths
+        return set() if fit is None else set(fit.widths)
+
+    def least_recent(self, batch_size: int, widths: Sequence[int]) -> int:
+        """Of `widths`, one never timed at this batch size (the first such), else the one timed longest ago."""
+        fit = self.fits.get(batch_class(batch_size))
+        if fit is None:
+            return widths[0]
+        return min(widths, key=lambda k: fit.widths[k][2] if k in fit.widths else -1)
 
 
 @dataclass
@@ -189,20 +256,24 @@ class VerifyPolicy:
         """Whether this step drafts: unless every live sequence's drafted steps lately committed fewer tokens per
         second than a plain step would (their tokens per step over the modelled cost of their mean width; with
         `whole_batch`, unless the batch's summed rate is below the plain steps'), and none is due to explore."""
-        line = self.cost.line(len(live))
-        if line is None:
+        widest = max((self.stats[seq].drafted_rows / self.stats[seq].drafted_steps for seq in live
+                      if self.stats[seq].drafted_steps), default=1.0)
+        costs = self.cost.curve(len(live), math.ceil(widest))
+        if costs is None:
             return True
-        a, b, draft = line
+        verify, draft = costs
+        plain = verify[0]  # a plain step verifies the anchor alone
         drafted_rate = 0.0  # the batch's tokens per second on drafted steps, summed over its sequences
         for seq in live:
             stats = self.stats[seq]
             if stats.drafted_steps == 0 or stats.plain_run + 1 >= self.explore_every:
                 return True
             tokens, rows = stats.drafted_tokens / stats.drafted_steps, stats.drafted_rows / stats.drafted_steps
-            if not self.whole_batch and tokens * (a + b) > draft + a + b * rows:  # faster than a plain step
+            seconds = draft + _at(verify, rows)
+            if not self.whole_batch and tokens * plain > seconds:  # faster than a plain step
                 return True
-            drafted_rate += tokens / (draft + a + b * rows)
-        return self.whole_batch and drafted_rate > len(live) / (a + b)  # a plain step commits one token each
+            drafted_rate += tokens / seconds
+        return self.whole_batch and drafted_rate > len(live) / plain  # a plain step commits one token each
 
     # -- after drafting --------------------------------------------------------------------------------------------
 
@@ -234,20 +305,20 @@ class VerifyPolicy:
         probability of each live sequence's drafts. The batch verifies the widest of its sequences' choices (with
         `whole_batch`, the width of the most tokens per second over the batch)."""
         self.steps += 1
-        line = self.cost.line(len(live))
+        costs = self.cost.curve(len(live), cap)
         # a sequence drafting again after a run of plain steps is judged on every row: its own confidence alone kept
         # it plain, and only a verify of its drafts can show that the drafter is better than it thinks
         returning = any(self.stats[seq].plain_run + 1 >= self.explore_every for seq in live)
         explore = returning or self.steps % self.explore_every == 0
-        if line is None or explore and not self.whole_batch:
+        if costs is None or explore and not self.whole_batch:
             # explore: the full width first, then a narrow one, until two widths were timed; then now and then (a
             # whole batch: 4 rows first, as a full block of dozens of rows costs many steps)
             seen, first = self.cost.widths_seen(len(live)), min(4 if self.whole_batch else cap, cap)
             return min(2, cap) if first in seen and min(2, cap) not in seen else first
-        a, b, draft = line
+        verify, draft = costs
         curves = [self.expected_curve(self.calibrated(seq, c), cap) for seq, c in zip(live, confidence)]
         if self.whole_batch:  # the batch's tokens per second at each width
-            rates = [sum(curve[k] for curve in curves) / (draft + a + b * (k + 1)) for k in range(cap)]
+            rates = [sum(curve[k] for curve in curves) / (draft + verify[k]) for k in range(cap)]
             best = 1 + max(range(cap), key=rates.__getitem__)
             # A whole batch at the full width can cost many steps' worth. Drafting again after plain steps, it verifies
             # its best width (at least 2 rows): what it would take if drafting paid again. Its periodic exploring
@@ -258,8 +329,13 @@ class VerifyPolicy:
             return min(cap, max(2, 2 * best)) if explore else best
         best = 1
         for curve in curves:
-            rates = [curve[k] / (draft + a + b * (k + 1)) for k in range(cap)]
+            rates = [curve[k] / (draft + verify[k]) for k in range(cap)]
             best = max(best, 1 + max(range(cap), key=rates.__getitem__))
+        if self.steps % self.explore_every == self.explore_every // 2 and cap > 2:
+            # Halfway between full-width steps, a width next to the chosen one, the one timed longest ago (or never):
+            # where the cost changes kernels between two widths, a width between two timed ones may be cheaper than
+            # the straight line through them says, and only a timing of its own shows it.
+            return self.cost.least_recent(len(live), [k for k in (best - 1, best + 1) if 2 <= k <= cap])
         return best
 
     # -- after the verify --------------------------------------------------------------------------------------------
@@ -288,4 +364,4 @@ class VerifyPolicy:
             stats.drafted_rows = decay * stats.drafted_rows + rows
 
 
-__all__ = ["PRIOR", "VerifyCost", "VerifyPolicy", "WIDTH_LOG", "batch_class"]
+__all__ = ["PRIOR", "STALL", "VerifyCost", "VerifyPolicy", "WIDTH_LOG", "batch_class"]

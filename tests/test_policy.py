@@ -141,6 +141,62 @@ def test_a_whole_batch_explores_4_then_2_rows_until_it_has_a_line():
     assert list(policy.widths)[:2] == [4, 2] and cost.line(1) is not None
 
 
+def learned_cost(seconds: dict[int, float], draft: float, repeats: int = 3) -> VerifyCost:
+    """A cost learned from `repeats` timings of each width in `seconds` (rows -> verify seconds), and `draft`."""
+    cost = VerifyCost(decay=1.0)
+    for _ in range(repeats):
+        for rows, verify in seconds.items():
+            cost.record(1, rows, verify, draft)
+    return cost
+
+
+def test_a_stepwise_verify_cost_picks_the_cheap_width_that_the_line_fit_misses():
+    """On a CPU a verify's matrix products change kernels at some row count (SmolLM2 on 2 cores: 4 rows cost a third
+    more than 3). Each width's own timing shows the step; the line fitted through them all does not."""
+    step = {k: 1.0 + 0.02 * k + (0.6 if k >= 4 else 0.0) for k in range(1, BLOCK + 1)}
+    cost = learned_cost(step, draft=0.3)
+    verify, draft = cost.curve(1, BLOCK)
+    assert verify == pytest.approx([step[k] for k in range(1, BLOCK + 1)]) and draft == pytest.approx(0.3)
+    row = [[0.6] * (BLOCK - 1)]
+    table = VerifyPolicy(cost, explore_every=1000)
+    line = VerifyPolicy(VerifyCost(fixed=cost.line(1)), explore_every=1000)
+    for policy in (table, line):
+        policy.start(1)
+    assert table.width([0], row, BLOCK) == 3  # the most tokens per second under the true costs
+    assert line.width([0], row, BLOCK) > 4  # the line charges 3 rows too much and 5 or more too little
+
+
+def test_widths_never_timed_are_interpolated_and_a_stall_counts_at_most_twice():
+    cost = learned_cost({2: 1.0, 6: 2.0, 10: 2.4}, draft=0.5, repeats=2)
+    verify, _ = cost.curve(1, 12)
+    _, b, _ = cost.line(1)
+    assert verify[3] == pytest.approx(1.5) and verify[7] == pytest.approx(2.2)  # 4 and 8 rows: between their neighbours
+    # beyond them: the nearest one's mean, moved along the fitted slope
+    assert verify[11] == pytest.approx(2.4 + 2 * b) and verify[0] == pytest.approx(max(1.0 - b, 0.0))
+    cost.record(1, 6, 200.0, None)  # one step stalled by another process: counted as 4.0, twice the mean
+    assert cost.curve(1, 12)[0][5] == pytest.approx((2.0 + 2.0 + 4.0) / 3)
+    cost.record(1, 7, 300.0, None)  # a width's first timing, stalled: twice the dearest mean (6 rows' now)
+    assert cost.curve(1, 12)[0][6] == pytest.approx(2 * (2.0 + 2.0 + 4.0) / 3)
+    drafts = VerifyCost(decay=0.5)
+    for seconds in (0.5, 50.0):
+        drafts.record(1, 2, 1.0, seconds)
+        drafts.record(1, 3, 1.0, None)
+    assert drafts.curve(1, 3)[1] == pytest.approx(0.5 * 0.5 + 0.5 * 1.0)
+
+
+def test_a_probe_step_times_the_width_next_to_the_chosen_one_timed_longest_ago():
+    cost = learned_cost({1: 1.0, 2: 1.02, 4: 1.04, BLOCK: 2.0}, draft=0.1)
+    policy = VerifyPolicy(cost, explore_every=4)
+    policy.start(1)
+    row = [[0.9, 0.9, 0.9] + [0.01] * (BLOCK - 4)]
+    choices = [policy.width([0], row, BLOCK) for _ in range(3)]
+    assert choices[0] == choices[2] == 4  # 4 rows: every confident draft, at about the cost of one row
+    assert choices[1] == 3  # the probe: 3 rows were never timed (5 neither: the one below comes first)
+    cost.record(1, 3, 1.03, 0.1)
+    policy.steps = 5
+    assert policy.width([0], row, BLOCK) == 5  # now 5, never timed
+
+
 def test_choices_repeat_given_the_same_timings():
     def run() -> list[int]:
         policy = VerifyPolicy(VerifyCost(), explore_every=4)
@@ -168,6 +224,15 @@ def test_confidence_reads_the_distribution_never_the_sampled_draft():
     torch.testing.assert_close(draft_confidence(logits, probs_a), torch.softmax(logits, -1).amax(-1))
 
 
+def test_an_argmax_proposals_confidence_is_the_largest_probability_the_policy_reads():
+    """The eager loop reads a greedy DFlash proposal's own confidence instead of a second softmax of its logits."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    logits = torch.randn(2, drafter.config.block_size - 1, target.config.vocab_size) * 4
+    proposal = drafter.propose(logits, None, lambda rows: rows, DecodingRule(do_sample=False, rejection=False))
+    assert torch.equal(proposal.confidence, draft_confidence(logits, None))
+
+
 def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose():
     target = tiny_target("llama")
     drafter = tiny_drafter(target, block_size=8)  # random: its drafts are mostly wrong
@@ -183,6 +248,60 @@ def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose()
     assert sum(width < 8 for width in policy.widths) > steps // 2
     for lengths in out.acceptance_lengths:
         assert all(taken <= width for taken, width in zip(lengths, policy.widths))
+
+
+class Scripted(VerifyPolicy):
+    """Drafts on the steps `script` marks True (3 rows), plain steps otherwise; keeps each drafted step's drafts."""
+
+    def __init__(self, script: list[bool]):
+        super().__init__(VerifyCost(fixed=(1.0, 1.0, 0.5)))
+        self.script, self.drafted = script, []
+
+    def should_draft(self, live) -> bool:
+        return self.script[len(self.widths) % len(self.script)]
+
+    def width(self, live, confidence, cap: int) -> int:
+        self.drafted.append(confidence)
+        return min(3, cap)
+
+
+def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same(monkeypatch):
+    """A plain step leaves its row in the accumulator while another verify's rows fit (`take_context(defer=True)`):
+    a run of plain steps computes its context keys/values in one pass, and the drafts after it do not change."""
+    from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=8)
+    prompt = random_prompt(6)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    script = [True] + [False] * 12
+    passes = []
+    write_context = DFlashCandidateGenerator.write_context
+
+    def counted(self, rows, positions, slots):
+        passes.append(rows.shape[1])
+        write_context(self, rows, positions, slots)
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "write_context", counted)
+    runs = {}
+    for defer in (True, False):
+        if not defer:  # every plain step computes its row's keys/values at once, as a drafted step does
+            take_context = DFlashCandidateGenerator.take_context
+            monkeypatch.setattr(DFlashCandidateGenerator, "take_context", lambda self, defer=False: take_context(self))
+        passes.clear()
+        policy = Scripted(script)
+        out = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                              dflash_adaptive=policy)
+        assert torch.equal(out, plain)
+        runs[defer] = (list(passes), policy.drafted, list(policy.widths))
+    (deferred, drafted, widths), (eager, drafted_eager, widths_eager) = runs[True], runs[False]
+    assert widths == widths_eager and widths.count(1) >= 10  # the same steps, many of them plain
+    # fewer passes (the prompt's first); the rows of the last plain steps wait for a propose that never comes
+    assert len(deferred) < len(eager) and sum(deferred) <= sum(eager)
+    # a plain run writes once its rows and a verify's would no longer fit in the accumulator (2 blocks): at 9 rows
+    assert 9 in deferred[1:] and max(deferred[1:]) <= 2 * 8
+    # the drafter's confidence in each drafted step's rows: the same context, whenever its keys/values were computed
+    torch.testing.assert_close(torch.tensor(drafted), torch.tensor(drafted_eager), rtol=1e-5, atol=0)
 
 
 def test_dflash_adaptive_true_makes_a_policy_per_call_and_false_keeps_the_full_width(monkeypatch):
