@@ -180,9 +180,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         hidden = hidden.to(self.head_device, self.head_dtype)
         if self.draft_head is not None and hidden.device.type == "cpu":
             # On a CPU the draft head (our copy of the kept lm_head rows) runs over all B rows, row 0's too, and drops
-            # it after: MKL's float32 product is much faster for 16 rows than for 15 (about 3.3 ms against 6.0 ms
-            # over SmolLM2's 16,384-row draft head on a 2-core CPU, benchmarks/step-cost.md), and the rows 1..B-1 it
-            # keeps are the same rows. The target's own lm_head keeps seeing exactly the draft rows.
+            # it after: MKL's float32 product is much faster for 16 rows than for 15 (benchmarks/step-cost.md), and
+            # the rows 1..B-1 it keeps are the same rows. The target's own lm_head keeps seeing exactly the draft rows.
             return hidden[:, 1:], self.draft_head(hidden)[:, 1:]
         hidden = hidden[:, 1:]
         return hidden, self.lm_head(hidden) if self.draft_head is None else self.draft_head(hidden)

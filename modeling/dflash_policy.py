@@ -126,10 +126,10 @@ class VerifyCost:
     Per batch-size class (`batch_class`): the seconds of a verify of k rows per sequence (the target's forward, the
     processors and acceptance) and the drafter's mean seconds per drafted step, from the recent steps (weights decay
     by `decay` per step). A verify's cost need not be a line in k: on a CPU the matrix products change kernels with
-    the row count (SmolLM2 on a 2-core CPU: 3 rows cost a fifth more than 1, 4 rows a third more than 3, then
-    little more up to 16; benchmarks/step-cost.md), so each width keeps its own mean (`curve`), and the line
-    a + b * k fitted to all of them (`line`) only fills in widths never timed. `fixed` = (a, b, drafter seconds)
-    skips learning and makes the cost that line exactly (tests inject costs this way); `record` then does nothing.
+    the row count, so that it climbs in steps (benchmarks/step-cost.md); each width keeps its own mean (`curve`),
+    and the line a + b * k fitted to all of them (`line`) only fills in widths never timed. `fixed` = (a, b, drafter
+    seconds) skips learning and makes the cost that line exactly (tests inject costs this way); `record` then does
+    nothing.
     """
 
     def __init__(self, decay: float = 0.95, fixed: tuple[float, float, float] | None = None):
