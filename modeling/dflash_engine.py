@@ -760,6 +760,8 @@ class DFlashEngine(DFlashStep):
     def take_logprobs(self, key: Hashable) -> list[float]:
         """The log-probabilities of the tokens `key` committed since the last call (its first token's included), in
         order; empty unless the engine keeps them (`return_logprobs`)."""
+        if self.logprobs is None:  # the manager asks at every commit: no search over the rows when none are kept
+            return []
         sequence = next(sequence for sequence in self.sequences if sequence.key == key)
         taken, sequence.logprobs = sequence.logprobs, []
         return taken
