@@ -432,8 +432,8 @@ class DFlashEngine(DFlashStep):
             if not isinstance(error, Exception):
                 raise
             return [self._admit_or_error(*request) for request in requests]
-        for i, (row, sequence) in enumerate(zip(range(first_row, first_row + len(placed)), placed)):
-            self._start(row, sequence, firsts[i], None if logprobs is None else logprobs[i])
+        for i, sequence in enumerate(placed):
+            self._start(first_row + i, sequence, firsts[i], None if logprobs is None else logprobs[i])
         return firsts.tolist()
 
     def _admit_or_error(self, *request: object) -> int | Exception:

@@ -304,7 +304,6 @@ class StepProcessors:
         return scores.view(b, n, vocab)
 
 
-
 def row_presence(presence: torch.Tensor, drafts: torch.LongTensor) -> torch.Tensor:
     """(b * n, V) bool: the tokens the repetition penalty counts at each verify row. presence (b, V): a sequence's
     prefix's tokens; drafts (b, n - 1): row j of a sequence also counts drafts[:j]."""

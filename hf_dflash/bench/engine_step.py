@@ -138,13 +138,14 @@ def seconds_per_step(engine: object, args: argparse.Namespace, requests: int, vo
 def new_shape_steps(target: torch.nn.Module, drafter: torch.nn.Module, args: argparse.Namespace) -> list[dict]:
     """Milliseconds of three steps at each running-request count, largest first (see the module docstring)."""
     from ..modeling.dflash_engine import DFlashEngine
+    from ..modeling.dflash_paged_cache import PAGE_SIZE
 
     counts = sorted(set(args.requests), reverse=True)
     steps = 3 * len(counts)
     length = args.prompt_tokens + steps * drafter.config.block_size  # room for every step to commit a whole block
-    pages = -(-(length + drafter.config.block_size) // 16)  # what `DFlashEngine.pages_for` reserves per request
+    pages = -(-(length + drafter.config.block_size) // PAGE_SIZE)  # what `DFlashEngine.pages_for` reserves
     engine = DFlashEngine(target, drafter, max_batch_size=counts[0], max_sequence_length=length,
-                          max_tokens=counts[0] * pages * 16, static_shapes=True, adaptive=False)
+                          max_tokens=counts[0] * pages * PAGE_SIZE, static_shapes=True, adaptive=False)
     # admissions' max_new_tokens: warmup + steps + 1, here the rest of `length`
     work = argparse.Namespace(prompt_tokens=args.prompt_tokens, warmup=0, steps=length - args.prompt_tokens - 1)
     for request in admissions(work, counts[0], target.config.vocab_size):
