@@ -103,7 +103,9 @@ class _ClassCost:
 
     def curve(self, cap: int, slope: float) -> list[float]:
         """Seconds of a verify of 1..cap rows: a timed width's own mean; between two timed widths, the straight line
-        between their means; outside them, the nearest one's mean moved along the fitted `slope`."""
+        between their means; outside them, the nearest one's mean moved along the fitted `slope`. Below the narrowest
+        timed width w, k rows cost at least k / w of it: a verify's cost per row does not grow as rows fall, and a
+        steep slope would otherwise make a narrow verify free (and the policy divide by its zero cost)."""
         means = {k: total / count for k, (total, count, _) in self.widths.items()}
         timed = sorted(means)
         curve = []
@@ -116,7 +118,7 @@ class _ClassCost:
             elif below is not None:
                 curve.append(means[below] + slope * (k - below))
             else:
-                curve.append(max(means[above] - slope * (above - k), 0.0))
+                curve.append(max(means[above] - slope * (above - k), means[above] * k / above))
         return curve
 
 

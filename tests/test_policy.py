@@ -381,3 +381,19 @@ def test_the_main_job_passes_one_policy_to_its_calls_on_a_cpu(tmp_path, monkeypa
     policies.clear()
     main([*argv, "--no-adaptive"])
     assert "[identical to plain greedy generate: True]" in capsys.readouterr().out and policies == []
+
+
+def test_a_narrow_width_never_timed_never_costs_nothing():
+    """Timed widths 2 and 16 with a steep slope between them put a 1-row verify below zero on their line; it costs at
+    least half the 2-row verify, and the policy's choices divide by it without error."""
+    cost = VerifyCost()
+    for _ in range(3):  # the wide width first, so that no stall cap holds its timings down
+        cost.record(4, 16, 0.5, 0.005)
+        cost.record(4, 2, 0.01, 0.005)
+    verify, _ = cost.curve(4, 16)
+    assert verify[0] == pytest.approx(0.005) and all(seconds > 0 for seconds in verify)
+    policy = VerifyPolicy(cost=cost, whole_batch=True)
+    policy.start(4)
+    live = list(range(4))
+    assert policy.should_draft(live) in (True, False)
+    assert 1 <= policy.width(live, [[0.9] * 15] * 4, 16) <= 16
