@@ -97,10 +97,11 @@ def _sampling_problem(body: dict) -> str | None:
     return None
 
 
-# What continuous batching applies of a request (transformers serve's and ours alike, which hf-dflash serve always
-# runs): its token limit, its eos and its sampling settings. These OpenAI fields, which plain `generate` would honour
-# or the answer would reflect, it never sees; each is refused unless it asks for nothing (its value -> whether it
-# does). `generation_config` (a JSON object of generation settings) is checked key by key against APPLIED_SETTINGS.
+# What transformers serve passes a continuous-batching request on with (to its manager or ours; hf-dflash serve
+# always runs one): its token limit, its eos and its sampling settings. These OpenAI fields, which plain `generate`
+# would honour or the answer would reflect, the manager never sees; each is refused unless it asks for nothing (its
+# value -> whether it does). `generation_config` (a JSON object of generation settings) is checked key by key
+# against APPLIED_SETTINGS.
 UNAPPLIED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop": (lambda value: value is None or value == [] or value == "", "cut the answer at the stop text yourself"),
     "frequency_penalty": (lambda value: value is None or value == 0, "leave it out"),
@@ -119,8 +120,8 @@ def _unapplied_problem(body: dict) -> str | None:
     for name, (asks_nothing, fix) in UNAPPLIED_FIELDS.items():
         if name in body and not asks_nothing(body[name]):
             return (
-                f"`{name}` is not applied here: continuous batching, which serves every request, takes only its "
-                f"token limit, eos and sampling settings; {fix}"
+                f"`{name}` is not applied here: transformers serve's continuous batching, which serves every "
+                f"request, passes a request on with only its token limit, eos and sampling settings; {fix}"
             )
     settings = body.get("generation_config")
     if settings is None:
