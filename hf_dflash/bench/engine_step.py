@@ -85,8 +85,9 @@ def models(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[t
     return target, drafter.to(device, dtype).eval()
 
 
-def admissions(args: argparse.Namespace, requests: int, vocab: int) -> list[tuple]:
-    """`requests` requests of `--prompt-tokens` random tokens, greedy, as `admit` and `admit_many` take them."""
+def admissions(args: argparse.Namespace, requests: int, vocab: int, max_new_tokens: int | None = None) -> list[tuple]:
+    """`requests` requests of `--prompt-tokens` random tokens, greedy, as `admit` and `admit_many` take them, each
+    asking `max_new_tokens` (default: room for the warm-up and timed steps)."""
     from transformers import GenerationConfig
 
     from ..modeling.dflash_row_sampling import SamplingSettings
@@ -94,7 +95,7 @@ def admissions(args: argparse.Namespace, requests: int, vocab: int) -> list[tupl
     greedy = SamplingSettings.from_config(GenerationConfig(do_sample=False))
     generator = torch.Generator().manual_seed(0)
     return [(key, torch.randint(0, vocab, (args.prompt_tokens,), generator=generator).tolist(),
-             args.warmup + args.steps + 1, greedy) for key in range(requests)]
+             max_new_tokens or args.warmup + args.steps + 1, greedy) for key in range(requests)]
 
 
 @torch.no_grad()
@@ -146,9 +147,7 @@ def new_shape_steps(target: torch.nn.Module, drafter: torch.nn.Module, args: arg
     pages = -(-(length + drafter.config.block_size) // PAGE_SIZE)  # what `DFlashEngine.pages_for` reserves
     engine = DFlashEngine(target, drafter, max_batch_size=counts[0], max_sequence_length=length,
                           max_tokens=counts[0] * pages * PAGE_SIZE, static_shapes=True, adaptive=False)
-    # admissions' max_new_tokens: warmup + steps + 1, here the rest of `length`
-    work = argparse.Namespace(prompt_tokens=args.prompt_tokens, warmup=0, steps=length - args.prompt_tokens - 1)
-    for request in admissions(work, counts[0], target.config.vocab_size):
+    for request in admissions(args, counts[0], target.config.vocab_size, length - args.prompt_tokens):
         engine.admit(*request)
     device = engine.anchor_ids.device
     rows = []
