@@ -12,6 +12,8 @@
 #       the same on 32 held-out chat turns
 #   call 4 or 5, carry .stage/prompts:     bash benchmarks/gpu/continuous_evidence.sh humaneval-cb-graphs
 #       HumanEval again, both managers with CUDA graphs (transformers' own records none for SDPA by default)
+#   the call after, carry .stage/prompts:  bash benchmarks/gpu/continuous_evidence.sh chat-cb-graphs
+#       the same on 32 held-out chat turns
 #   any call:                              bash benchmarks/gpu/continuous_evidence.sh graphs
 #       the engine's GPU checks, then its step eager and graph-replayed, and what a new step shape costs
 #       (`hf-dflash bench engine-step`)
@@ -25,7 +27,7 @@ needs_smollm2() {
     if [ -z "${HF_DFLASH_SMOLLM2_GGUF:-}" ]; then echo "no SmolLM2 GGUF here yet: carry .stage/a, b, c"; exit 1; fi
     if [ ! -f .stage/prompts/heldout32.jsonl.gz ]; then echo "no prompts: carry .stage/prompts"; exit 1; fi
 }
-case "${1:?checks, env, humaneval, humaneval-cb-graphs, chat or graphs}" in
+case "${1:?checks, env, humaneval, humaneval-cb-graphs, chat-cb-graphs, chat or graphs}" in
 checks)
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_fast_path_gpu.py 2>&1 \
         | tail -n 15
@@ -47,12 +49,18 @@ humaneval-cb-graphs)
         --cb-cuda-graphs on --max-seconds 45 --check 4 --out "$OUT/smollm2_continuous_humaneval_cb_graphs_gpu.json" \
         2>&1 | tail -n 30
     ;;
+chat-cb-graphs)
+    needs_smollm2
+    timeout 540 "${continuous[@]}" --prompts .stage/prompts/heldout32.jsonl.gz --arms cb cb-drafter \
+        --cb-cuda-graphs on --max-seconds 45 --check 4 --out "$OUT/smollm2_continuous_chat_cb_graphs_gpu.json" \
+        2>&1 | tail -n 30
+    ;;
 chat)
     needs_smollm2
     timeout 560 "${continuous[@]}" --prompts .stage/prompts/heldout32.jsonl.gz \
         --out "$OUT/smollm2_continuous_chat_gpu.json" 2>&1 | tail -n 30
     ;;
 *)
-    echo "unknown part: $1 (checks, env, humaneval, humaneval-cb-graphs, chat or graphs)"; exit 2
+    echo "unknown part: $1 (checks, env, humaneval, humaneval-cb-graphs, chat-cb-graphs, chat or graphs)"; exit 2
     ;;
 esac
