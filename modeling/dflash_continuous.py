@@ -232,13 +232,16 @@ class DFlashContinuousBatchingManager:
 
     @torch.no_grad()
     def warmup(self) -> None:
-        """Where the engine runs static shapes (recorded as CUDA graphs on a GPU), run one short greedy request through
-        it before serving: its prefill and steps pay the one-time costs (on a GPU: kernels chosen, memory cached, the
-        first step shapes run and recorded), so the first real requests do not wait for them. Its row and pages are
-        free again afterwards; greedy requests' tokens do not change. Elsewhere nothing to do, as transformers' own
-        manager does nothing without graphs or compilation. It waits for the worker's step in progress, if any."""
+        """Where the engine runs static shapes (recorded as CUDA graphs on a GPU), pay the one-time costs before
+        serving, so the first real requests do not wait for them: on a GPU, record the step of greedy rows at every
+        row bucket for requests of up to `STATIC_SPAN_BUCKET` positions (`DFlashEngine.record_shapes`, as
+        transformers' manager records its graphs here), then run one short greedy request (its prefill: kernels
+        chosen, memory cached). Its row and pages are free again afterwards; greedy requests' tokens do not change.
+        Elsewhere nothing to do, as transformers' own manager does nothing without graphs or compilation. It waits
+        for the worker's step in progress, if any."""
         engine = self.engine
         with self._step_lock:
+            engine.record_shapes()
             if engine.static_shapes and not engine.sequences:
                 block = engine.block_size
                 prompt = [0] * block  # token 0 exists in every vocabulary; what it decodes to does not matter here

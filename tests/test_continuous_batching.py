@@ -35,6 +35,7 @@ from hf_dflash import DFlashDraftModel
 from hf_dflash.modeling import dflash_continuous, dflash_linear_state
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
 from hf_dflash.modeling.dflash_engine import DFlashEngine
+from hf_dflash.modeling.dflash_fast_path import bucket_size
 from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, penalize, warp
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_families import HYBRID, family_target
@@ -192,8 +193,15 @@ def check_schedule(family: str, plans: list[dict], max_batch_size: int, small_po
     manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=max_batch_size,
                                               max_tokens=128 if small_pool else None, static_shapes=static_shapes)
     if warm_up:
-        manager.warmup()
         engine = manager.engine
+        run_at = []  # the rows of every step run, idle ones included
+        run_rows = engine._run_rows
+        engine._run_rows = lambda n, span, scoring: run_at.append(n) or run_rows(n, span, scoring)
+        manager.warmup()
+        del engine._run_rows
+        # with static shapes, every row bucket's step ran over idle rows (on a GPU: its run and its recording)
+        buckets = {bucket_size(n, max_batch_size) for n in range(1, max_batch_size + 1)}
+        assert set(run_at) == (buckets if static_shapes else set())
         # with static shapes its request ran two steps at least (a first run and, on a GPU, its recording) and left
         assert engine.row_steps >= 2 if static_shapes else engine.row_steps == 0
         assert not engine.sequences and engine.pool_usage()["target_pages_used"] == 0

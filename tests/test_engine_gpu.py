@@ -68,3 +68,22 @@ def test_a_seeded_sampled_run_repeats_on_the_gpu():
         runs.append({key: got[-1].generated_tokens for key, got in outputs.items()})
         assert manager.engine.graphs  # the sampled steps were graph-replayed
     assert runs[0] == runs[1] and all(len(tokens) == 24 for tokens in runs[0].values())
+
+
+def test_warmup_records_every_row_bucket_and_requests_then_replay_only():
+    target = tiny_target("qwen3").cuda()
+    drafter = tiny_drafter(target).cuda()
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=6)
+    manager.warmup()
+    engine = manager.engine
+    recorded = set(engine.graphs)
+    assert {rows for rows, _, _ in recorded} == {1, 2, 4, 6}  # every row bucket of 6 rows, recorded ahead
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (5, 13, 8, 21, 3)]
+    arrivals = {0: [dict(input_ids=prompt, request_id=f"r{i}") for i, prompt in enumerate(prompts)]}
+    outputs, _, _ = run_schedule(manager, arrivals, {})
+    for i, prompt in enumerate(prompts):
+        new = len(outputs[f"r{i}"][-1].generated_tokens)
+        assert outputs[f"r{i}"][-1].generated_tokens == plain_greedy(target, prompt, new)
+    assert set(engine.graphs) == recorded and engine.row_steps > 0  # the steps replayed what warmup recorded
+    usage = engine.pool_usage()
+    assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0

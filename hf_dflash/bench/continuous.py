@@ -26,9 +26,10 @@ completed requests; and whether each request of the first `--check` ones has exa
 `generate` at batch 1 (every mismatch is listed). The continuous-batching arms see a token when the manager streams
 it; the fixed batches when `generate` commits it (a stopping criterion reads the clock; that call returns later).
 Each manager gets a paged cache of `--cb-num-blocks` pages (default: enough for `--concurrency` requests of the
-longest prompt, `--max-new-tokens` and a drafter's block) and steps of at most `--cb-max-batch-tokens` tokens, and
-decodes one short request untimed before its run (warm-up), as the fixed batches do one untimed call. The drafter's
-manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (default: the engine's own, on on a
+longest prompt, `--max-new-tokens` and a drafter's block) and steps of at most `--cb-max-batch-tokens` tokens, is
+warmed up before its run as transformers' `continuous_batching_context_manager` does by default (its `warmup`, where
+both managers record their CUDA graphs), and decodes one short request untimed, as the fixed batches do one untimed
+call. The drafter's manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (default: the engine's own, on on a
 CPU), and the report adds its engine's rows and what it did over the run: steps per verified width (1: plain steps,
 no drafting), the plain steps' fraction, the mean width and tau (tokens committed per sequence and step).
 `--cb-max-requests` sets both managers' `max_requests_per_batch` (default: each its own: transformers' holds as many
@@ -123,6 +124,7 @@ def continuous_run(
     extra = {} if drafter is None else {"assistant_model": drafter, "dflash_adaptive": args.adaptive}
     manager = target.init_continuous_batching(generation_config=generation_config,
                                               continuous_batching_config=cb_config, **extra)
+    manager.warmup()  # as generate_batch and continuous_batching_context_manager do by default: graphs recorded
     manager.start()
     try:
         warm_up = manager.add_request(prompts[0], request_id="warm-up", max_new_tokens=2)
