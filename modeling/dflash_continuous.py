@@ -469,12 +469,29 @@ class DFlashContinuousBatchingManager:
 
     # -- the worker -------------------------------------------------------------------------------------------------
 
-    def _run(self, inference: bool) -> None:
+    def run_until_done(self, after_turn: Callable[[], None] | None = None) -> None:
+        """Serve, in the calling thread and with no worker thread, every request queued until none is left, calling
+        `after_turn()` after each turn of the loop (it may queue more); the outputs wait for `get_result`, as the
+        worker's do. `generate_batch` serves its batch this way: its caller waits anyway, and on a CPU the step runs
+        slower in a second thread once the caller's thread has run torch's intra-op threads (OpenMP keeps a pool
+        per calling thread, and with two pools on the cores its waiting threads sleep instead of spinning; measured
+        in docs/continuous-batching.md)."""
+        if self.is_running():
+            raise RuntimeError("the manager's worker thread is running: it serves the requests; stop it first")
+        self._run(torch.is_inference_mode_enabled(), after_turn)
+
+    def _run(self, inference: bool, after_turn: Callable[[], None] | None = None) -> None:
+        """The loop: the worker thread's until a stop, or with `after_turn` (`run_until_done`) until no request is
+        left."""
         scheduler = DFlashScheduler()
         self.batch_processor = DFlashBatchProcessor(scheduler, self.engine)
         try:
             with torch.inference_mode(inference), torch.no_grad():
                 while (worked := self.iteration(scheduler)) is not None:
+                    if after_turn is not None:
+                        after_turn()
+                        if not worked and not scheduler.waiting_requests and self.input_queue.empty():
+                            break
                     if not worked:
                         self._wake.wait(timeout=0.1)
                         self._wake.clear()

@@ -27,6 +27,7 @@ from transformers.generation.continuous_batching import ContinuousMixin
 from transformers.generation.utils import GenerationMixin
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.integrations.fsdp import is_fsdp_managed_module
+from transformers.utils.logging import tqdm
 
 from .dflash_capture import one_call_at_a_time
 
@@ -185,25 +186,43 @@ def _dflash_generate_batch(
     persistent_manager: bool = False, warmup: bool = True, max_new_tokens: int | None = None,
     dflash_adaptive: Any = None, **unknown: Any,
 ) -> dict[str, Any]:
-    """`generate_batch` with a drafter: every prompt through the manager; {request id: GenerationOutput} in the
-    order of `inputs` (a failed request's output carries its error)."""
+    """`generate_batch` with a drafter: every prompt through the manager, served in the calling thread
+    (`run_until_done`: the call waits anyway, and a worker thread would step slower on a CPU); {request id:
+    GenerationOutput} in the order of `inputs` (a failed request's output carries its error), with transformers'
+    progress bar when `progress_bar`."""
     if unknown:
         raise ValueError(f"generate_batch takes max_new_tokens and no other generation option ({', '.join(unknown)}); "
                          "set them in generation_config")
     if not inputs:
         return {}
-    with _dflash_manager_context(
-        model, drafter, generation_config, continuous_batching_config=continuous_batching_config,
-        persistent_manager=persistent_manager, warmup=warmup, dflash_adaptive=dflash_adaptive,
-    ) as manager:
-        request_ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
-        results: dict[str, Any] = {}
-        while len(results) < len(request_ids):
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
-            elif result is None and not manager.is_running():
-                break
+    manager = model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=continuous_batching_config,
+        assistant_model=drafter, dflash_adaptive=dflash_adaptive,
+    )
+    if warmup:
+        manager.warmup()
+    waiting = list(reversed(inputs))
+    request_ids: list[str] = []
+    results: dict[str, Any] = {}
+    with tqdm(total=len(inputs), disable=not progress_bar, desc=f"Solving {len(inputs)} requests",
+              unit="request") as bar:
+
+        def after_turn() -> None:
+            # requests go in as the queue takes them (`max_queue_size` may bound it), finished outputs come out
+            while waiting and not manager.input_queue.full():
+                request_ids.append(manager.add_request(
+                    waiting.pop(), max_new_tokens=max_new_tokens, record_timestamps=record_timestamps
+                ))
+            while (result := manager.get_result(timeout=0)) is not None:
+                if result.is_finished():
+                    results[result.request_id] = result
+                    bar.update(1)
+
+        after_turn()
+        manager.run_until_done(after_turn)
+        after_turn()
+    if persistent_manager:  # as stop(keep_for_next_session=True) keeps it
+        model._dflash_continuous_batching_manager = manager
     return {request_id: results[request_id] for request_id in request_ids if request_id in results}
 
 

@@ -672,6 +672,24 @@ def test_generate_batch_with_the_drafter_equals_plain_greedy():
     assert [o.generated_tokens for o in out.values()] == [plain_greedy(target, p, 10) for p in prompts]
 
 
+def test_generate_batch_serves_in_the_calling_thread_through_a_bounded_queue(capsys):
+    """generate_batch runs the manager's loop in its caller's thread (no worker thread), feeds a queue bounded by
+    max_queue_size as it drains, and shows transformers' progress bar."""
+    target, drafter = pair("llama")
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (3, 12, 7, 25, 1)]
+    threads = set()
+    handle = drafter.register_forward_hook(lambda *args: threads.add(threading.current_thread()))
+    try:
+        out = target.generate_batch(prompts, generation_config=GREEDY, assistant_model=drafter, max_new_tokens=10,
+                                    continuous_batching_config=ContinuousBatchingConfig(max_queue_size=2),
+                                    progress_bar=True)
+    finally:
+        handle.remove()
+    assert threads == {threading.current_thread()}  # the drafter ran, in this thread
+    assert [o.generated_tokens for o in out.values()] == [plain_greedy(target, p, 10) for p in prompts]
+    assert "Solving 5 requests" in capsys.readouterr().err
+
+
 def test_the_api_streams_cancels_and_passes_through_without_a_drafter():
     # transformers' own manager, without a drafter (on a model of its own: it switches the model to paged attention)
     assert isinstance(tiny_target().init_continuous_batching(generation_config=GREEDY), ContinuousBatchingManager)
