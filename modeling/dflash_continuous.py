@@ -340,6 +340,24 @@ class DFlashContinuousBatchingManager:
         if self._stop_mode is not None:
             logger.warning(f"The manager is stopping. Request {request_id} will be dropped.")
             return None
+        request = self.make_request(
+            input_ids, request_id, max_new_tokens, streaming, record_timestamps, eos_token_id, **logit_processor_kwargs
+        )
+        self.queue(request)
+        return request.request_id
+
+    def make_request(
+        self,
+        input_ids: list[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
+    ) -> Request:
+        """The request `add_request` queues, checked (a ValueError for one the engine can never hold or options it
+        does not apply per request) but not queued: `generate_batch` checks all of its prompts before any work."""
         prompt = [int(token) for token in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
         if prompt and isinstance(prompt[0], list):
             raise ValueError("add_request takes one prompt (a list of token ids); use add_requests for several")
@@ -355,7 +373,7 @@ class DFlashContinuousBatchingManager:
             with self._counter_lock:
                 request_id = f"req_{self._request_counter}"
                 self._request_counter += 1
-        request = Request(
+        return Request(
             request_id=request_id,
             prompt=prompt,
             max_new_tokens=max_new_tokens,
@@ -365,9 +383,11 @@ class DFlashContinuousBatchingManager:
             timestamps=[] if record_timestamps else None,
             logprobs=[] if self.engine.return_logprobs else None,
         )
+
+    def queue(self, request: Request) -> None:
+        """Queue a request from `make_request`, waiting while `max_queue_size` requests wait to be taken."""
         self.input_queue.put(request)
         self._wake.set()
-        return request_id
 
     def _eos(self, eos_token_id: int | list[int] | None) -> frozenset[int]:
         """The request's eos ids: its own, else the generation config's, else the model config's (-1: none; a

@@ -201,8 +201,10 @@ def _dflash_generate_batch(
     )
     if warmup:
         manager.warmup()
-    waiting = list(reversed(inputs))
-    request_ids: list[str] = []
+    requests = [manager.make_request(prompt, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
+                for prompt in inputs]  # every prompt checked before any work
+    request_ids = [request.request_id for request in requests]
+    waiting = requests[::-1]
     results: dict[str, Any] = {}
     with tqdm(total=len(inputs), disable=not progress_bar, desc=f"Solving {len(inputs)} requests",
               unit="request") as bar:
@@ -210,9 +212,7 @@ def _dflash_generate_batch(
         def after_turn() -> None:
             # requests go in as the queue takes them (`max_queue_size` may bound it), finished outputs come out
             while waiting and not manager.input_queue.full():
-                request_ids.append(manager.add_request(
-                    waiting.pop(), max_new_tokens=max_new_tokens, record_timestamps=record_timestamps
-                ))
+                manager.queue(waiting.pop())
             while (result := manager.get_result(timeout=0)) is not None:
                 if result.is_finished():
                     results[result.request_id] = result

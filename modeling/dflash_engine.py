@@ -717,22 +717,21 @@ class DFlashEngine(DFlashStep):
             graph.replay()
 
     @torch.no_grad()
-    def record_shapes(self) -> list[int]:
+    def record_shapes(self) -> None:
         """With static shapes and no sequence running, run the step of greedy rows twice at every row bucket (the
         largest first, so that on a GPU the smaller graphs reuse its memory in the shared pool) at the first span
         bucket, over idle rows: on a CUDA device its eager run, then its recording, so that requests of up to
         `STATIC_SPAN_BUCKET` positions never wait for a new shape while they are served, as transformers' manager
-        records its graphs in `warmup`. Idle rows commit nothing and write only the scratch pages. Returns the row
-        buckets run (none without static shapes or while sequences run)."""
+        records its graphs in `warmup`. Idle rows commit nothing and write only the scratch pages. Nothing to do
+        without static shapes or while sequences run."""
         if not self.static_shapes or self.sequences:
-            return []
+            return
         span = self._static_shape(1, 1)[1]
         greedy = RowScoring(sampled=False, penalized=False)
         buckets = sorted({bucket_size(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)}, reverse=True)
         for rows in buckets:
             for _ in range(2):
                 self._run_static(rows, span, greedy)
-        return buckets
 
     @torch.no_grad()
     def run_step(self) -> dict[Hashable, list[int]]:

@@ -688,6 +688,16 @@ def test_generate_batch_serves_in_the_calling_thread_through_a_bounded_queue(cap
     assert threads == {threading.current_thread()}  # the drafter ran, in this thread
     assert [o.generated_tokens for o in out.values()] == [plain_greedy(target, p, 10) for p in prompts]
     assert "Solving 5 requests" in capsys.readouterr().err
+    # a prompt the engine can never hold is refused before any work, also when it would enter the queue late
+    threads.clear()
+    handle = drafter.register_forward_hook(lambda *args: threads.add(threading.current_thread()))
+    try:
+        with pytest.raises(ValueError):
+            target.generate_batch([*prompts, [1] * 100_000], generation_config=GREEDY, assistant_model=drafter,
+                                  continuous_batching_config=ContinuousBatchingConfig(max_queue_size=2))
+    finally:
+        handle.remove()
+    assert not threads
 
 
 def test_the_api_streams_cancels_and_passes_through_without_a_drafter():
