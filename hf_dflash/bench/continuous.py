@@ -29,9 +29,10 @@ Each manager gets a paged cache of `--cb-num-blocks` pages (default: enough for 
 longest prompt, `--max-new-tokens` and a drafter's block) and steps of at most `--cb-max-batch-tokens` tokens, is
 warmed up before its run as transformers' `continuous_batching_context_manager` does by default (its `warmup`, where
 both managers record their CUDA graphs), and decodes one short request untimed, as the fixed batches do one untimed
-call. The drafter's manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (default: the engine's own, on on a
-CPU), and the report adds its engine's rows and what it did over the run: steps per verified width (1: plain steps,
-no drafting), the plain steps' fraction, the mean width and tau (tokens committed per sequence and step).
+call. The drafter's manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (default: the
+engine's own, on on a CPU), and the report adds its engine's rows and what it did over the run: steps per verified
+width (1: plain steps, no drafting), the plain steps' fraction, the mean width and tau (tokens committed per
+sequence and step).
 `--cb-max-requests` sets both managers' `max_requests_per_batch` (default: each its own: transformers' holds as many
 as its step's tokens allow, ours `DEFAULT_MAX_BATCH_SIZE` rows), and `--cb-cuda-graphs on|off` both managers'
 `use_cuda_graph` (default: each its own: transformers' records graphs where its attention needs no mask, so not for
