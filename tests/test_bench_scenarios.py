@@ -316,8 +316,10 @@ def test_engine_step_times_the_eager_and_the_static_step(tmp_path, capsys):
         assert row["static_graphs"] == 0  # a CPU runs the padded step eagerly
         assert row["admit_alone_ms"] > 0 and row["admit_packed_ms"] > 0
     # three steps timed at each request count, largest first, as a batch shrinks
-    assert [row["requests"] for row in report["new_shapes"]] == [3, 1]
-    assert all(row[key] > 0 for row in report["new_shapes"] for key in ("first_ms", "second_ms", "third_ms"))
+    for name in ("new_shapes", "recorded_ahead"):  # cold, then after record_shapes
+        assert [row["requests"] for row in report[name]] == [3, 1]
+        assert all(row[key] > 0 for row in report[name] for key in ("first_ms", "second_ms", "third_ms"))
+    assert report["record_shapes_ms"] > 0
     with pytest.raises(SystemExit) as refused:
         main(["bench", "engine-step", "--warmup", "1", "--out", str(tmp_path / "bad.json")])
     assert refused.value.code == 2 and "--warmup must be at least 2" in capsys.readouterr().err

@@ -15,8 +15,8 @@
 #   the call after, carry .stage/prompts:  bash benchmarks/gpu/continuous_evidence.sh chat-cb-graphs
 #       the same on 32 held-out chat turns
 #   any call:                              bash benchmarks/gpu/continuous_evidence.sh graphs
-#       the engine's GPU checks, then its step eager and graph-replayed, and what a new step shape costs
-#       (`hf-dflash bench engine-step`)
+#       the engine's GPU checks, then its step eager and graph-replayed, and what a new step shape costs, cold and
+#       after the warmup recorded every row bucket (`hf-dflash bench engine-step`)
 set -u
 source benchmarks/gpu/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -36,7 +36,7 @@ env)
     ;;
 graphs)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -n 8
-    timeout 150 python3 -m hf_dflash.cli bench engine-step --out "$OUT/engine_step_gpu.json" 2>&1 | grep requests
+    timeout 150 python3 -m hf_dflash.cli bench engine-step --out "$OUT/engine_step_gpu.json" 2>&1 | grep -E "requests|ahead"
     ;;
 humaneval)
     needs_smollm2

@@ -19,7 +19,10 @@ the prompts packed end to end into forwards of at most `--prefill-chunk` tokens,
 Last, what a new shape costs (`new_shapes`): one engine at static shapes admits the largest `--requests` count,
 then, for each count from the largest down (as requests end and the batch shrinks), runs three steps, each timed
 alone: the first at a shape the engine has not run (on a GPU: its first run, before any recording), the second and
-the third (recorded, then replayed). The report adds the device memory the process held at its peak.
+the third (recorded, then replayed). Then the same in a fresh engine that first ran `record_shapes`, as the
+manager's `warmup` does (`recorded_ahead`, and its time, `record_shapes_ms`): its first steps replay where the span
+stays in the first bucket (`STATIC_SPAN_BUCKET` positions). The report adds the device memory the process held at
+its peak in each.
 """
 
 from __future__ import annotations
@@ -136,8 +139,12 @@ def seconds_per_step(engine: object, args: argparse.Namespace, requests: int, vo
 
 
 @torch.no_grad()
-def new_shape_steps(target: torch.nn.Module, drafter: torch.nn.Module, args: argparse.Namespace) -> list[dict]:
-    """Milliseconds of three steps at each running-request count, largest first (see the module docstring)."""
+def new_shape_steps(
+    target: torch.nn.Module, drafter: torch.nn.Module, args: argparse.Namespace, recorded_ahead: bool
+) -> tuple[list[dict], float | None]:
+    """Milliseconds of three steps at each running-request count, largest first (see the module docstring); with
+    `recorded_ahead`, after the engine's `record_shapes` (what the manager's `warmup` does), whose milliseconds come
+    second (None without)."""
     from ..modeling.dflash_engine import DFlashEngine
     from ..modeling.dflash_paged_cache import PAGE_SIZE
 
@@ -147,9 +154,17 @@ def new_shape_steps(target: torch.nn.Module, drafter: torch.nn.Module, args: arg
     pages = -(-(length + drafter.config.block_size) // PAGE_SIZE)  # what `DFlashEngine.pages_for` reserves
     engine = DFlashEngine(target, drafter, max_batch_size=counts[0], max_sequence_length=length,
                           max_tokens=counts[0] * pages * PAGE_SIZE, static_shapes=True, adaptive=False)
+    device = engine.anchor_ids.device
+    record_ms = None
+    if recorded_ahead:
+        harness.synchronize(device)
+        start = time.perf_counter()
+        engine.record_shapes()
+        harness.synchronize(device)
+        record_ms = 1000 * (time.perf_counter() - start)
+        print(f"recording every row bucket ahead: {record_ms:.0f} ms", flush=True)
     for request in admissions(args, counts[0], target.config.vocab_size, length - args.prompt_tokens):
         engine.admit(*request)
-    device = engine.anchor_ids.device
     rows = []
     for count in counts:
         while len(engine.sequences) > count:
@@ -162,9 +177,9 @@ def new_shape_steps(target: torch.nn.Module, drafter: torch.nn.Module, args: arg
             harness.synchronize(device)
             times.append(1000 * (time.perf_counter() - start))
         rows.append({"requests": count, "first_ms": times[0], "second_ms": times[1], "third_ms": times[2]})
-        print(f"{count:>3} requests, a new shape: {times[0]:.1f} ms, then {times[1]:.1f} and {times[2]:.1f} ms",
-              flush=True)
-    return rows
+        print(f"{count:>3} requests, {'recorded ahead' if recorded_ahead else 'a new shape'}: the first step "
+              f"{times[0]:.1f} ms, then {times[1]:.1f} and {times[2]:.1f} ms", flush=True)
+    return rows, record_ms
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,15 +217,19 @@ def run(args: argparse.Namespace) -> int:
               f"{row['eager_over_static']:.2f}x; admitted one by one {row['admit_alone_ms']:.1f} ms, packed "
               f"{row['admit_packed_ms']:.1f} ms ({row['admit_alone_over_packed']:.2f}x)", flush=True)
         rows.append(row)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
-    new_shapes = new_shape_steps(target, drafter, args)
-    if device.startswith("cuda"):
-        report["new_shapes_peak_memory_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+    for recorded_ahead, name in ((False, "new_shapes"), (True, "recorded_ahead")):
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        report[name], record_ms = new_shape_steps(target, drafter, args, recorded_ahead)
+        if record_ms is not None:
+            report["record_shapes_ms"] = record_ms
+        if device.startswith("cuda"):
+            report[f"{name}_peak_memory_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     report.update(shape=args.shape, dtype=str(dtype).removeprefix("torch."), prompt_tokens=args.prompt_tokens,
                   prefill_chunk=args.prefill_chunk, pack_tokens=engine_for(False).pack_tokens,
                   statistic=f"mean of {args.steps} steps after {args.warmup} warm-up steps; admission: one round "
-                  "after an untimed one", rows=rows, new_shapes=new_shapes)
+                  "after an untimed one", rows=rows)
     harness.write_report(args.out, report, plot)
     return 0
 
