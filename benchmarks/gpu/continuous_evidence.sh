@@ -36,7 +36,8 @@ env)
     ;;
 graphs)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -n 8
-    timeout 150 python3 -m hf_dflash.cli bench engine-step --out "$OUT/engine_step_gpu.json" 2>&1 | grep -E "requests|ahead"
+    timeout 150 python3 -m hf_dflash.cli bench engine-step --out "$OUT/engine_step_gpu.json" 2>&1 \
+        | grep -E "requests|ahead"
     ;;
 humaneval)
     needs_smollm2
