@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
 import time
 
 import pytest
@@ -189,3 +190,19 @@ def test_the_drafter_arm_is_available_only_where_init_continuous_batching_takes_
 
     target.__class__ = TakesADrafter
     assert continuous.drafter_arm_unavailable(target) is None
+
+
+def test_caller_thread_serves_both_ways_with_the_drafter_and_the_same_tokens(options, tmp_path, monkeypatch):
+    threads = set()  # where the drafter ran: both ways must have run it
+    forward = DFlashDraftModel.forward
+    monkeypatch.setattr(DFlashDraftModel, "forward", lambda self, *args, **kwargs: threads.add(
+        threading.current_thread().name) or forward(self, *args, **kwargs))
+    out = tmp_path / "caller_thread.json"
+    assert main(["bench", "caller-thread", *options, "--batches", "1", "2", "--rounds", "1", "--max-new-tokens", "4",
+                 "--forwards", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [row["prompts"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["same_tokens"] and row["calling thread tok/s median"] > 0 and row["worker thread tok/s median"] > 0
+    assert report["forward_ms"]["calling thread"] > 0 and report["forward_ms"]["worker thread"] > 0
+    assert threads == {threading.current_thread().name, "dflash-continuous-batching"}
