@@ -7,7 +7,8 @@ transformers' `ContinuousBatchingManager` (5.17 to 5.25): `start`, `stop`, `join
 `warmup`, `pause`, `add_request(s)`, `cancel_request`, `get_result`, iteration, `request_id_iter`,
 `register_result_handler`, `background_thread_status.fatal_error`, `logit_processor.supported_keys`, and
 `batch_processor.scheduler` with `active_requests` / `waiting_requests` (None before the worker starts); outputs are
-transformers' `GenerationOutput`, a failed request's with its `error`.
+transformers' `GenerationOutput`, a failed request's with its `error`. Beyond them, `run_until_done` serves the
+queued requests in the calling thread, with no worker thread (what `generate_batch` does).
 
 A worker thread runs the loop: take new requests and cancellations, admit waiting requests in arrival order while a
 row and their pages are free (dflash_engine.py), run one verify step over the running rows, hand each request its
@@ -498,10 +499,10 @@ class DFlashContinuousBatchingManager:
         in docs/continuous-batching.md)."""
         if self.is_running():
             raise RuntimeError("the manager's worker thread is running: it serves the requests; stop it first")
-        self._run(torch.is_inference_mode_enabled(), after_turn)
+        self._run(torch.is_inference_mode_enabled(), after_turn, until_done=True)
 
-    def _run(self, inference: bool, after_turn: Callable[[], None] | None = None) -> None:
-        """The loop: the worker thread's until a stop, or with `after_turn` (`run_until_done`) until no request is
+    def _run(self, inference: bool, after_turn: Callable[[], None] | None = None, until_done: bool = False) -> None:
+        """The loop: the worker thread's until a stop, or with `until_done` (`run_until_done`) until no request is
         left."""
         scheduler = DFlashScheduler()
         self.batch_processor = DFlashBatchProcessor(scheduler, self.engine)
@@ -510,8 +511,8 @@ class DFlashContinuousBatchingManager:
                 while (worked := self.iteration(scheduler)) is not None:
                     if after_turn is not None:
                         after_turn()
-                        if not worked and not scheduler.waiting_requests and self.input_queue.empty():
-                            break
+                    if until_done and not worked and not scheduler.waiting_requests and self.input_queue.empty():
+                        break
                     if not worked:
                         self._wake.wait(timeout=0.1)
                         self._wake.clear()

@@ -700,6 +700,19 @@ def test_generate_batch_serves_in_the_calling_thread_through_a_bounded_queue(cap
     assert not threads
 
 
+def test_run_until_done_serves_the_queued_requests_and_returns():
+    target, drafter = pair("qwen3")
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (6, 14, 3)]
+    manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter)
+    request_ids = manager.add_requests(prompts, max_new_tokens=12)
+    manager.run_until_done()
+    outputs = {}
+    while (output := manager.get_result(timeout=0)) is not None:
+        outputs[output.request_id] = output.generated_tokens
+    assert [outputs[request_id] for request_id in request_ids] == [plain_greedy(target, p, 12) for p in prompts]
+    assert not manager.is_running() and manager.engine.row_steps > 0
+
+
 def test_the_api_streams_cancels_and_passes_through_without_a_drafter():
     # transformers' own manager, without a drafter (on a model of its own: it switches the model to paged attention)
     assert isinstance(tiny_target().init_continuous_batching(generation_config=GREEDY), ContinuousBatchingManager)
