@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,20 +58,8 @@ def check(args: argparse.Namespace) -> None:
 
 def in_a_worker_thread(function: Callable[[], Any]) -> Any:
     """`function()` in a new thread, waited for; its result (an exception is raised here)."""
-    outcome = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = function()
-        except BaseException as error:
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(function).result()
 
 
 @torch.no_grad()
