@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Continuous batching on a lent GPU machine (docs/continuous-batching.md), one part per call, the calls chained
 # within 30 s of each other (README.md beside this file). Stage first, here: `bash benchmarks/gpu/stage_smollm2.sh`
-# and `bash benchmarks/gpu/stage_prompts.sh`. From the repository root:
+# and `bash benchmarks/gpu/stage_prompts.sh` (".stage/prompts" below: its files humaneval.jsonl.gz and
+# heldout32.jsonl.gz, which fit a call beside a GGUF part; the whole folder does not). From the repository root:
 #   call 1, carry .stage/a .whl:           bash benchmarks/gpu/continuous_evidence.sh checks
 #       the engine on CUDA (tests/test_engine_gpu.py: schedules equal plain greedy) and the fast path's GPU tests
 #   call 2, carry .stage/b:                bash benchmarks/gpu/continuous_evidence.sh env
