@@ -74,6 +74,10 @@ SPAN_BUCKET = 64
 # eagerly and then recorded, which costs far more than attending over unused positions does
 # (benchmarks/batches-and-serving.md): short requests share one span, and longer ones step through few.
 STATIC_SPAN_BUCKET = 256
+# `record_shapes` (the manager's `warmup`) records the static step's spans up to this many positions, as the default
+# pools hold sequences of up to 2,048 positions each (`max_tokens`); a longer request's first steps at each larger
+# span record theirs as they come.
+RECORD_SPAN_LIMIT = 2048
 # A prompt is prefilled in forwards of at most this many positions (the default of `prefill_chunk`).
 PREFILL_CHUNK = 512
 # The most prompt tokens one packed prefill (`admit_many`) takes on a CPU. A packed forward attends from every token to
@@ -718,18 +722,19 @@ class DFlashEngine(DFlashStep):
 
     @torch.no_grad()
     def record_shapes(self) -> None:
-        """With static shapes and no sequence running, run the step of greedy rows twice at every row bucket (the
-        largest first, so that on a GPU the smaller graphs reuse its memory in the shared pool) at the first span
-        bucket, over idle rows: on a CUDA device its eager run, then its recording, so that requests of up to
-        `STATIC_SPAN_BUCKET` positions never wait for a new shape while they are served, as transformers' manager
-        records its graphs in `warmup`. Idle rows commit nothing and write only the scratch pages. Nothing to do
-        without static shapes or while sequences run."""
+        """With static shapes and no sequence running, run the step of greedy rows twice at every row bucket and span
+        bucket up to `RECORD_SPAN_LIMIT` positions (the largest shapes first, so that on a GPU the smaller graphs
+        reuse their memory in the shared pool), over idle rows: on a CUDA device its eager run, then its recording,
+        so that requests of up to that many positions never wait for a new shape while they are served, as
+        transformers' manager records its graphs in `warmup`. Idle rows commit nothing and write only the scratch
+        pages. Nothing to do without static shapes or while sequences run."""
         if not self.static_shapes or self.sequences:
             return
-        span = self._static_shape(1, 1)[1]
         greedy = RowScoring(sampled=False, penalized=False)
-        buckets = sorted({bucket_size(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)}, reverse=True)
-        for rows in buckets:
+        longest = min(self.max_sequence_length + self.block_size, RECORD_SPAN_LIMIT)
+        shapes = {self._static_shape(n, span) for n in range(1, self.max_batch_size + 1)
+                  for span in [*range(1, longest, STATIC_SPAN_BUCKET), longest]}
+        for rows, span in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
             for _ in range(2):
                 self._run_static(rows, span, greedy)
 
@@ -801,5 +806,5 @@ class DFlashEngine(DFlashStep):
 
 __all__ = [
     "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK",
-    "PagedHybridCache", "PagedTargetCache", "SPAN_BUCKET", "STATIC_SPAN_BUCKET",
+    "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET", "STATIC_SPAN_BUCKET",
 ]

@@ -34,7 +34,7 @@ from transformers.generation.logits_process import (
 from hf_dflash import DFlashDraftModel
 from hf_dflash.modeling import dflash_continuous, dflash_linear_state
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
-from hf_dflash.modeling.dflash_engine import DFlashEngine
+from hf_dflash.modeling.dflash_engine import RECORD_SPAN_LIMIT, STATIC_SPAN_BUCKET, DFlashEngine
 from hf_dflash.modeling.dflash_fast_path import bucket_size
 from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, penalize, warp
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
@@ -196,12 +196,18 @@ def check_schedule(family: str, plans: list[dict], max_batch_size: int, small_po
         engine = manager.engine
         run_at = []  # the rows of every step run, idle ones included
         run_rows = engine._run_rows
-        engine._run_rows = lambda n, span, scoring: run_at.append(n) or run_rows(n, span, scoring)
+        engine._run_rows = lambda n, span, scoring: run_at.append((n, span)) or run_rows(n, span, scoring)
         manager.warmup()
         del engine._run_rows
-        # with static shapes, every row bucket's step ran over idle rows (on a GPU: its run and its recording)
+        # with static shapes, the step ran over idle rows at every row bucket and at every span bucket up to
+        # RECORD_SPAN_LIMIT (on a GPU: its run and its recording), then the warm-up request's steps ran
         buckets = {bucket_size(n, max_batch_size) for n in range(1, max_batch_size + 1)}
-        assert set(run_at) == (buckets if static_shapes else set())
+        longest = engine._static_shape(1, min(engine.max_sequence_length + engine.block_size, RECORD_SPAN_LIMIT))[1]
+        spans = {min(STATIC_SPAN_BUCKET << k, longest) for k in range(8) if STATIC_SPAN_BUCKET << k < 2 * longest}
+        if static_shapes:
+            assert len(spans) > 1 and {(n, span) for n in buckets for span in spans} <= set(run_at)
+        else:
+            assert not run_at
         # with static shapes its request ran two steps at least (a first run and, on a GPU, its recording) and left
         assert engine.row_steps >= 2 if static_shapes else engine.row_steps == 0
         assert not engine.sequences and engine.pool_usage()["target_pages_used"] == 0
