@@ -20,8 +20,8 @@ Last, what a new shape costs (`new_shapes`): one engine at static shapes admits 
 then, for each count from the largest down (as requests end and the batch shrinks), runs three steps, each timed
 alone: the first at a shape the engine has not run (on a GPU: its first run, before any recording), the second and
 the third (recorded, then replayed). Then the same in a fresh engine that first ran `record_shapes`, as the
-manager's `warmup` does (`recorded_ahead`, and its time, `record_shapes_ms`): its first steps replay where the span
-stays in the first bucket (`STATIC_SPAN_BUCKET` positions). The report adds the device memory the process held at
+manager's `warmup` does (`recorded_ahead`, and its time, `record_shapes_ms`): its first steps replay, every row and
+span bucket up to `RECORD_SPAN_LIMIT` positions having been recorded. The report adds the device memory the process held at
 its peak in each.
 """
 
@@ -162,7 +162,7 @@ def new_shape_steps(
         engine.record_shapes()
         harness.synchronize(device)
         record_ms = 1000 * (time.perf_counter() - start)
-        print(f"recording every row bucket ahead: {record_ms:.0f} ms", flush=True)
+        print(f"recording every row and span bucket ahead: {record_ms:.0f} ms", flush=True)
     for request in admissions(args, counts[0], target.config.vocab_size, length - args.prompt_tokens):
         engine.admit(*request)
     rows = []
