@@ -73,6 +73,8 @@ def test_every_arm_at_every_concurrency_reports_its_figures_and_plain_greedy_tok
             assert 0 <= run[key]["p50"] <= run[key]["p99"]
         # request 3 repeats prompt 0 (requests cycle the prompts): checked too
         assert run["identical_to_plain"] == {"checked": 4, "identical": 4, "mismatches": []}
+        # a manager's warmup is timed apart from its run; fixed batches have none
+        assert (run["warmup_s"] >= 0) if run["arm"] != "generate-batches" else "warmup_s" not in run
         if run["arm"] != "cb-drafter":
             assert "engine" not in run
             continue

@@ -106,10 +106,11 @@ def continuous_run(
     target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int,
     args: argparse.Namespace,
     pad_token_id: int, request_tokens: int, drafter: torch.nn.Module | None,
-) -> dict[str, Any] | None:
+) -> tuple[float, dict[str, Any] | None]:
     """Serve `requests` through a continuous-batching manager (with `assistant_model=drafter` when given), filling
     each request's record. `request_tokens`: what one request may hold in the cache (the default cache's size).
-    Returns, with a drafter, its engine's rows and what it did over the timed run (`engine_steps`); else None."""
+    Returns the seconds the manager's `warmup` took, and with a drafter its engine's rows and what it did over the
+    timed run (`engine_steps`), else None."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     eos = target.generation_config.eos_token_id
@@ -125,7 +126,10 @@ def continuous_run(
     extra = {} if drafter is None else {"assistant_model": drafter, "dflash_adaptive": args.adaptive}
     manager = target.init_continuous_batching(generation_config=generation_config,
                                               continuous_batching_config=cb_config, **extra)
+    started = time.perf_counter()
     manager.warmup()  # as generate_batch and continuous_batching_context_manager do by default: graphs recorded
+    harness.synchronize(next(target.parameters()).device)
+    warmup_s = time.perf_counter() - started
     manager.start()
     try:
         warm_up = manager.add_request(prompts[0], request_id="warm-up", max_new_tokens=2)
@@ -137,9 +141,10 @@ def continuous_run(
     finally:
         manager.stop(block=True, hard_stop=True)
     if engine is None:
-        return None
-    return {"rows": engine.max_batch_size, "static_shapes": engine.static_shapes, "cuda_graphs": engine.use_graphs,
-            **engine_steps(before, engine_totals(engine), engine.policy is not None)}
+        return warmup_s, None
+    return warmup_s, {"rows": engine.max_batch_size, "static_shapes": engine.static_shapes,
+                      "cuda_graphs": engine.use_graphs,
+                      **engine_steps(before, engine_totals(engine), engine.policy is not None)}
 
 
 def engine_totals(engine: Any) -> tuple[Counter, int, int]:
@@ -370,14 +375,16 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for concurrency in args.concurrency:
         for arm in (a for a in ARMS if a in args.arms and a not in unavailable):
             requests = [Request(i, i % len(prompts), offsets[i]) for i in range(args.requests)]
-            engine = None
+            warmup_s = engine = None
             if arm == "generate-batches":
                 fixed_batches_run(target, prompts, requests, concurrency, args, pad_token_id, drafter)
             else:
-                engine = continuous_run(target, prompts, requests, concurrency, args, pad_token_id, request_tokens,
-                                        drafter if arm == "cb-drafter" else None)
+                warmup_s, engine = continuous_run(target, prompts, requests, concurrency, args, pad_token_id,
+                                                  request_tokens, drafter if arm == "cb-drafter" else None)
             run = {"arm": arm, "concurrency": concurrency, **figures(requests), "identical_to_plain":
                    identity(requests, plain)}
+            if warmup_s is not None:  # the manager's warmup, before the timed run
+                run["warmup_s"] = warmup_s
             if engine is not None:
                 run["engine"] = engine
             runs.append(run)
@@ -405,6 +412,8 @@ def format_row(run: dict[str, Any]) -> str:
             f"{run['requests_per_s']:6.2f} req/s  {run['output_tokens_per_s']:7.1f} tok/s  "
             f"ttft p50/p99 {ms(ttft['p50'])}/{ms(ttft['p99'])} ms  itl p50/p99 {ms(itl['p50'])}/{ms(itl['p99'])} ms  "
             f"identical {same['identical']}/{same['checked']}")
+    if "warmup_s" in run:
+        line += f"  warmup {run['warmup_s']:.1f} s"
     engine = run.get("engine")
     if engine and engine["steps"]:
         line += (f"  [{engine['steps']} steps, mean width {engine['mean_width']:.1f}, plain "
