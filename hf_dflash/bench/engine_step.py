@@ -21,8 +21,8 @@ then, for each count from the largest down (as requests end and the batch shrink
 alone: the first at a shape the engine has not run (on a GPU: its first run, before any recording), the second and
 the third (recorded, then replayed). Then the same in a fresh engine that first ran `record_shapes`, as the
 manager's `warmup` does (`recorded_ahead`, and its time, `record_shapes_ms`): its first steps replay, every row and
-span bucket up to `RECORD_SPAN_LIMIT` positions having been recorded. The report adds the device memory the process held at
-its peak in each.
+span bucket up to `RECORD_SPAN_LIMIT` positions having been recorded. The report adds the device memory the process
+held at its peak in each.
 """
 
 from __future__ import annotations
