@@ -51,22 +51,27 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from transformers.utils import logging
 
-from .dflash_acceptance import accept
+from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
+from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument
-from .dflash_fast_path import bucket_size
+from .dflash_fast_path import bucket_size, compile_drafter_pass
 from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
 from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView
 from .dflash_policy import VerifyPolicy
+from .dflash_processors import StepProcessors
 from .dflash_row_sampling import SamplingSettings, penalize, warp
 from .dflash_static_cache import page_slots
 from .dflash_step import DFlashStep, StepRows
+
+logger = logging.get_logger(__name__)
 
 # The span a step reads is the longest sequence rounded up to this many positions (fewer distinct mask shapes).
 SPAN_BUCKET = 64
@@ -78,6 +83,8 @@ STATIC_SPAN_BUCKET = 256
 # pools hold sequences of up to 2,048 positions each (`max_tokens`); a longer request's first steps at each larger
 # span record theirs as they come.
 RECORD_SPAN_LIMIT = 2048
+# A generate call's max_length is rounded up to this many positions: calls of similar length share one held engine.
+CALL_LENGTH_BUCKET = 256
 # A prompt is prefilled in forwards of at most this many positions (the default of `prefill_chunk`).
 PREFILL_CHUNK = 512
 # The most prompt tokens one packed prefill (`admit_many`) takes on a CPU. A packed forward attends from every token to
@@ -100,6 +107,7 @@ class EngineRows(StepRows):
     top_p: torch.Tensor | None = None  # (n,) float32
     repetition_penalty: torch.Tensor | None = None  # (n,) float32, 1: off
     logprobs: torch.Tensor | None = None  # (n, B) float32: the log-probability of each verified row's token, if kept
+    padding: torch.Tensor | None = None  # (n,) a generate call's left padding of each row (`bind`), else None
 
 
 class RowScoring(NamedTuple):
@@ -305,12 +313,23 @@ class DFlashEngine(DFlashStep):
         self.presence = torch.zeros(b, vocab, dtype=torch.bool, device=device)
         self.return_logprobs = return_logprobs
         self.logprobs = torch.zeros(b, block, dtype=torch.float32, device=device) if return_logprobs else None
+        # A generate call's rows (`bind`, `admit_call`): the left padding plain generate's input_ids hold before each
+        # row (what its processors count in a prefix's length), and the verify rows' scores / logits (b, B, V)
+        # float32, allocated only for a call that returns them.
+        self.padding = torch.zeros(b, **long)
+        self.call_processors = False
+        self.scores: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self.vocab_size = vocab
         self.per_row = (
             self.target_tables, self.drafter_tables, self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length,
             self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
-            self.presence, *self.conv.values(), *self.recurrent.values(),
+            self.presence, self.padding, *self.conv.values(), *self.recurrent.values(),
         )
         self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
+        # Whether a bound generate call compiles the drafter's pass (`bind`), and why compiling failed, if it did.
+        self.compile_drafter = False
+        self.compile_error: str | None = None
         if self.static_shapes:
             self.scratch = (self.target_pool.take(1)[0], self.drafter_pool.take(1)[0])
             for row in range(b):
@@ -440,6 +459,92 @@ class DFlashEngine(DFlashStep):
             self._start(first_row + i, sequence, firsts[i], None if logprobs is None else logprobs[i])
         return firsts.tolist()
 
+    # -- a generate call's rows ------------------------------------------------------------------------------------
+
+    def bind(
+        self, processors: StepProcessors, rule: DecodingRule, keep_scores: bool, keep_logits: bool,
+        compile_drafter: bool = False,
+    ) -> None:
+        """Serve a `generate` call (dflash_decoding.py): its rows' tokens are chosen under the call's logits processors
+        and decoding rule (the drafts sampled from the drafter under rejection sampling) instead of per-request
+        settings, and the step writes the verify rows' scores / logits out when the call returns them. A recorded
+        graph baked in what it was recorded with: the graphs are kept only for a call that computes the same."""
+        kept = (self.scores is not None, self.logits is not None)
+        if compile_drafter != self.compile_drafter:
+            self.graphs, self.warmed_shapes, self.drafter_passes = {}, set(), {}
+            self.compile_drafter = compile_drafter
+        same = (rule, processors.signature, (keep_scores, keep_logits)) == (
+            self.rule, self.processors.signature, kept
+        )
+        self.call_processors = True
+        if self.graphs and same:
+            return
+        self.graphs, self.warmed_shapes = {}, set()
+        self.rule, self.processors = rule, processors
+        block, vocab, device = self.block_size, self.vocab_size, self.anchor_ids.device
+        self.scores = torch.zeros(self.max_batch_size, block, vocab, device=device) if keep_scores else None
+        self.logits = torch.zeros(self.max_batch_size, block, vocab, device=device) if keep_logits else None
+
+    @torch.no_grad()
+    def admit_call(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, processors: StepProcessors
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """A bound `generate` call's left-padded batch (b, P) as sequences 0..b-1 in rows 0..b-1, each up to the
+        call's `max_length` (padding included, as generate counts it). Its prompts are prefilled without their
+        padding; each first token is chosen under the call's own processors `processors` exactly as plain generate
+        chooses it (every processor called once on the whole batch). Returns the first tokens, their scores (b, 1, V)
+        and raw logits (b, 1, V)."""
+        if self.sequences:
+            raise RuntimeError("admit_call needs an empty engine; this is a bug: please report it")
+        batch, padded_length = input_ids.shape
+        real = attention_mask.bool()
+        prompts = [row[mask].tolist() for row, mask in zip(input_ids, real)]
+        max_new_tokens = max_length - padded_length
+        for prompt in prompts:
+            self.check_request(len(prompt), max_new_tokens)
+        placed = []
+        try:
+            for row, prompt in enumerate(prompts):
+                placed.append(self._place(row, row, prompt, max_new_tokens, SamplingSettings()))
+            with self.generator.capture:
+                if batch > 1 and not self.hybrid and sum(map(len, prompts)) <= self.pack_tokens:
+                    logits = self._prefill_packed_logits(0, prompts)
+                else:
+                    logits = torch.cat([
+                        self._prefill_logits(row, torch.tensor([prompt], device=input_ids.device))
+                        for row, prompt in enumerate(prompts)
+                    ])
+        except BaseException:
+            for sequence in placed:
+                self._give_back(sequence)
+            raise
+        scores = processors.first_token_scores(input_ids, logits[:, 0])[:, None]
+        tokens, _ = accept(scores, input_ids[:, :0], self.rule.do_sample, None)
+        first = tokens[:, 0]
+        self.padding[:batch] = padded_length - real.sum(dim=1)
+        if processors.penalty is not None:
+            self.presence[:batch] = processors.prompt_presence(input_ids, self.vocab_size)
+            self.presence[torch.arange(batch, device=first.device), first] = True
+        for row, sequence in enumerate(placed):
+            self._start(row, sequence, first[row], None)
+        return first.tolist(), scores, logits
+
+    def verified_rows(self, key: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The last step's scores and raw logits (B, V) of `key`'s verify rows (None where not kept): views of the
+        step's buffers, which the next step overwrites."""
+        if self.scores is None and self.logits is None:
+            return None, None
+        row = next(i for i, sequence in enumerate(self.sequences) if sequence.key == key)
+        return (
+            None if self.scores is None else self.scores[row],
+            None if self.logits is None else self.logits[row],
+        )
+
+    def retire_all(self) -> None:
+        """Free every row and its pages (a call ended, also by an exception)."""
+        for sequence in list(self.sequences):
+            self.retire(sequence.key)
+
     def _admit_or_error(self, *request: object) -> int | Exception:
         try:
             return self.admit(*request)
@@ -491,16 +596,22 @@ class DFlashEngine(DFlashStep):
     def _prefill(
         self, row: int, input_ids: torch.LongTensor, sampling: SamplingSettings
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt forward of one row (1, P) (`_prefill_logits`), and its first token (a 0-d tensor) under its own
+        sampling settings, with its log-probability when kept."""
+        logits = self._prefill_logits(row, input_ids)
+        first, logprob = self._first_tokens(logits, slice(row, row + 1), RowScoring.of([sampling]))
+        return first[0], None if logprob is None else logprob[0]
+
+    def _prefill_logits(self, row: int, input_ids: torch.LongTensor) -> torch.Tensor:
         """The prompt forward of one row (1, P), in chunks of at most `prefill_chunk` positions: keys/values to its
-        pages, captured rows to the drafter's context, and its first token (a 0-d tensor) under its own sampling
-        settings. A chunk's queries see the chunks before it through the pages, so the result is that of one forward,
-        while the attention scores and masks of a forward stay (chunk x span) rather than (P x P)."""
+        pages, captured rows to the drafter's context. Returns the last position's logits (1, 1, V). A chunk's queries
+        see the chunks before it through the pages, so the result is that of one forward, while the attention scores
+        and masks of a forward stay (chunk x span) rather than (P x P)."""
         length = input_ids.shape[1]
         for start in range(0, length, self.prefill_chunk):
             end = min(start + self.prefill_chunk, length)
             logits = self._prefill_chunk(row, input_ids[:, start:end], start)
-        first, logprob = self._first_tokens(logits, slice(row, row + 1), RowScoring.of([sampling]))
-        return first[0], None if logprob is None else logprob[0]
+        return logits
 
     def _first_tokens(
         self, logits: torch.Tensor, rows: slice, scoring: RowScoring
@@ -543,10 +654,15 @@ class DFlashEngine(DFlashStep):
     def _prefill_packed(
         self, first_row: int, prompts: list[list[int]], scoring: RowScoring
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_prefill_packed_logits`, then each prompt's first token under its own sampling settings (`scoring`: of
+        them all). Returns the first tokens (k,) and their log-probabilities (k,) when kept."""
+        logits = self._prefill_packed_logits(first_row, prompts)
+        return self._first_tokens(logits, slice(first_row, first_row + len(prompts)), scoring)
+
+    def _prefill_packed_logits(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
         """The prompts of rows first_row.. in one target forward (1, T), T their total length: each prompt's keys and
         values go to its own row's pages, each token reads back its own prompt's pages only (a block-diagonal causal
-        mask), and each prompt's last position gives its row's first token under its own sampling settings (`scoring`:
-        of them all). Returns the first tokens (k,) and their log-probabilities (k,) when kept."""
+        mask). Returns each prompt's last logits (k, 1, V)."""
         device = self.anchor_ids.device
         rows = range(first_row, first_row + len(prompts))
         lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
@@ -578,7 +694,7 @@ class DFlashEngine(DFlashStep):
         finally:
             self.generator.capture.destination = None
         self.generator.write_context(captured, positions, slots(self.drafter_tables))
-        return self._first_tokens(logits, slice(first_row, first_row + len(prompts)), scoring)
+        return logits
 
     def retire(self, key: Hashable) -> None:
         """Free `key`'s row and pages at once; the last row moves into its place."""
@@ -633,6 +749,11 @@ class DFlashEngine(DFlashStep):
                    for name in ("presence", "repetition_penalty")}
         return {**sampling, **penalty}
 
+    def prefix_lengths(self, rows: EngineRows) -> torch.Tensor:
+        """(n,) plain generate's input_ids length before each row's verify rows, anchor included: a generate call's
+        padding counts (only its processors read this)."""
+        return rows.padding + rows.anchor_pos + 1
+
     @staticmethod
     def _scores(
         logits: torch.Tensor, drafts: torch.LongTensor, do_sample: torch.Tensor | None,
@@ -651,7 +772,10 @@ class DFlashEngine(DFlashStep):
         self, rows: EngineRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
         """Each row's own repetition penalty and sampling settings (greedy rows: the argmax), with the drafter's argmax
-        as its proposal; the tokens' log-probabilities go to `rows.logprobs` when kept."""
+        as its proposal; the tokens' log-probabilities go to `rows.logprobs` when kept. Under a bound generate call,
+        the call's processors and decoding rule (`DFlashStep.choose`)."""
+        if self.call_processors:
+            return super().choose(rows, logits, drafts, draft_probs)
         scores, do_sample = self._scores(
             logits, drafts, rows.do_sample, rows.temperature, rows.top_k, rows.top_p, rows.presence,
             rows.repetition_penalty,
@@ -690,13 +814,63 @@ class DFlashEngine(DFlashStep):
                 self.drafter_pool, self.draft_block_slots[:n],
                 read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
             ),
-            logprobs=None if self.logprobs is None else self.logprobs[:n],
-            **self._sampling(slice(0, n), scoring),
+            **self._scoring_fields(n, scoring),
+        )
+
+    def _scoring_fields(self, n: int, scoring: RowScoring) -> dict[str, torch.Tensor | None]:
+        """`EngineRows`' fields for how rows 0..n-1 choose their tokens: each request's own settings and kept
+        log-probabilities, or under a bound generate call (`bind`) its penalty set, padding and kept scores / logits."""
+        if not self.call_processors:
+            return dict(logprobs=None if self.logprobs is None else self.logprobs[:n],
+                        **self._sampling(slice(0, n), scoring))
+        return dict(
+            presence=self.presence[:n] if self.processors.penalty is not None else None,
+            scores=None if self.scores is None else self.scores[:n],
+            logits=None if self.logits is None else self.logits[:n],
+            padding=self.padding[:n],
         )
 
     def _run_rows(self, n: int, span: int, scoring: RowScoring) -> None:
         with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
-            self.step(self._rows(n, span, scoring))
+            rows = self._rows(n, span, scoring)
+            self._prepare_drafter(rows)
+            self.step(rows)
+
+    def _prepare_drafter(self, rows: EngineRows) -> None:
+        """When a bound generate call compiles the drafter's pass (`bind`), compile it for this many rows and run it
+        once (its first run also tunes kernels), before any graph records the step; later spans recompile it on their
+        first, eager run. Leaves the device state as a step would find it: a pass rewrites the last verify's context
+        rows as they were, and block slots the step overwrites. If compiling fails, a warning says why and the step
+        keeps the eager pass."""
+        n = rows.anchor_ids.shape[0]
+        if not self.compile_drafter or self.compile_error is not None or n in self.drafter_passes:
+            return
+        # A warning, not an info line: the call waits tens of seconds on a cold compile cache, and transformers shows
+        # only warnings by default.
+        logger.warning_once(
+            "DFlash: compiling the drafter's pass of the fast path with torch.compile, for each batch size the step "
+            "runs at (about half a minute per batch size on an H200 with a cold compile cache; that call takes "
+            "longer, later ones are faster); pass dflash_compile=False to generate to keep it eager."
+        )
+        started = time.perf_counter()
+        compiled = compile_drafter_pass(self.draft)
+        try:
+            with grouped_attention(self.drafter):
+                # Eagerly first: the grouped attention asks torch's sdpa dispatcher once per kind of call and keeps the
+                # answer, which a compiled trace can read but not ask (dflash_attention.py).
+                self.draft(rows)
+                compiled(rows)
+        except Exception as error:  # any failure to compile leaves the eager pass, never a failed call
+            lines = str(error).strip().splitlines()
+            self.compile_error = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+            logger.warning_once(
+                f"DFlash: compiling the drafter's pass failed ({self.compile_error}); the fast path runs it eagerly "
+                "(the same tokens, each step somewhat slower). Pass dflash_compile=False to generate to skip the "
+                "attempt."
+            )
+            return
+        logger.info(f"DFlash: compiled the drafter's pass for {n} rows in {time.perf_counter() - started:.1f} s")
+        self.drafter_passes[n] = compiled
 
     def _run_static(self, n: int, span: int, scoring: RowScoring) -> None:
         """The padded step at shape (n, span): on a CUDA device its first run is eager, on a side stream (the warm-up a
@@ -804,7 +978,37 @@ class DFlashEngine(DFlashStep):
         return 1, None
 
 
+def engine_for(target: torch.nn.Module, drafter: torch.nn.Module, batch_size: int, max_length: int) -> DFlashEngine:
+    """The engine that serves `generate` calls of this target and batch size on the fast path (dflash_decoding.py),
+    built once and kept on the drafter, one at a time, to bound the memory it holds (a call holds the drafter's lock
+    while it uses it). A held engine serves any call whose `max_length` (padding included) it holds, up to four times
+    over (its pools hold every row at full length), while the drafter keeps the draft vocabulary it was built for."""
+    length = -(-max_length // CALL_LENGTH_BUCKET) * CALL_LENGTH_BUCKET
+    key = (id(target), batch_size, target.dtype)
+    held = getattr(drafter, "_dflash_engine", None)
+    if (
+        held is None
+        or held[0] != key
+        or not max_length <= held[1].max_sequence_length <= 4 * length
+        or held[1].generator.draft_vocabulary is not drafter.draft_vocabulary  # its head copied the old one's rows
+    ):
+        drafter._dflash_engine = None  # let the old buffers go before allocating new ones
+        pages = -(-(length + drafter.config.block_size) // PAGE_SIZE)
+        engine = DFlashEngine(
+            target, drafter, max_batch_size=batch_size, max_tokens=batch_size * pages * PAGE_SIZE,
+            max_sequence_length=length, adaptive=False,
+        )
+        drafter._dflash_engine = (key, engine)
+    return drafter._dflash_engine[1]
+
+
+def release_engine(drafter: torch.nn.Module) -> None:
+    """Free the engine (its pools, buffers and CUDA graphs) that `generate` calls keep on `drafter`."""
+    drafter._dflash_engine = None
+
+
 __all__ = [
-    "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK",
-    "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET", "STATIC_SPAN_BUCKET",
+    "CALL_LENGTH_BUCKET", "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence",
+    "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET", "STATIC_SPAN_BUCKET",
+    "engine_for", "release_engine",
 ]

@@ -416,6 +416,7 @@ def static_step_for(
 def release_fast_path(drafter: torch.nn.Module) -> None:
     """Free the fast path's buffers and CUDA graph kept on `drafter`."""
     drafter._dflash_static_step = None
+    drafter._dflash_engine = None
 
 
 __all__ = ["DFlashStaticStep", "StepRows", "bucket_size", "record_cuda_graph", "release_fast_path", "static_step_for"]

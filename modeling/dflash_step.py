@@ -214,6 +214,11 @@ class DFlashStep:
         if rows.logits is not None:
             rows.logits[:, :width].copy_(logits)
 
+    def prefix_lengths(self, rows: StepRows) -> torch.Tensor:
+        """(n,) the padded length plain generate's input_ids would have before each row's token 0 (the anchor
+        included), which length-gated processors read."""
+        return rows.offsets + rows.anchor_pos + 1
+
     def choose(
         self, rows: StepRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
@@ -221,9 +226,7 @@ class DFlashStep:
         bound processors and decoding rule. logits (n, k, V), the verified drafts (n, k - 1) -> (scores (n, k, V),
         tokens (n, k), accepted (n,))."""
         if self.processors.processors or self.rule.do_sample:
-            # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
-            lengths = rows.offsets + rows.anchor_pos + 1
-            scores = self.processors(logits, lengths, rows.presence, drafts)  # (n, k, V)
+            scores = self.processors(logits, self.prefix_lengths(rows), rows.presence, drafts)  # (n, k, V)
         else:  # greedy, nothing to process: the argmax of the logits as they are is that of their exact float32 copy,
             scores = logits  # which would cost a (n, B, V) float32 write and read (9.7 MB per sequence at Qwen3's V)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)
