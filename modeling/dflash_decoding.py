@@ -34,7 +34,7 @@ from .dflash_acceptance import DecodingRule, accept, draft_confidence
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_checks import check_call
 from .dflash_compat import cache_argument, cache_from_kwargs
-from .dflash_engine import DFlashEngine, engine_for
+from .dflash_fast_path import decode_on_engine, engine_for
 from .dflash_fast_path_blockers import fast_path_blocker, takes_fast_path
 from .dflash_host_hooks import HostHooks
 from .dflash_policy import VerifyPolicy
@@ -52,29 +52,6 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 _cache_argument = cache_argument  # the name tests and benchmarks import
-
-
-def _decode_on_engine(
-    engine: DFlashEngine, input_ids: torch.LongTensor, attention_mask: torch.Tensor, processors: StepProcessors,
-    host_hooks: HostHooks,
-) -> None:
-    """The fast path's host loop: the call's rows are admitted at step 0 and leave the engine's batch the step they
-    end; per step one step of the engine (one replay on a GPU) and one read-back of the committed tokens, which then
-    pass the call's host hooks (`host_hooks`, which keeps the sequences)."""
-    try:
-        first, scores, logits = engine.admit_call(input_ids, attention_mask, host_hooks.max_length, processors)
-        for i, token in enumerate(first):
-            if host_hooks.commit(i, [token], scores[i], logits[i]):
-                engine.retire(i)
-        while engine.sequences:
-            ended = [
-                sequence for sequence, tokens in engine.run_step().items()
-                if host_hooks.commit_verified(sequence, tokens, *engine.verified_rows(sequence))
-            ]
-            for sequence in ended:
-                engine.retire(sequence)
-    finally:
-        engine.retire_all()
 
 
 @contextlib.contextmanager
@@ -337,7 +314,7 @@ def dflash_generate(
         engine = engine_for(target, drafter, input_ids.shape[0], max_length)
         compile_drafter = engine.use_graphs if dflash_compile is None else dflash_compile
         engine.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
-        _decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks)
+        decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks)
         host_hooks.end()
         return _generate_output(host_hooks, return_dict)
     loop = EagerDecoding(

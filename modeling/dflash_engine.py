@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -58,17 +58,15 @@ from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
-from .dflash_compat import cache_argument
-from .dflash_fast_path import bucket_size, compile_drafter_pass
+from .dflash_compat import cache_argument, dynamo_cache_size_limit
 from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
-from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView
+from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView, page_slots
 from .dflash_policy import VerifyPolicy
 from .dflash_processors import StepProcessors
 from .dflash_row_sampling import SamplingSettings, penalize, warp
-from .dflash_static_cache import page_slots
 from .dflash_step import DFlashStep, StepRows
 
 logger = logging.get_logger(__name__)
@@ -83,8 +81,6 @@ STATIC_SPAN_BUCKET = 256
 # pools hold sequences of up to 2,048 positions each (`max_tokens`); a longer request's first steps at each larger
 # span record theirs as they come.
 RECORD_SPAN_LIMIT = 2048
-# A generate call's max_length is rounded up to this many positions: calls of similar length share one held engine.
-CALL_LENGTH_BUCKET = 256
 # A prompt is prefilled in forwards of at most this many positions (the default of `prefill_chunk`).
 PREFILL_CHUNK = 512
 # The most prompt tokens one packed prefill (`admit_many`) takes on a CPU. A packed forward attends from every token to
@@ -94,6 +90,30 @@ CPU_PACK_TOKENS = 512
 # The pools' default size, in sequences of the longest request (at most 2048 positions each): rows past it fill when
 # requests are shorter, so that wide batches cost no more memory than this.
 DEFAULT_MEMORY_SEQUENCES = 8
+
+
+# Compiled drafter passes dynamo may keep: one per row count and span a process runs (its default, 8, would leave a
+# long-lived process's ninth shape uncompiled, or with fullgraph raise).
+DRAFTER_RECOMPILE_LIMIT = 64
+
+
+def bucket_size(running: int, batch_size: int) -> int:
+    """The rows a static step runs at for `running` sequences: the next power of two, at most the full batch, so that
+    an engine records at most ceil(log2(b)) + 1 row counts per span."""
+    return min(batch_size, 1 << max(running - 1, 0).bit_length())
+
+
+def compile_drafter_pass(fn: Callable[[StepRows], tuple[torch.Tensor, torch.Tensor]]) -> Callable:
+    """`fn` (the step's drafter pass, `DFlashStep.draft`) compiled by inductor for fixed shapes, as one graph (a break
+    is an error, not a silent eager piece), and without CUDA graphs of its own: the engine records the whole step as
+    one. Its calls may keep up to `DRAFTER_RECOMPILE_LIMIT` compiled versions."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def run(rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
+        with dynamo_cache_size_limit(DRAFTER_RECOMPILE_LIMIT):
+            return compiled(rows)
+
+    return run
 
 
 @dataclass
@@ -471,7 +491,8 @@ class DFlashEngine(DFlashStep):
         graph baked in what it was recorded with: the graphs are kept only for a call that computes the same."""
         kept = (self.scores is not None, self.logits is not None)
         if compile_drafter != self.compile_drafter:
-            self.graphs, self.warmed_shapes, self.drafter_passes = {}, set(), {}
+            self._drop_graphs()
+            self.drafter_passes = {}
             self.compile_drafter = compile_drafter
         same = (rule, processors.signature, (keep_scores, keep_logits)) == (
             self.rule, self.processors.signature, kept
@@ -479,11 +500,18 @@ class DFlashEngine(DFlashStep):
         self.call_processors = True
         if self.graphs and same:
             return
-        self.graphs, self.warmed_shapes = {}, set()
+        self._drop_graphs()
         self.rule, self.processors = rule, processors
         block, vocab, device = self.block_size, self.vocab_size, self.anchor_ids.device
         self.scores = torch.zeros(self.max_batch_size, block, vocab, device=device) if keep_scores else None
         self.logits = torch.zeros(self.max_batch_size, block, vocab, device=device) if keep_logits else None
+
+    def _drop_graphs(self) -> None:
+        """Forget every recorded step; later ones record into a new memory pool (CUDA refuses to record into a pool
+        whose graphs were all freed)."""
+        self.graphs, self.warmed_shapes = {}, set()
+        if self.use_graphs:
+            self.graph_pool = torch.cuda.graph_pool_handle()
 
     @torch.no_grad()
     def admit_call(
@@ -507,13 +535,7 @@ class DFlashEngine(DFlashStep):
             for row, prompt in enumerate(prompts):
                 placed.append(self._place(row, row, prompt, max_new_tokens, SamplingSettings()))
             with self.generator.capture:
-                if batch > 1 and not self.hybrid and sum(map(len, prompts)) <= self.pack_tokens:
-                    logits = self._prefill_packed_logits(0, prompts)
-                else:
-                    logits = torch.cat([
-                        self._prefill_logits(row, torch.tensor([prompt], device=input_ids.device))
-                        for row, prompt in enumerate(prompts)
-                    ])
+                logits = torch.cat([self._prefill_group(first, group) for first, group in self._packs(prompts)])
         except BaseException:
             for sequence in placed:
                 self._give_back(sequence)
@@ -528,6 +550,25 @@ class DFlashEngine(DFlashStep):
         for row, sequence in enumerate(placed):
             self._start(row, sequence, first[row], None)
         return first.tolist(), scores, logits
+
+    def _packs(self, prompts: list[list[int]]) -> list[tuple[int, list[list[int]]]]:
+        """Consecutive prompts grouped for packed prefills of at most `pack_tokens` tokens (a hybrid target's, or a
+        longer prompt, alone): (first row, prompts) per group."""
+        groups: list[tuple[int, list[list[int]]]] = []
+        for row, prompt in enumerate(prompts):
+            last = groups[-1][1] if groups else None
+            if last and not self.hybrid and sum(map(len, last)) + len(prompt) <= self.pack_tokens:
+                last.append(prompt)
+            else:
+                groups.append((row, [prompt]))
+        return groups
+
+    def _prefill_group(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
+        """The last logits (k, 1, V) of rows first_row.. after their prompts' prefill: packed in one forward, or
+        one prompt alone (in chunks)."""
+        if len(prompts) > 1:
+            return self._prefill_packed_logits(first_row, prompts)
+        return self._prefill_logits(first_row, torch.tensor(prompts, device=self.anchor_ids.device))
 
     def verified_rows(self, key: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The last step's scores and raw logits (B, V) of `key`'s verify rows (None where not kept): views of the
@@ -978,37 +1019,8 @@ class DFlashEngine(DFlashStep):
         return 1, None
 
 
-def engine_for(target: torch.nn.Module, drafter: torch.nn.Module, batch_size: int, max_length: int) -> DFlashEngine:
-    """The engine that serves `generate` calls of this target and batch size on the fast path (dflash_decoding.py),
-    built once and kept on the drafter, one at a time, to bound the memory it holds (a call holds the drafter's lock
-    while it uses it). A held engine serves any call whose `max_length` (padding included) it holds, up to four times
-    over (its pools hold every row at full length), while the drafter keeps the draft vocabulary it was built for."""
-    length = -(-max_length // CALL_LENGTH_BUCKET) * CALL_LENGTH_BUCKET
-    key = (id(target), batch_size, target.dtype)
-    held = getattr(drafter, "_dflash_engine", None)
-    if (
-        held is None
-        or held[0] != key
-        or not max_length <= held[1].max_sequence_length <= 4 * length
-        or held[1].generator.draft_vocabulary is not drafter.draft_vocabulary  # its head copied the old one's rows
-    ):
-        drafter._dflash_engine = None  # let the old buffers go before allocating new ones
-        pages = -(-(length + drafter.config.block_size) // PAGE_SIZE)
-        engine = DFlashEngine(
-            target, drafter, max_batch_size=batch_size, max_tokens=batch_size * pages * PAGE_SIZE,
-            max_sequence_length=length, adaptive=False,
-        )
-        drafter._dflash_engine = (key, engine)
-    return drafter._dflash_engine[1]
-
-
-def release_engine(drafter: torch.nn.Module) -> None:
-    """Free the engine (its pools, buffers and CUDA graphs) that `generate` calls keep on `drafter`."""
-    drafter._dflash_engine = None
-
-
 __all__ = [
-    "CALL_LENGTH_BUCKET", "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence",
-    "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET", "STATIC_SPAN_BUCKET",
-    "engine_for", "release_engine",
+    "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DRAFTER_RECOMPILE_LIMIT", "DFlashEngine", "EngineRows",
+    "EngineSequence", "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET",
+    "STATIC_SPAN_BUCKET", "bucket_size", "compile_drafter_pass",
 ]

@@ -153,6 +153,12 @@ class PagedDrafterCache:
         return gather(self.key_pools[layer]), gather(self.value_pools[layer])
 
 
+def page_slots(block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Flat pool slots of `positions` (b, n) for sequences with page tables `block_tables` (b, pages), computed on the
+    device (a step recorded as a CUDA graph writes context and block rows at slots it computes)."""
+    return block_tables.gather(1, positions // PAGE_SIZE) * PAGE_SIZE + positions % PAGE_SIZE
+
+
 class PagedView:
     """The paged cache seen by one drafter forward through the Cache API's `update`: the block rows' keys/values
     (b, g, q, d) go to `block_slots` (b * q or (b, q)), and every layer reads back the slots `read_slots` (b, kv) as
@@ -215,4 +221,4 @@ class PagedCacheView(PagedView):
         return {FULL: self.full_mask, SLIDING: self.window_mask}
 
 
-__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE"]
+__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE", "page_slots"]

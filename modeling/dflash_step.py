@@ -32,7 +32,7 @@ from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES
 from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
 from .dflash_processors import StepProcessors
-from .dflash_static_cache import page_slots
+from .dflash_paged_cache import page_slots
 
 
 @dataclass

@@ -23,7 +23,7 @@ from hf_dflash.modeling.dflash_fast_path_blockers import FAST_PATH_FAMILIES
 from hf_dflash.modeling.dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
 from tests.conftest import VOCAB, random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
-from tests.test_fast_path import blocker_of, oracle_static_drafts
+from tests.test_fast_path import blocker_of, oracle_fast_path_drafts
 from tests.test_greedy_identity import oracle_drafts
 from tests.test_sampling import TEMPERATURE, TOP_K, chi_square_p_value, processed_probs
 
@@ -238,7 +238,7 @@ def test_the_fast_path_families_are_the_tested_ones():
 def fast_path_generate(target, drafter, batch: dict, reference: torch.LongTensor, wrong_every: int):
     """The fast path's greedy run on `batch` with the drafts right up to every `wrong_every`-th column of `reference`
     (acceptance then varies from 1 to B, differently per sequence)."""
-    with oracle_static_drafts(reference, wrong_every, target.config.get_text_config().vocab_size):
+    with oracle_fast_path_drafts(reference, wrong_every, target.config.get_text_config().vocab_size):
         out = target.generate(
             **batch, max_new_tokens=reference.shape[1] - batch["input_ids"].shape[1], do_sample=False,
             pad_token_id=PAD, assistant_model=drafter, dflash_fast_path=True, return_dict_in_generate=True,

@@ -25,7 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 from hf_dflash.bench.soak import InterruptingStreamer, RaiseAtLength
 from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
 from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_static_drafts
+from tests.test_fast_path import oracle_fast_path_drafts
 from tests.test_greedy_identity import oracle_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +38,7 @@ SAMPLED = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, repetition
 @contextlib.contextmanager
 def oracle(loop: str, reference: torch.LongTensor, vocab: int, wrong_every: int = 4):
     if loop == "fast":
-        with oracle_static_drafts(reference, wrong_every, vocab):
+        with oracle_fast_path_drafts(reference, wrong_every, vocab):
             yield
     else:
         with oracle_drafts(reference, wrong_every):
