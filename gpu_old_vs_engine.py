@@ -1,4 +1,10 @@
-"""One-off: generate's fast path, old static step vs the engine, same random SmolLM2-shaped target (bf16, CUDA)."""
+"""One-off (branch engine-generate): generate's fast path, main's static step against the engine, on the same random
+SmolLM2-shaped target (bf16, CUDA), ms per step after the prefill. Before a device call, put main's modeling beside
+this file: `rm -rf old && mkdir old && git archive main modeling | tar -x -C old/`. Then, on the device:
+    source benchmarks/gpu/device_env.sh; python3 gpu_old_vs_engine.py engine
+    mv modeling modeling_engine && cp -r old/modeling modeling && python3 gpu_old_vs_engine.py static
+    rm -rf modeling && mv modeling_engine modeling
+"""
 import json, os, sys, time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM

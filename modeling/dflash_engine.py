@@ -63,7 +63,7 @@ from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
-from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView, page_slots
+from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView, StretchView, page_slots
 from .dflash_policy import VerifyPolicy
 from .dflash_processors import StepProcessors
 from .dflash_row_sampling import SamplingSettings, penalize, warp
@@ -167,12 +167,18 @@ class PagedTargetCache:
     of the forward in flight (set before it); `update` stores its keys/values (n, g, q, d) there through the block
     tables (n, pages) and returns the pages `read_pages` (n, P) of each row, positions 0..P * PAGE_SIZE - 1
     (n, g, P * PAGE_SIZE, d). A packed prefill (`DFlashEngine.admit_many`) sets `pool_slots` instead: the flat pool
-    slots of its queries, which belong to several sequences."""
+    slots of its queries, which belong to several sequences. Rows that each own one stretch of the pool
+    (`DFlashEngine`'s `contiguous_rows`) are read as views instead: `stretch`, `PagedDrafterCache.read_stretch`'s
+    arguments."""
 
-    def __init__(self, pool: PagedDrafterCache, block_tables: torch.Tensor | None, read_pages: torch.Tensor):
+    def __init__(
+        self, pool: PagedDrafterCache, block_tables: torch.Tensor | None, read_pages: torch.Tensor,
+        stretch: tuple[int, int, int, int] | None = None,
+    ):
         self.pool = pool
         self.block_tables = block_tables
         self.read_pages = read_pages
+        self.stretch = stretch
         self._write_positions: torch.Tensor | None = None
         self.pool_slots: torch.Tensor | None = None
 
@@ -190,6 +196,8 @@ class PagedTargetCache:
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.pool.write_rows(layer_idx, self.pool_slots, key, value)
+        if self.stretch is not None:
+            return self.pool.read_stretch(layer_idx, *self.stretch)
         return self.pool.read_pages(layer_idx, self.read_pages)
 
 
@@ -206,8 +214,9 @@ class PagedHybridCache(LinearStates, PagedTargetCache):
         conv: dict[int, torch.Tensor],
         recurrent: dict[int, torch.Tensor],
         linear_layers: list[torch.nn.Module],
+        stretch: tuple[int, int, int, int] | None = None,
     ):
-        super().__init__(pool, block_tables, block_tables[:, : span // PAGE_SIZE])
+        super().__init__(pool, block_tables, block_tables[:, : span // PAGE_SIZE], stretch)
         self.bind_linear_states(conv, recurrent, linear_layers, len(pool.key_pools))
 
 
@@ -241,6 +250,11 @@ class DFlashEngine(DFlashStep):
         return_logprobs: whether each committed token's log-probability is kept (`take_logprobs`): under the
             scores its token was chosen from (the raw logits of a greedy row, a sampled row's processed ones), as
             transformers' manager reports them with `return_logprobs`.
+        contiguous_rows: whether each row owns one fixed stretch of each pool, a sequence's whole length (the
+            pools then hold `max_batch_size` of them, whatever `max_tokens` says): the step's layers read every row's
+            keys/values as a view of the pool, not a gather per layer, and a row that moves when another retires
+            takes its keys/values with it (a copy). For `generate` calls, whose rows all start together
+            (dflash_fast_path.py); requests of a server share their pages instead.
     """
 
     def __init__(
@@ -254,6 +268,7 @@ class DFlashEngine(DFlashStep):
         static_shapes: bool | None = None,
         adaptive: bool | VerifyPolicy | None = None,
         return_logprobs: bool = False,
+        contiguous_rows: bool = False,
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
@@ -282,7 +297,11 @@ class DFlashEngine(DFlashStep):
         context = min(limit for limit in limits if limit)
         self.max_sequence_length = min(max_sequence_length or context, context)
         block = drafter.config.block_size
-        if max_tokens is None:  # whole pages per sequence: each reserves its own
+        self.pages_per_row = -(-(self.max_sequence_length + block) // PAGE_SIZE)  # block table width
+        self.contiguous_rows = contiguous_rows
+        if contiguous_rows:  # every row its whole stretch
+            max_tokens = max_batch_size * self.pages_per_row * PAGE_SIZE
+        elif max_tokens is None:  # whole pages per sequence: each reserves its own
             sequences = min(max_batch_size, DEFAULT_MEMORY_SEQUENCES)
             max_tokens = sequences * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
@@ -307,7 +326,6 @@ class DFlashEngine(DFlashStep):
         self.linear_layers = list(linear.values())
         self.conv, self.recurrent = linear_state_buffers(linear, max_batch_size, target.dtype, device)
         self.drafter_pool = generator.cache
-        self.pages_per_row = -(-(self.max_sequence_length + block) // PAGE_SIZE)  # block table width
         b, long = max_batch_size, dict(dtype=torch.long, device=device)
         self.target_tables = torch.zeros(b, self.pages_per_row, **long)
         self.drafter_tables = torch.zeros(b, self.pages_per_row, **long)
@@ -597,10 +615,14 @@ class DFlashEngine(DFlashStep):
     ) -> EngineSequence:
         """Take a request's pages and point `row`'s block tables and sampling settings at them (not yet running)."""
         length = len(prompt)
-        pages = self.pages_for(length, max_new_tokens)
-        sequence = EngineSequence(
-            key, length, length + max_new_tokens, sampling, self.target_pool.take(pages), self.drafter_pool.take(pages)
-        )
+        if self.contiguous_rows:  # the row's own stretch
+            pages = self.pages_per_row
+            stretch = self._stretch_pages(row)
+            taken = self.target_pool.take_pages(stretch), self.drafter_pool.take_pages(stretch)
+        else:
+            pages = self.pages_for(length, max_new_tokens)
+            taken = self.target_pool.take(pages), self.drafter_pool.take(pages)
+        sequence = EngineSequence(key, length, length + max_new_tokens, sampling, *taken)
         tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
         for table, taken in tables:
             table[row].zero_()
@@ -745,13 +767,45 @@ class DFlashEngine(DFlashStep):
         if self.policy is not None:
             self.policy.remove(key)
         if row != last:
+            moved = self.sequences[last]
+            tables = (self.target_tables, self.drafter_tables)
             for buffer in self.per_row:
+                if self.contiguous_rows and any(buffer is table for table in tables):
+                    continue  # the row keeps its stretch; the moving sequence's keys/values come into it
                 buffer[row] = buffer[last]
-            self.sequences[row] = self.sequences[last]
+            if self.contiguous_rows:
+                self._move_stretch(last, row, moved)
+            self.sequences[row] = moved
         self.sequences.pop()
         self.active[last] = 0
         if self.static_shapes:
             self._idle(last)
+
+    def _stretch_pages(self, row: int) -> list[int]:
+        """The pages `row` owns in each pool with `contiguous_rows` (after the scratch page)."""
+        first = self.scratch_pages + row * self.pages_per_row
+        return list(range(first, first + self.pages_per_row))
+
+    def _move_stretch(self, source: int, row: int, sequence: EngineSequence) -> None:
+        """With `contiguous_rows`: `sequence` moves from row `source` to `row`, whose stretch is free: its keys/values
+        are copied there in both pools, and it holds that stretch's pages instead of its old ones."""
+        slots = self.pages_per_row * PAGE_SIZE
+        start, to = (self.scratch_pages * PAGE_SIZE + r * slots for r in (source, row))
+        for pool in (self.target_pool, self.drafter_pool):
+            for buffer in (*pool.key_pools, *pool.value_pools):
+                if buffer.shape[0]:  # a hybrid's linear layers keep no keys
+                    buffer[to : to + slots] = buffer[start : start + slots]
+        self.target_pool.give_back(sequence.target_pages)
+        self.drafter_pool.give_back(sequence.drafter_pages)
+        sequence.target_pages = self.target_pool.take_pages(self._stretch_pages(row))
+        sequence.drafter_pages = self.drafter_pool.take_pages(self._stretch_pages(row))
+
+    def _stretch(self, rows: slice, span: int) -> tuple[int, int, int, int]:
+        """`PagedDrafterCache.read_stretch`'s arguments for `rows` (from 0, or one row) reading positions 0..span-1."""
+        slots = self.pages_per_row * PAGE_SIZE
+        first = rows.start or 0
+        count = (rows.stop - first) if rows.stop is not None else len(self.sequences)
+        return self.scratch_pages * PAGE_SIZE + first * slots, count, slots, span
 
     def _idle(self, row: int) -> None:
         """Make an inactive `row` (its `active` 0: its anchor never moves, it commits nothing) safe to run idle in a
@@ -771,12 +825,15 @@ class DFlashEngine(DFlashStep):
     def _target_cache(self, rows: slice, span: int) -> PagedTargetCache:
         """The target's cache for a forward of `rows` reading positions 0..span-1 (a hybrid's: with those rows'
         linear-attention states)."""
+        stretch = self._stretch(rows, span) if self.contiguous_rows else None
         if not self.hybrid:
             tables = self.target_tables[rows]
-            return PagedTargetCache(self.target_pool, tables, tables[:, : span // PAGE_SIZE])
+            return PagedTargetCache(self.target_pool, tables, tables[:, : span // PAGE_SIZE], stretch)
         conv = {i: state[rows] for i, state in self.conv.items()}
         recurrent = {i: state[rows] for i, state in self.recurrent.items()}
-        return PagedHybridCache(self.target_pool, self.target_tables[rows], span, conv, recurrent, self.linear_layers)
+        return PagedHybridCache(
+            self.target_pool, self.target_tables[rows], span, conv, recurrent, self.linear_layers, stretch
+        )
 
     def _span(self, longest: int) -> int:
         """Positions a forward reads back: `longest` rounded up to SPAN_BUCKET, within the block tables."""
@@ -851,7 +908,9 @@ class DFlashEngine(DFlashStep):
             key_slots=positions,
             draft_key_positions=positions,
             target_cache=self._target_cache(slice(0, n), span),
-            drafter_view=PagedView(
+            drafter_view=StretchView(
+                self.drafter_pool, self.draft_block_slots[:n], self._stretch(slice(0, n), span)
+            ) if self.contiguous_rows else PagedView(
                 self.drafter_pool, self.draft_block_slots[:n],
                 read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
             ),

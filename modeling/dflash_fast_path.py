@@ -31,7 +31,6 @@ import torch
 
 from .dflash_engine import DFlashEngine
 from .dflash_host_hooks import HostHooks
-from .dflash_paged_cache import PAGE_SIZE
 from .dflash_processors import StepProcessors
 
 # A call's max_length is rounded up to this many positions: calls of similar length share one held engine.
@@ -53,10 +52,9 @@ def engine_for(target: torch.nn.Module, drafter: torch.nn.Module, batch_size: in
         or held[1].generator.draft_vocabulary is not drafter.draft_vocabulary  # its head copied the old one's rows
     ):
         drafter._dflash_engine = None  # let the old buffers go before allocating new ones
-        pages = -(-(length + drafter.config.block_size) // PAGE_SIZE)
         engine = DFlashEngine(
-            target, drafter, max_batch_size=batch_size, max_tokens=batch_size * pages * PAGE_SIZE,
-            max_sequence_length=length, adaptive=False,
+            target, drafter, max_batch_size=batch_size, max_sequence_length=length, adaptive=False,
+            contiguous_rows=True,
         )
         drafter._dflash_engine = (key, engine)
     return drafter._dflash_engine[1]
