@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.testing_utils import CaptureLogger
 
-from hf_dflash.modeling import dflash_attention, dflash_fast_path
+from hf_dflash.modeling import dflash_attention, dflash_engine
 from hf_dflash.modeling.dflash_attention import grouped_attention
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import left_padded, random_prompt, tiny_drafter, tiny_target
@@ -50,7 +50,7 @@ def test_the_inductor_compiled_drafter_pass_drafts_what_the_eager_pass_drafts():
     compiled = fast_generate(target, drafter, ids, mask, dflash_compile=True)
     assert torch.equal(eager.sequences, plain) and torch.equal(compiled.sequences, plain)
     assert compiled.acceptance_lengths == eager.acceptance_lengths
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error is None
     compiled_pass = step.drafter_passes[1]
     assert compiled_pass != step.draft  # the step ran inductor's code
@@ -72,11 +72,11 @@ def test_dflash_compile_switches_the_drafter_pass(traced_only):
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     # the default compiles only where the step is recorded as a CUDA graph: not on a CPU
     assert torch.equal(fast_generate(target, drafter, ids, mask).sequences, plain)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert not traced_only and step.drafter_passes == {2: step.draft}
     assert torch.equal(fast_generate(target, drafter, ids, mask, dflash_compile=True).sequences, plain)
     # compiled for both batch sizes the step may run at (2, and 1 once a sequence finishes), before it decodes
-    assert drafter._dflash_static_step[1] is step and traced_only == [step.draft, step.draft]
+    assert drafter._dflash_engine[1] is step and traced_only == [step.draft, step.draft]
     assert sorted(step.drafter_passes) == [1, 2] and step.draft not in step.drafter_passes.values()
     # a call that keeps the drafter eager drops the compiled pass; a later compiling call compiles it again
     assert torch.equal(fast_generate(target, drafter, ids, mask, dflash_compile=False).sequences, plain)
@@ -96,12 +96,12 @@ def test_a_failed_compile_warns_once_and_the_step_runs_the_eager_drafter(monkeyp
 
         return compiled
 
-    monkeypatch.setattr(dflash_fast_path, "compile_drafter_pass", failing_compile)
+    monkeypatch.setattr(dflash_engine, "compile_drafter_pass", failing_compile)
     target = tiny_target("qwen3", seed=7)
     drafter = tiny_drafter(target, seed=8, block_size=5)
     ids, mask = left_padded(1, 10, [0], seed=7)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
-    logger = dflash_fast_path.logger
+    logger = dflash_engine.logger
     with CaptureLogger(logger) as captured:
         out = fast_generate(target, drafter, ids, mask, dflash_compile=True)
         again = fast_generate(target, drafter, ids, mask, dflash_compile=True)
@@ -109,7 +109,7 @@ def test_a_failed_compile_warns_once_and_the_step_runs_the_eager_drafter(monkeyp
     assert captured.out.count("compiling the drafter's pass failed") == 1
     assert "(RuntimeError: no C compiler on this machine)" in captured.out
     assert "dflash_compile=False" in captured.out
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error == "RuntimeError: no C compiler on this machine"
     assert step.drafter_passes == {1: step.draft}
     assert len(attempts) == 1  # the held step does not try again
@@ -127,12 +127,12 @@ def test_a_compiled_trace_reads_the_dispatchers_answers_that_the_eager_pass_left
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     out = fast_generate(target, drafter, ids, mask, dflash_compile=True)
     assert torch.equal(out.sequences, plain)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error is None and step.draft not in step.drafter_passes.values()
     assert dflash_attention.FUSED_CHOICES  # the eager pass asked, the trace read the answer
     # Without the eager pass first, the trace meets the dispatcher itself and stops: that is why it runs first.
     monkeypatch.setattr(dflash_attention, "FUSED_CHOICES", {})
-    unprimed = dflash_fast_path.compile_drafter_pass(step.draft)
+    unprimed = dflash_engine.compile_drafter_pass(step.draft)
     with torch.no_grad(), grouped_attention(drafter), pytest.raises(Exception, match="non-Tensor"):
         unprimed(step.rows(2))
     release_fast_path(drafter)
@@ -160,7 +160,7 @@ def test_the_compiled_pass_is_one_graph_for_each_kind_of_step(traced_only, case)
             ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, assistant_model=drafter,
             dflash_fast_path=True, dflash_compile=compile_drafter, **sampling,
         ))
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error is None and len(traced_only) == 2
     assert step.draft not in step.drafter_passes.values()
     assert torch.equal(outputs[1], outputs[0])
@@ -180,7 +180,7 @@ def test_a_process_compiles_more_drafter_shapes_than_dynamos_default_limit(trace
         ids = random_prompt(length, seed=batch, batch=batch)
         target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0,
                         assistant_model=drafter, dflash_fast_path=True, dflash_compile=True)
-        step = drafter._dflash_static_step[1]
+        step = drafter._dflash_engine[1]
         assert step.compile_error is None and step.draft not in step.drafter_passes.values()
         shapes |= {(size, step.num_slots) for size in step.drafter_passes}
     assert len(shapes) > 8
@@ -194,6 +194,6 @@ def test_a_draft_vocabulary_compiles_into_the_drafter_pass_as_one_graph(traced_o
     ids, mask = left_padded(2, 9, [0, 3], seed=7)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(fast_generate(target, drafter, ids, mask, dflash_compile=True).sequences, plain)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error is None and traced_only and step.draft not in step.drafter_passes.values()
     release_fast_path(drafter)

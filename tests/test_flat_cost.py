@@ -188,7 +188,7 @@ def test_the_1_token_baseline_runs_through_the_grouped_attention_inside_it(group
     ids, mask = left_padded(2, 9, [0, 3])
     target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
                     assistant_model=drafter, dflash_fast_path=True)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     grouped_calls.clear()  # the call's own forwards
     assert step_cost.target_1_token_ms(step) == 0.0 and not grouped_calls
     with grouped_attention(target):
@@ -246,7 +246,7 @@ def test_the_drafter_reads_its_context_as_a_view_of_the_pool():
     ids, mask = left_padded(3, 9, [0, 2, 5])
     target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
                     assistant_model=drafter, dflash_fast_path=True)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     rows = step.rows(3)
     cache = step.generator.cache
     g, d = cache.key_pools[0].shape[1:]
@@ -270,7 +270,7 @@ def test_compaction_moves_each_sequences_drafter_context_to_its_new_row():
     ids, mask = left_padded(4, 9, [0, 2, 5, 1])
     target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
                     assistant_model=drafter, dflash_fast_path=True)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     pools = step.generator.cache.key_pools + step.generator.cache.value_pools
 
     def rows_of(pool: torch.Tensor) -> torch.Tensor:

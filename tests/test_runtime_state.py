@@ -163,7 +163,7 @@ def test_context_buffers_hold_a_prompt_or_a_block_not_max_length(fast_path):
         assert (4, (4, 4)) in seen
     assert all(scratch <= 10 and accumulators == (pending,) * len(accumulators) for scratch, accumulators in seen), seen
     if fast_path:  # the held step keeps no prompt rows between calls
-        assert drafter._dflash_static_step[1].generator.scratch.shape[1] == 0
+        assert drafter._dflash_engine[1].generator.scratch.shape[1] == 0
         release_fast_path(drafter)
 
 
