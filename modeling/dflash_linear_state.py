@@ -20,8 +20,8 @@ acceptance, `commit(taken)`:
 
 `LinearStates` holds this rule over per-sequence state buffers its owner hands it; the full-attention layers keep
 their keys/values beside it: in the engine's page pool (dflash_engine.py's `PagedHybridCache`, over the engine's
-per-row state buffers; the fast path and continuous batching), or in transformers' own DynamicCache (dflash_target_cache.py's `LinearVerifyCache`, over that cache's state tensors, for
-the eager loop's verify).
+per-row state buffers; the fast path and continuous batching), or in transformers' own DynamicCache
+(dflash_target_cache.py's `LinearVerifyCache`, over that cache's state tensors, for the eager loop's verify).
 
 The layers talk to their cache through transformers' linear-attention methods, renamed between 5.17, 5.24 and 5.25
 (dflash_compat.py's `LinearAttentionCacheMethods` speaks all of them). The chunked rule's arguments are not handed to

@@ -258,4 +258,6 @@ class PagedCacheView(PagedView):
         return {FULL: self.full_mask, SLIDING: self.window_mask}
 
 
-__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE", "StretchView", "page_slots"]
+__all__ = [
+    "DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE", "StretchView", "page_slots",
+]

@@ -2,8 +2,8 @@
 
 The target and drafter are a published shape (`--shape`, random weights: see `published.py`), batch 1. Per context,
 one greedy fast-path call of `--new-tokens`, whose sequence is then held in the call's engine frozen (`hold`), so
-that every replay repeats the same work. Then, as CUDA graphs (median of 30 replays; on a CPU the same calls eagerly, a smoke run of a
-scaled-down shape):
+that every replay repeats the same work. Then, as CUDA graphs (median of 30 replays; on a CPU the same calls eagerly,
+a smoke run of a scaled-down shape):
 - `target_1_token_ms`: the target's own 1-token decode forward on the held step's cache and masks (its last token at
   its position), through the target's own attention: the floor a verify step is compared against (`hf-dflash bench
   decode` reports the same figure as `target_1_token_graph_ms`); `target_1_token_grouped_ms`: the same under the
@@ -162,7 +162,8 @@ def gpu_step_figures(
     """On a GPU: a greedy fast-path call on `batch`, then, over its held sequences, our step's parts and the target's
     1-token step on the same cache, as CUDA graphs; {} when the call took the eager loop."""
     out = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter)
-    mask = torch.nn.functional.pad(batch["attention_mask"], (0, out.shape[1] - batch["attention_mask"].shape[1]), value=1)
+    prompt_mask = batch["attention_mask"]
+    mask = torch.nn.functional.pad(prompt_mask, (0, out.shape[1] - prompt_mask.shape[1]), value=1)
     held = hold(drafter, out, mask)
     if held is None:
         return {}
