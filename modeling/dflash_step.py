@@ -1,18 +1,15 @@
-"""One DFlash verify step on device tensors, written once for the fast path and the continuous-batching engine.
+"""One DFlash verify step on device tensors, the continuous-batching engine's (dflash_engine.py), which also serves
+`generate`'s fast path (dflash_fast_path.py).
 
 A step, for every row of a batch at once: the rows the last verify captured become drafter context, the drafter
 drafts a block after each row's anchor, the target verifies [anchor, drafts], and each row's anchor moves past the
 tokens it accepted plus the target's own next token. Every index lives on the device and no shape depends on what
-was accepted, so the fast path records the step as a CUDA graph (dflash_fast_path.py) and the engine
-(dflash_engine.py) runs it eagerly over the rows it holds.
+was accepted, so on a GPU the engine records the step as a CUDA graph per shape; on a CPU it runs eagerly.
 
-The two differ only in memory and sampling, which reach the step through `StepRows`:
-- the fast path: a (b, g, L, d) target cache whose slot s is column s of a left-padded row (`offsets`), and a
-  drafter pool laid out row by row (read as views);
-- the engine: one page pool per model shared by every row; its caches gather each row's pages through its block
-  table up to the batch's span (`offsets` 0: slot s is position s).
-How the target's scores become tokens is `choose` (the call's logits processors in the fast path, per-row sampling
-settings in the engine); the acceptance rule is dflash_acceptance.py's.
+Memory and sampling reach the step through `StepRows`: one page pool per model shared by every row, read through each
+row's block table (or, for a generate call's rows, as a view of the stretch each owns), and how the target's scores
+become tokens is `choose` (per-row sampling settings, or a generate call's logits processors); the acceptance rule is
+dflash_acceptance.py's.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
