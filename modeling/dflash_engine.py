@@ -835,6 +835,14 @@ class DFlashEngine(DFlashStep):
             self.target_pool, self.target_tables[rows], span, conv, recurrent, self.linear_layers, stretch
         )
 
+    def _step_span(self) -> int:
+        """Positions a step of the running rows reads back: the longest sequence's, with a block. With
+        `contiguous_rows` (a generate call's), every row's whole stretch: one shape per row count, so that the drafter's
+        pass is compiled, and the step recorded, once per row count, not again at every span a long call reaches."""
+        if self.contiguous_rows:
+            return self.pages_per_row * PAGE_SIZE
+        return self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
+
     def _span(self, longest: int) -> int:
         """Positions a forward reads back: `longest` rounded up to SPAN_BUCKET, within the block tables."""
         return min(-(-longest // SPAN_BUCKET) * SPAN_BUCKET, self.pages_per_row * PAGE_SIZE)
@@ -1020,7 +1028,7 @@ class DFlashEngine(DFlashStep):
         n = len(self.sequences)
         if n == 0:
             return {}
-        span = self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
+        span = self._step_span()
         scoring = RowScoring.of([sequence.sampling for sequence in self.sequences])
         keys = [sequence.key for sequence in self.sequences]
         width, confidence, draft_seconds = self.block_size, None, None

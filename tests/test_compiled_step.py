@@ -186,7 +186,7 @@ def test_a_process_compiles_more_drafter_shapes_than_dynamos_default_limit(trace
 
     dflash_engine.DFlashEngine._run_rows = record
     try:
-        for batch, length in ((3, 6), (4, 6), (5, 6), (6, 6), (7, 6), (8, 6), (3, 70), (3, 130), (3, 300)):
+        for batch, length in ((1, 6), (2, 6), (3, 6), (4, 6), (5, 6), (6, 6), (7, 6), (8, 6), (3, 300)):
             ids = random_prompt(length, seed=batch, batch=batch)
             target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                             pad_token_id=0, assistant_model=drafter, dflash_fast_path=True, dflash_compile=True)

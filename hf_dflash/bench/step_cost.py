@@ -81,7 +81,7 @@ def rows_of(engine: Any, count: int) -> Any:
     """The engine's first `count` rows at the shape its step runs them."""
     from ..modeling.dflash_engine import RowScoring
 
-    span = engine._span(max(sequence.position for sequence in engine.sequences) + engine.block_size)
+    span = engine._step_span()
     if engine.static_shapes:
         count, span = engine._static_shape(count, span)
     return engine._rows(count, span, RowScoring(sampled=False, penalized=False))
