@@ -127,7 +127,6 @@ class EngineRows(StepRows):
     top_p: torch.Tensor | None = None  # (n,) float32
     repetition_penalty: torch.Tensor | None = None  # (n,) float32, 1: off
     logprobs: torch.Tensor | None = None  # (n, B) float32: the log-probability of each verified row's token, if kept
-    padding: torch.Tensor | None = None  # (n,) a generate call's left padding of each row (`bind`), else None
 
 
 class RowScoring(NamedTuple):
@@ -333,11 +332,10 @@ class DFlashEngine(DFlashStep):
         self.anchor_pos = torch.zeros(b, **long)
         self.prev_pos = torch.zeros(b, **long)
         self.max_length = torch.zeros(b, **long)
-        self.offsets = torch.zeros(b, **long)  # no left padding: a row's slot s is its position s
         self.active = torch.zeros(b, **long)  # 1 for rows 0..n-1, which run; 0 for the idle rows after them
         self.drafts = torch.zeros(b, block - 1, **long)
         self.out = torch.zeros(b, block + 1, **long)
-        self.target_slots = torch.zeros(b, block, **long)
+        self.verify_positions = torch.zeros(b, block, **long)
         self.draft_block_slots = torch.zeros(b, block, **long)
         self.verify_rows = torch.zeros(b, block, drafter.config.num_context_features, dtype=drafter.fc.weight.dtype,
                                        device=device)
@@ -553,7 +551,7 @@ class DFlashEngine(DFlashStep):
             for row, prompt in enumerate(prompts):
                 placed.append(self._place(row, row, prompt, max_new_tokens, SamplingSettings()))
             with self.generator.capture:
-                logits = torch.cat([self._prefill_group(first, group) for first, group in self._packs(prompts)])
+                logits = self._prefill_call_logits(prompts)
         except BaseException:
             for sequence in placed:
                 self._give_back(sequence)
@@ -569,24 +567,30 @@ class DFlashEngine(DFlashStep):
             self._start(row, sequence, first[row], None)
         return first.tolist(), scores, logits
 
-    def _packs(self, prompts: list[list[int]]) -> list[tuple[int, list[list[int]]]]:
-        """Consecutive prompts grouped for packed prefills of at most `pack_tokens` tokens (a hybrid target's, or a
-        longer prompt, alone): (first row, prompts) per group."""
-        groups: list[tuple[int, list[list[int]]]] = []
-        for row, prompt in enumerate(prompts):
-            last = groups[-1][1] if groups else None
-            if last and not self.hybrid and sum(map(len, last)) + len(prompt) <= self.pack_tokens:
-                last.append(prompt)
-            else:
-                groups.append((row, [prompt]))
-        return groups
-
-    def _prefill_group(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
-        """The last logits (k, 1, V) of rows first_row.. after their prompts' prefill: packed in one forward, or
-        one prompt alone (in chunks)."""
-        if len(prompts) > 1:
-            return self._prefill_packed_logits(first_row, prompts)
-        return self._prefill_logits(first_row, torch.tensor(prompts, device=self.anchor_ids.device))
+    def _prefill_call_logits(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The last logits (b, 1, V) of rows 0..b-1 after their prompts' prefill. The prompts are laid left-aligned in
+        one batch (b, L), L the longest, as plain generate prefills its padded batch in one forward (in chunks of
+        `prefill_chunk` positions past that). A shorter row's padding runs at its positions after its prompt, whose
+        keys/values and context every step writes again before it reads them, as it does a rejected draft's. A
+        hybrid target's linear-attention states would run on through that padding, so its prompts go one by one."""
+        device = self.anchor_ids.device
+        if self.hybrid:
+            return torch.cat([
+                self._prefill_logits(row, torch.tensor([prompt], device=device)) for row, prompt in enumerate(prompts)
+            ])
+        longest = max(map(len, prompts))
+        input_ids = torch.tensor([prompt + [0] * (longest - len(prompt)) for prompt in prompts], device=device)
+        last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=device)  # (b,)
+        logits = None
+        for start in range(0, longest, self.prefill_chunk):
+            end = min(start + self.prefill_chunk, longest)
+            ending = ((last >= start) & (last < end)).nonzero()[:, 0]  # rows whose prompt ends in this chunk
+            keep, column = torch.unique(last[ending] - start, return_inverse=True)
+            chunk = self._prefill_chunk(slice(0, len(prompts)), input_ids[:, start:end], start, keep)  # (b, k, V)
+            if logits is None:
+                logits = chunk.new_empty(len(prompts), 1, chunk.shape[-1])
+            logits[ending, 0] = chunk[ending, column]
+        return logits
 
     def verified_rows(self, key: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The last step's scores and raw logits (B, V) of `key`'s verify rows (None where not kept): views of the
@@ -673,7 +677,7 @@ class DFlashEngine(DFlashStep):
         length = input_ids.shape[1]
         for start in range(0, length, self.prefill_chunk):
             end = min(start + self.prefill_chunk, length)
-            logits = self._prefill_chunk(row, input_ids[:, start:end], start)
+            logits = self._prefill_chunk(slice(row, row + 1), input_ids[:, start:end], start)
         return logits
 
     def _first_tokens(
@@ -686,16 +690,19 @@ class DFlashEngine(DFlashStep):
         tokens, _ = accept(scores, no_drafts, do_sample, None)
         return tokens[:, 0], None if self.logprobs is None else token_logprobs(scores, tokens)[:, 0]
 
-    def _prefill_chunk(self, row: int, input_ids: torch.LongTensor, start: int) -> torch.Tensor:
-        """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits
-        (1, 1, V)."""
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]  # (1, c)
-        span = self._span(start + input_ids.shape[1])
-        cache = self._target_cache(slice(row, row + 1), span)
+    def _prefill_chunk(
+        self, rows: slice, input_ids: torch.LongTensor, start: int, logits_to_keep: int | torch.Tensor = 1
+    ) -> torch.Tensor:
+        """Positions start..start+c-1 of the prompts of `rows` (input_ids (n, c)); returns the logits (n, k, V) of the
+        chunk's last position, or of its columns `logits_to_keep` (k,)."""
+        n, width = input_ids.shape
+        positions = torch.arange(start, start + width, device=input_ids.device).expand(n, width)  # (n, c)
+        span = self._span(start + width)
+        cache = self._target_cache(rows, span)
         cache.write_slots = positions
         keys = torch.arange(span, device=input_ids.device)
-        visible = keys[None, None, :] <= positions[:, :, None]  # (1, c, span)
-        captured = self.verify_rows.new_empty(1, input_ids.shape[1], self.verify_rows.shape[-1])
+        visible = keys[None, None, :] <= positions[:1, :, None]  # (1, c, span): the same for every row
+        captured = self.verify_rows.new_empty(n, width, self.verify_rows.shape[-1])
         self.generator.capture.destination = captured
         # a hybrid's linear layers start the row from empty states at its first chunk and carry them on through the
         # next ones (the prompt has no padding to mask)
@@ -704,14 +711,14 @@ class DFlashEngine(DFlashStep):
                 logits = self.target(
                     input_ids=input_ids,
                     position_ids=positions,
-                    attention_mask=self.target_masks(visible, positions, keys),
+                    attention_mask=self.target_masks(visible, positions[:1], keys),
                     use_cache=True,
-                    logits_to_keep=1,
+                    logits_to_keep=logits_to_keep,
                     **{self.cache_argument: cache},
-                ).logits[:, -1:]  # (1, 1, V)
+                ).logits  # (n, k, V)
         finally:
             self.generator.capture.destination = None
-        self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
+        self.generator.write_context(captured, positions, page_slots(self.drafter_tables[rows], positions))
         return logits
 
     def _prefill_packed(
@@ -855,11 +862,6 @@ class DFlashEngine(DFlashStep):
                    for name in ("presence", "repetition_penalty")}
         return {**sampling, **penalty}
 
-    def prefix_lengths(self, rows: EngineRows) -> torch.Tensor:
-        """(n,) plain generate's input_ids length before each row's verify rows, anchor included: a generate call's
-        padding counts (only its processors read this)."""
-        return rows.padding + rows.anchor_pos + 1
-
     @staticmethod
     def _scores(
         logits: torch.Tensor, drafts: torch.LongTensor, do_sample: torch.Tensor | None,
@@ -905,15 +907,14 @@ class DFlashEngine(DFlashStep):
             anchor_ids=self.anchor_ids[:n],
             anchor_pos=self.anchor_pos[:n],
             prev_pos=self.prev_pos[:n],
-            offsets=self.offsets[:n],
             active=self.active[:n],
             max_length=self.max_length[:n],
             drafts=self.drafts[:n],
             out=self.out[:n],
             block_tables=self.drafter_tables[:n],
             verify_rows=self.verify_rows[:n],
-            target_slots=self.target_slots[:n],
-            key_slots=positions,
+            verify_positions=self.verify_positions[:n],
+            key_positions=positions,
             draft_key_positions=positions,
             target_cache=self._target_cache(slice(0, n), span),
             drafter_view=StretchView(

@@ -37,23 +37,23 @@ class StepRows:
     """The rows one step runs on: views of a step's per-sequence buffers (the running sequences sit first)."""
 
     anchor_ids: torch.Tensor  # (n, 1) the last committed token
-    anchor_pos: torch.Tensor  # (n,) its position (real, padding excluded)
+    anchor_pos: torch.Tensor  # (n,) its position
     prev_pos: torch.Tensor  # (n,) the previous step's anchor position, whose verify rows become context now
-    offsets: torch.Tensor  # (n,) left padding (target slot = offset + position)
     active: torch.Tensor  # (n,) 1 while the sequence runs
-    max_length: torch.Tensor  # (n,) the padded length no sequence commits past
+    max_length: torch.Tensor  # (n,) the length no sequence commits past
     drafts: torch.Tensor  # (n, B - 1)
     out: torch.Tensor  # (n, B + 1) the target's tokens at the B verified rows, then the accepted count
     block_tables: torch.Tensor  # (n, pages) the drafter's pages of each sequence
     verify_rows: torch.Tensor  # (n, B, k * H) the last verify's captured target rows
-    target_slots: torch.Tensor  # (n, B) where the verify's keys/values go
-    key_slots: torch.Tensor  # (L,) the target slots every layer reads back, in order
+    verify_positions: torch.Tensor  # (n, B) the positions the verify stores keys/values at (a persistent buffer)
+    key_positions: torch.Tensor  # (L,) the target positions every layer reads back, in order
     draft_key_positions: torch.Tensor  # (S,) the drafter positions every layer reads back, in order
     target_cache: Any  # a Cache-API object: `update` stores at `write_slots` and returns (n, g, L, d)
     drafter_view: Any  # a Cache-API object over the drafter's pages, block rows written to `block_slots`
     presence: torch.Tensor | None = None  # (n, V) the tokens the repetition penalty counts
     scores: torch.Tensor | None = None  # (n, B, V) float32 the verified rows' processed scores, when kept
     logits: torch.Tensor | None = None  # (n, B, V) float32 their raw logits, when kept
+    padding: torch.Tensor | None = None  # (n,) a generate call's left padding of each row (its processors count it)
 
 
 class DFlashStep:
@@ -82,18 +82,18 @@ class DFlashStep:
     def target_masks(
         self,
         visible: torch.Tensor,
-        query_slots: torch.Tensor,
-        key_slots: torch.Tensor,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
         linear_attention: torch.Tensor | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor | None]:
-        """What the target's forward takes as `attention_mask`, from the slots each query sees under full attention
-        (visible (n, q, L)), the queries' own slots (n, q) and the slots read back (L,). Additive (n, 1, q, L)
+        """What the target's forward takes as `attention_mask`, from the positions each query sees under full attention
+        (visible (n, q, L)), the queries' own positions (n, q) and the positions read back (L,). Additive (n, 1, q, L)
         masks: eager attention adds them and sdpa takes them as they are (a boolean mask would be added as 0/1 by
         eager attention). A hybrid target's linear-attention layers take `linear_attention` instead: the prompt's
         padding mask (b, P) in the prefill, none in a verify (a block has no padding)."""
         windowed = None
-        if self.target_window is not None:  # slot distances are position distances (a sequence's slots are contiguous)
-            windowed = visible & in_window(query_slots, key_slots, self.target_window)
+        if self.target_window is not None:
+            windowed = visible & in_window(query_positions, key_positions, self.target_window)
         return target_attention_mask(visible, windowed, self.mask_types, self.mask_dtype, linear_attention)
 
     def drafter_mask(self, visible: torch.Tensor) -> torch.Tensor:
@@ -170,13 +170,12 @@ class DFlashStep:
         if draft_probs is not None:
             draft_probs = draft_probs[:, : width - 1]
         positions = rows.anchor_pos[:, None] + offsets  # (n, width)
-        # 3. Verify [anchor, drafts] at each sequence's own slots (its padded columns), causally.
-        slots = rows.offsets[:, None] + positions  # (n, width)
-        target_slots = rows.target_slots[:, :width]
-        target_slots.copy_(slots)
-        rows.target_cache.write_slots = target_slots
-        keys = rows.key_slots
-        visible = (keys >= rows.offsets[:, None, None]) & (keys <= slots[:, :, None])  # (n, width, L)
+        # 3. Verify [anchor, drafts] at their positions, causally.
+        verify_positions = rows.verify_positions[:, :width]
+        verify_positions.copy_(positions)
+        rows.target_cache.write_slots = verify_positions
+        keys = rows.key_positions
+        visible = keys <= positions[:, :, None]  # (n, width, L)
         self.generator.capture.destination = rows.verify_rows[:, :width]
         # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
         with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
@@ -184,14 +183,14 @@ class DFlashStep:
                 logits = self.target(
                     input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
                     position_ids=positions,
-                    attention_mask=self.target_masks(visible, slots, keys),
+                    attention_mask=self.target_masks(visible, positions, keys),
                     use_cache=True,
                     logits_to_keep=width,
                     **{self.cache_argument: rows.target_cache},
                 ).logits
         scores, tokens, accepted = self.choose(rows, logits, drafts, draft_probs)
-        # never commit past max_length: max_length minus the padded length is what a sequence may still commit
-        room = rows.max_length - rows.offsets - rows.anchor_pos - 1
+        # never commit past max_length
+        room = rows.max_length - rows.anchor_pos - 1
         accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
         # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
         rows.prev_pos.copy_(rows.anchor_pos)
@@ -212,9 +211,9 @@ class DFlashStep:
             rows.logits[:, :width].copy_(logits)
 
     def prefix_lengths(self, rows: StepRows) -> torch.Tensor:
-        """(n,) the padded length plain generate's input_ids would have before each row's token 0 (the anchor
-        included), which length-gated processors read."""
-        return rows.offsets + rows.anchor_pos + 1
+        """(n,) plain generate's input_ids length before each row's verify rows, the anchor and a generate call's
+        padding included, which length-gated processors read."""
+        return rows.anchor_pos + 1 if rows.padding is None else rows.padding + rows.anchor_pos + 1
 
     def choose(
         self, rows: StepRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None

@@ -85,13 +85,20 @@ def test_the_fast_path_equals_plain_greedy_with_varied_acceptance(family, wrong_
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_fast_paths_drafts_equal_the_eager_loops_drafts(family):
+@pytest.mark.parametrize("prefill_chunk", [None, 5])
+def test_the_fast_paths_drafts_equal_the_eager_loops_drafts(family, prefill_chunk):
     """The drafter inside the engine's step (context keys/values written in-step, its pages read under a mask) proposes
     what the eager runtime proposes, step after step, also once the first sequence has ended and the others moved up
-    to its rows (their drafter keys/values move with them)."""
+    to its rows (their drafter keys/values move with them). The call's prompts (12, 7 and 10 tokens) are prefilled
+    together, left-aligned: in one forward, or in chunks of `prefill_chunk` positions where the rows' prompts end in
+    different chunks; the positions a shorter prompt's padding ran at are written again before any step reads them."""
     target = tiny_target(family, seed=3)
     drafter = tiny_drafter(target, seed=4, num_layers=2, block_size=6)
     ids, mask = left_padded(3, 12, [0, 5, 2], seed=2)
+    shapes = []
+    handle = target.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     free_run = target.generate(
         ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None
     )
@@ -115,17 +122,21 @@ def test_the_fast_paths_drafts_equal_the_eager_loops_drafts(family):
 
     DFlashCandidateGenerator.__init__ = recording_init
     try:
-        outputs = [
-            target.generate(
+        outputs = []
+        for fast in (False, True):
+            if fast and prefill_chunk is not None:  # the engine the call will find held on the drafter
+                dflash_fast_path.engine_for(target, drafter, 3, 12 + 24).prefill_chunk = prefill_chunk
+            shapes.clear()  # the fast call's forwards are left
+            outputs.append(target.generate(
                 ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=eos,
                 assistant_model=drafter, dflash_fast_path=fast,
-            )
-            for fast in (False, True)
-        ]
+            ))
     finally:
         DFlashCandidateGenerator.__init__ = original_init
+        handle.remove()
         release_fast_path(drafter)
     assert torch.equal(outputs[0], outputs[1])
+    assert shapes[:3] == ([(3, 12), (3, 6), (3, 6)] if prefill_chunk is None else [(3, 5), (3, 5), (3, 2)])
     eager, engine = draft_logits[0], draft_logits[1]
     # Both loops drop a finished sequence from the batch at once (the engine runs at 2 rows once 2 sequences run):
     # every step's rows are the same sequences in both, in the eager loop in batch order, in the engine's rows after the

@@ -268,7 +268,7 @@ def test_the_drafter_and_the_target_read_a_calls_rows_as_views_of_the_pools():
             assert key.untyped_storage().data_ptr() == pool.key_pools[layer].untyped_storage().data_ptr()
             assert value.untyped_storage().data_ptr() == pool.value_pools[layer].untyped_storage().data_ptr()
             tables = rows.block_tables if view is rows.drafter_view else engine.target_tables[:n]
-            gathered_key, gathered_value = pool.read(layer, page_slots(tables, rows.key_slots.expand(n, -1)))
+            gathered_key, gathered_value = pool.read(layer, page_slots(tables, rows.key_positions.expand(n, -1)))
             assert torch.equal(key, gathered_key) and torch.equal(value, gathered_value)
             assert key.abs().sum() > 0  # the prompt's context is there, not an empty pool
     engine.retire_all()

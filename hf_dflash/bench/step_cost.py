@@ -115,8 +115,8 @@ def target_one_token_step(held: HeldCall) -> Any:
     `carried_state`)."""
     step, rows = held.engine, held.rows
     slots = rows.anchor_pos[:, None]  # (b, 1) the token's own position
-    visible = rows.key_slots <= slots[:, :, None]  # (b, 1, L)
-    mask = step.target_masks(visible, slots, rows.key_slots)
+    visible = rows.key_positions <= slots[:, :, None]  # (b, 1, L)
+    mask = step.target_masks(visible, slots, rows.key_positions)
     positions = rows.anchor_pos[:, None]  # (b, 1)
     cache = rows.target_cache
 
@@ -307,7 +307,7 @@ def measure(target: Any, drafter: Any, context: int, args: argparse.Namespace) -
     timer = part_timer(args.device)
     held = finished_step(target, drafter, context, args.new_tokens)
     step, rows = held.engine, held.rows
-    result: dict[str, Any] = {"context": context, "span": rows.key_slots.shape[0],
+    result: dict[str, Any] = {"context": context, "span": rows.key_positions.shape[0],
                               "target_1_token_ms": target_1_token_ms(held, timer)}
     with grouped_attention(target):
         result["target_1_token_grouped_ms"] = target_1_token_ms(held, timer)
