@@ -542,7 +542,7 @@ class DFlashEngine(DFlashStep):
             raise RuntimeError("admit_call needs an empty engine; this is a bug: please report it")
         batch, padded_length = input_ids.shape
         real = attention_mask.bool()
-        prompts = [row[mask].tolist() for row, mask in zip(input_ids, real)]
+        prompts = [[token for token, kept in zip(*row) if kept] for row in zip(input_ids.tolist(), real.tolist())]
         max_new_tokens = max_length - padded_length
         for prompt in prompts:
             self.check_request(len(prompt), max_new_tokens)
@@ -605,8 +605,14 @@ class DFlashEngine(DFlashStep):
 
     def retire_all(self) -> None:
         """Free every row and its pages (a call ended, also by an exception)."""
-        for sequence in list(self.sequences):
-            self.retire(sequence.key)
+        self.retire_many([sequence.key for sequence in self.sequences])
+
+    def retire_many(self, keys: list[Hashable]) -> None:
+        """`retire` each of `keys`, the last rows first: a row that ends with those after it moves nobody into its
+        place (with `contiguous_rows`, no keys/values are copied)."""
+        rows = {sequence.key: row for row, sequence in enumerate(self.sequences)}
+        for key in sorted(keys, key=rows.__getitem__, reverse=True):
+            self.retire(key)
 
     def _admit_or_error(self, *request: object) -> int | Exception:
         try:
@@ -795,13 +801,16 @@ class DFlashEngine(DFlashStep):
 
     def _move_stretch(self, source: int, row: int, sequence: EngineSequence) -> None:
         """With `contiguous_rows`: `sequence` moves from row `source` to `row`, whose stretch is free: its keys/values
-        are copied there in both pools, and it holds that stretch's pages instead of its old ones."""
+        below its anchor are copied there in both pools (the step writes the rest before it reads them: the target's
+        from the anchor on, the drafter's from the verify rows the row's buffers carry), and it holds that stretch's
+        pages instead of its old ones."""
         slots = self.pages_per_row * PAGE_SIZE
         start, to = (self.scratch_pages * PAGE_SIZE + r * slots for r in (source, row))
+        held = sequence.position
         for pool in (self.target_pool, self.drafter_pool):
             for buffer in (*pool.key_pools, *pool.value_pools):
                 if buffer.shape[0]:  # a hybrid's linear layers keep no keys
-                    buffer[to : to + slots] = buffer[start : start + slots]
+                    buffer[to : to + held] = buffer[start : start + held]
         self.target_pool.give_back(sequence.target_pages)
         self.drafter_pool.give_back(sequence.drafter_pages)
         sequence.target_pages = self.target_pool.take_pages(self._stretch_pages(row))

@@ -75,16 +75,12 @@ def decode_on_engine(
     engine when the call ends, also by an exception."""
     try:
         first, scores, logits = engine.admit_call(input_ids, attention_mask, host_hooks.max_length, processors)
-        for i, token in enumerate(first):
-            if host_hooks.commit(i, [token], scores[i], logits[i]):
-                engine.retire(i)
+        engine.retire_many([i for i, token in enumerate(first) if host_hooks.commit(i, [token], scores[i], logits[i])])
         while engine.sequences:
-            ended = [
+            engine.retire_many([
                 sequence for sequence, tokens in engine.run_step().items()
                 if host_hooks.commit_verified(sequence, tokens, *engine.verified_rows(sequence))
-            ]
-            for sequence in ended:
-                engine.retire(sequence)
+            ])
     finally:
         engine.retire_all()
 

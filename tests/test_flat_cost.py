@@ -274,9 +274,11 @@ def test_the_drafter_and_the_target_read_a_calls_rows_as_views_of_the_pools():
     engine.retire_all()
 
 
-def test_a_row_that_moves_takes_its_keys_and_values_into_its_new_stretch():
+def test_a_row_that_moves_takes_its_keys_and_values_into_its_new_stretch(monkeypatch):
     """When a sequence of a generate call ends, the last row moves into its place: the moving sequence's keys/values
-    are copied into that row's stretch of both pools, so the contiguous read of row r is still its sequence's."""
+    below its anchor (the rest the step writes before reading) are copied into that row's stretch of both pools, so
+    the contiguous read of row r is still its sequence's. Rows that end together retire the last first, so none
+    moves."""
     held = held_call("qwen3", 1, [9, 7, 4, 8])
     engine = held.engine
     slots = engine.pages_per_row * PAGE_SIZE
@@ -287,11 +289,17 @@ def test_a_row_that_moves_takes_its_keys_and_values_into_its_new_stretch():
         start = engine.scratch_pages * PAGE_SIZE + row * slots
         return pool[start : start + slots]
 
-    last = [stretch(pool, 3).clone() for pool in pools]
-    assert not torch.equal(stretch(pools[0], 0), last[0])  # rows differ, so a wrong move could not pass
+    position = engine.sequences[3].position
+    last = [stretch(pool, 3)[:position].clone() for pool in pools]
+    assert not torch.equal(stretch(pools[0], 0)[:position], last[0])  # rows differ, so a wrong move could not pass
     engine.retire(0)
     assert [sequence.key for sequence in engine.sequences] == [3, 1, 2]
     for pool, held_keys in zip(pools, last):
-        assert torch.equal(stretch(pool, 0), held_keys)
+        assert torch.equal(stretch(pool, 0)[:position], held_keys)
+    moves = []
+    move = engine._move_stretch
+    monkeypatch.setattr(engine, "_move_stretch", lambda *args: moves.append(args[:2]) or move(*args))
+    engine.retire_many([3, 2])  # rows 0 and 2: row 2 first, then row 1 moves into row 0
+    assert moves == [(1, 0)] and [sequence.key for sequence in engine.sequences] == [1]
     engine.retire_all()
     assert engine.compute_free_capacity() == 1.0
