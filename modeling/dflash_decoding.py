@@ -34,7 +34,7 @@ from .dflash_acceptance import DecodingRule, accept, draft_confidence
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_checks import check_call
 from .dflash_compat import cache_argument, cache_from_kwargs
-from .dflash_fast_path import DFlashStaticStep, static_step_for
+from .dflash_fast_path import decode_on_engine, engine_for
 from .dflash_fast_path_blockers import fast_path_blocker, takes_fast_path
 from .dflash_host_hooks import HostHooks
 from .dflash_policy import VerifyPolicy
@@ -52,33 +52,6 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 _cache_argument = cache_argument  # the name tests and benchmarks import
-
-
-def _decode_static(
-    step: DFlashStaticStep, input_ids: torch.LongTensor, attention_mask: torch.Tensor, processors: StepProcessors,
-    host_hooks: HostHooks,
-) -> None:
-    """The fast path's host loop (dflash_fast_path.py): per step one replay and one read-back of [tokens, accepted]
-    per running sequence, whose committed tokens then pass the call's host hooks (`host_hooks`, which keeps the
-    sequences)."""
-    first, scores, logits = step.prefill(input_ids, attention_mask, host_hooks.max_length, processors)
-    running = []
-    for i, token in enumerate(first):
-        if host_hooks.commit(i, [token], scores[i], logits[i]):
-            step.stop(i)
-        else:
-            running.append(i)
-    while running:
-        step.compact(running)  # finished sequences leave the step's batch
-        out = step.run_step()
-        still = []
-        for i in running:
-            accepted = out[i][-1]
-            if host_hooks.commit_verified(i, out[i][: accepted + 1], *step.verified_rows(i)):
-                step.stop(i)
-            else:
-                still.append(i)
-        running = still
 
 
 @contextlib.contextmanager
@@ -338,11 +311,10 @@ def dflash_generate(
     if blocker is None and policy is not None:
         blocker = "dflash_adaptive is on (the fast path verifies the full block; pass dflash_adaptive=False)"
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
-        step = static_step_for(target, drafter, input_ids.shape[0], max_length, cache_argument(target))
-        compile_drafter = step.use_graphs if dflash_compile is None else dflash_compile
-        step.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
-        with step.generator.capture:
-            _decode_static(step, input_ids, attention_mask, processors, host_hooks)
+        engine = engine_for(target, drafter, input_ids.shape[0], max_length)
+        compile_drafter = engine.use_graphs if dflash_compile is None else dflash_compile
+        engine.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
+        decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks)
         host_hooks.end()
         return _generate_output(host_hooks, return_dict)
     loop = EagerDecoding(

@@ -46,27 +46,30 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from transformers.utils import logging
 
-from .dflash_acceptance import accept
+from .dflash_acceptance import DecodingRule, accept
 from .dflash_candidate_generator import DFlashCandidateGenerator
+from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
-from .dflash_compat import cache_argument
-from .dflash_fast_path import bucket_size
+from .dflash_compat import cache_argument, dynamo_cache_size_limit
 from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
-from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView
+from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView, StretchView, page_slots
 from .dflash_policy import VerifyPolicy
+from .dflash_processors import StepProcessors
 from .dflash_row_sampling import SamplingSettings, penalize, warp
-from .dflash_static_cache import page_slots
 from .dflash_step import DFlashStep, StepRows
+
+logger = logging.get_logger(__name__)
 
 # The span a step reads is the longest sequence rounded up to this many positions (fewer distinct mask shapes).
 SPAN_BUCKET = 64
@@ -87,6 +90,30 @@ CPU_PACK_TOKENS = 512
 # The pools' default size, in sequences of the longest request (at most 2048 positions each): rows past it fill when
 # requests are shorter, so that wide batches cost no more memory than this.
 DEFAULT_MEMORY_SEQUENCES = 8
+
+
+# Compiled drafter passes dynamo may keep: one per row count and span a process runs (its default, 8, would leave a
+# long-lived process's ninth shape uncompiled, or with fullgraph raise).
+DRAFTER_RECOMPILE_LIMIT = 64
+
+
+def bucket_size(running: int, batch_size: int) -> int:
+    """The rows a static step runs at for `running` sequences: the next power of two, at most the full batch, so that
+    an engine records at most ceil(log2(b)) + 1 row counts per span."""
+    return min(batch_size, 1 << max(running - 1, 0).bit_length())
+
+
+def compile_drafter_pass(fn: Callable[[StepRows], tuple[torch.Tensor, torch.Tensor]]) -> Callable:
+    """`fn` (the step's drafter pass, `DFlashStep.draft`) compiled by inductor for fixed shapes, as one graph (a break
+    is an error, not a silent eager piece), and without CUDA graphs of its own: the engine records the whole step as
+    one. Its calls may keep up to `DRAFTER_RECOMPILE_LIMIT` compiled versions."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def run(rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
+        with dynamo_cache_size_limit(DRAFTER_RECOMPILE_LIMIT):
+            return compiled(rows)
+
+    return run
 
 
 @dataclass
@@ -139,12 +166,18 @@ class PagedTargetCache:
     of the forward in flight (set before it); `update` stores its keys/values (n, g, q, d) there through the block
     tables (n, pages) and returns the pages `read_pages` (n, P) of each row, positions 0..P * PAGE_SIZE - 1
     (n, g, P * PAGE_SIZE, d). A packed prefill (`DFlashEngine.admit_many`) sets `pool_slots` instead: the flat pool
-    slots of its queries, which belong to several sequences."""
+    slots of its queries, which belong to several sequences. Rows that each own one stretch of the pool
+    (`DFlashEngine`'s `contiguous_rows`) are read as views instead: `stretch`, `PagedDrafterCache.read_stretch`'s
+    arguments."""
 
-    def __init__(self, pool: PagedDrafterCache, block_tables: torch.Tensor | None, read_pages: torch.Tensor):
+    def __init__(
+        self, pool: PagedDrafterCache, block_tables: torch.Tensor | None, read_pages: torch.Tensor,
+        stretch: tuple[int, int, int, int] | None = None,
+    ):
         self.pool = pool
         self.block_tables = block_tables
         self.read_pages = read_pages
+        self.stretch = stretch
         self._write_positions: torch.Tensor | None = None
         self.pool_slots: torch.Tensor | None = None
 
@@ -162,6 +195,8 @@ class PagedTargetCache:
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.pool.write_rows(layer_idx, self.pool_slots, key, value)
+        if self.stretch is not None:
+            return self.pool.read_stretch(layer_idx, *self.stretch)
         return self.pool.read_pages(layer_idx, self.read_pages)
 
 
@@ -178,8 +213,9 @@ class PagedHybridCache(LinearStates, PagedTargetCache):
         conv: dict[int, torch.Tensor],
         recurrent: dict[int, torch.Tensor],
         linear_layers: list[torch.nn.Module],
+        stretch: tuple[int, int, int, int] | None = None,
     ):
-        super().__init__(pool, block_tables, block_tables[:, : span // PAGE_SIZE])
+        super().__init__(pool, block_tables, block_tables[:, : span // PAGE_SIZE], stretch)
         self.bind_linear_states(conv, recurrent, linear_layers, len(pool.key_pools))
 
 
@@ -213,6 +249,11 @@ class DFlashEngine(DFlashStep):
         return_logprobs: whether each committed token's log-probability is kept (`take_logprobs`): under the
             scores its token was chosen from (the raw logits of a greedy row, a sampled row's processed ones), as
             transformers' manager reports them with `return_logprobs`.
+        contiguous_rows: whether each row owns one fixed stretch of each pool, a sequence's whole length (the
+            pools then hold `max_batch_size` of them, whatever `max_tokens` says): the step's layers read every row's
+            keys/values as a view of the pool, not a gather per layer, and a row that moves when another retires
+            takes its keys/values with it (a copy). For `generate` calls, whose rows all start together
+            (dflash_fast_path.py); requests of a server share their pages instead.
     """
 
     def __init__(
@@ -226,6 +267,7 @@ class DFlashEngine(DFlashStep):
         static_shapes: bool | None = None,
         adaptive: bool | VerifyPolicy | None = None,
         return_logprobs: bool = False,
+        contiguous_rows: bool = False,
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
@@ -254,7 +296,11 @@ class DFlashEngine(DFlashStep):
         context = min(limit for limit in limits if limit)
         self.max_sequence_length = min(max_sequence_length or context, context)
         block = drafter.config.block_size
-        if max_tokens is None:  # whole pages per sequence: each reserves its own
+        self.pages_per_row = -(-(self.max_sequence_length + block) // PAGE_SIZE)  # block table width
+        self.contiguous_rows = contiguous_rows
+        if contiguous_rows:  # every row its whole stretch
+            max_tokens = max_batch_size * self.pages_per_row * PAGE_SIZE
+        elif max_tokens is None:  # whole pages per sequence: each reserves its own
             sequences = min(max_batch_size, DEFAULT_MEMORY_SEQUENCES)
             max_tokens = sequences * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
@@ -279,7 +325,6 @@ class DFlashEngine(DFlashStep):
         self.linear_layers = list(linear.values())
         self.conv, self.recurrent = linear_state_buffers(linear, max_batch_size, target.dtype, device)
         self.drafter_pool = generator.cache
-        self.pages_per_row = -(-(self.max_sequence_length + block) // PAGE_SIZE)  # block table width
         b, long = max_batch_size, dict(dtype=torch.long, device=device)
         self.target_tables = torch.zeros(b, self.pages_per_row, **long)
         self.drafter_tables = torch.zeros(b, self.pages_per_row, **long)
@@ -287,11 +332,10 @@ class DFlashEngine(DFlashStep):
         self.anchor_pos = torch.zeros(b, **long)
         self.prev_pos = torch.zeros(b, **long)
         self.max_length = torch.zeros(b, **long)
-        self.offsets = torch.zeros(b, **long)  # no left padding: a row's slot s is its position s
         self.active = torch.zeros(b, **long)  # 1 for rows 0..n-1, which run; 0 for the idle rows after them
         self.drafts = torch.zeros(b, block - 1, **long)
         self.out = torch.zeros(b, block + 1, **long)
-        self.target_slots = torch.zeros(b, block, **long)
+        self.verify_positions = torch.zeros(b, block, **long)
         self.draft_block_slots = torch.zeros(b, block, **long)
         self.verify_rows = torch.zeros(b, block, drafter.config.num_context_features, dtype=drafter.fc.weight.dtype,
                                        device=device)
@@ -305,12 +349,23 @@ class DFlashEngine(DFlashStep):
         self.presence = torch.zeros(b, vocab, dtype=torch.bool, device=device)
         self.return_logprobs = return_logprobs
         self.logprobs = torch.zeros(b, block, dtype=torch.float32, device=device) if return_logprobs else None
+        # A generate call's rows (`bind`, `admit_call`): the left padding plain generate's input_ids hold before each
+        # row (what its processors count in a prefix's length), and the verify rows' scores / logits (b, B, V)
+        # float32, allocated only for a call that returns them.
+        self.padding = torch.zeros(b, **long)
+        self.call_processors = False
+        self.scores: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self.vocab_size = vocab
         self.per_row = (
             self.target_tables, self.drafter_tables, self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length,
             self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
-            self.presence, *self.conv.values(), *self.recurrent.values(),
+            self.presence, self.padding, *self.conv.values(), *self.recurrent.values(),
         )
         self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
+        # Whether a bound generate call compiles the drafter's pass (`bind`), and why compiling failed, if it did.
+        self.compile_drafter = False
+        self.compile_error: str | None = None
         if self.static_shapes:
             self.scratch = (self.target_pool.take(1)[0], self.drafter_pool.take(1)[0])
             for row in range(b):
@@ -440,6 +495,125 @@ class DFlashEngine(DFlashStep):
             self._start(first_row + i, sequence, firsts[i], None if logprobs is None else logprobs[i])
         return firsts.tolist()
 
+    # -- a generate call's rows ------------------------------------------------------------------------------------
+
+    def bind(
+        self, processors: StepProcessors, rule: DecodingRule, keep_scores: bool, keep_logits: bool,
+        compile_drafter: bool = False,
+    ) -> None:
+        """Serve a `generate` call (dflash_decoding.py): its rows' tokens are chosen under the call's logits processors
+        and decoding rule (the drafts sampled from the drafter under rejection sampling) instead of per-request
+        settings, and the step writes the verify rows' scores / logits out when the call returns them. A recorded
+        graph baked in what it was recorded with: the graphs are kept only for a call that computes the same."""
+        kept = (self.scores is not None, self.logits is not None)
+        if compile_drafter != self.compile_drafter:
+            self._drop_graphs()
+            self.drafter_passes = {}
+            self.compile_drafter = compile_drafter
+        same = (rule, processors.signature, (keep_scores, keep_logits)) == (
+            self.rule, self.processors.signature, kept
+        )
+        self.call_processors = True
+        if self.graphs and same:
+            return
+        self._drop_graphs()
+        self.rule, self.processors = rule, processors
+        block, vocab, device = self.block_size, self.vocab_size, self.anchor_ids.device
+        self.scores = torch.zeros(self.max_batch_size, block, vocab, device=device) if keep_scores else None
+        self.logits = torch.zeros(self.max_batch_size, block, vocab, device=device) if keep_logits else None
+
+    def _drop_graphs(self) -> None:
+        """Forget every recorded step; later ones record into a new memory pool (CUDA refuses to record into a pool
+        whose graphs were all freed)."""
+        self.graphs, self.warmed_shapes = {}, set()
+        if self.use_graphs:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+
+    @torch.no_grad()
+    def admit_call(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, processors: StepProcessors
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """A bound `generate` call's left-padded batch (b, P) as sequences 0..b-1 in rows 0..b-1, each up to the
+        call's `max_length` (padding included, as generate counts it). Its prompts are prefilled without their
+        padding; each first token is chosen under the call's own processors `processors` exactly as plain generate
+        chooses it (every processor called once on the whole batch). Returns the first tokens, their scores (b, 1, V)
+        and raw logits (b, 1, V)."""
+        if self.sequences:
+            raise RuntimeError("admit_call needs an empty engine; this is a bug: please report it")
+        batch, padded_length = input_ids.shape
+        real = attention_mask.bool()
+        prompts = [[token for token, kept in zip(*row) if kept] for row in zip(input_ids.tolist(), real.tolist())]
+        max_new_tokens = max_length - padded_length
+        for prompt in prompts:
+            self.check_request(len(prompt), max_new_tokens)
+        placed = []
+        try:
+            for row, prompt in enumerate(prompts):
+                placed.append(self._place(row, row, prompt, max_new_tokens, SamplingSettings()))
+            with self.generator.capture:
+                logits = self._prefill_call_logits(prompts)
+        except BaseException:
+            for sequence in placed:
+                self._give_back(sequence)
+            raise
+        scores = processors.first_token_scores(input_ids, logits[:, 0])[:, None]
+        tokens, _ = accept(scores, input_ids[:, :0], self.rule.do_sample, None)
+        first = tokens[:, 0]
+        self.padding[:batch] = padded_length - real.sum(dim=1)
+        if processors.penalty is not None:
+            self.presence[:batch] = processors.prompt_presence(input_ids, self.vocab_size)
+            self.presence[torch.arange(batch, device=first.device), first] = True
+        for row, sequence in enumerate(placed):
+            self._start(row, sequence, first[row], None)
+        return first.tolist(), scores, logits
+
+    def _prefill_call_logits(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The last logits (b, 1, V) of rows 0..b-1 after their prompts' prefill. The prompts are laid left-aligned in
+        one batch (b, L), L the longest, as plain generate prefills its padded batch in one forward (in chunks of
+        `prefill_chunk` positions past that). A shorter row's padding runs at its positions after its prompt, whose
+        keys/values and context every step writes again before it reads them, as it does a rejected draft's. A
+        hybrid target's linear-attention states would run on through that padding, so its prompts go one by one."""
+        device = self.anchor_ids.device
+        if self.hybrid:
+            return torch.cat([
+                self._prefill_logits(row, torch.tensor([prompt], device=device)) for row, prompt in enumerate(prompts)
+            ])
+        longest = max(map(len, prompts))
+        input_ids = torch.tensor([prompt + [0] * (longest - len(prompt)) for prompt in prompts], device=device)
+        last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=device)  # (b,)
+        logits = None
+        for start in range(0, longest, self.prefill_chunk):
+            end = min(start + self.prefill_chunk, longest)
+            ending = ((last >= start) & (last < end)).nonzero()[:, 0]  # rows whose prompt ends in this chunk
+            keep, column = torch.unique(last[ending] - start, return_inverse=True)
+            chunk = self._prefill_chunk(slice(0, len(prompts)), input_ids[:, start:end], start, keep)  # (b, k, V)
+            if logits is None:
+                logits = chunk.new_empty(len(prompts), 1, chunk.shape[-1])
+            logits[ending, 0] = chunk[ending, column]
+        return logits
+
+    def verified_rows(self, key: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The last step's scores and raw logits (B, V) of `key`'s verify rows (None where not kept): views of the
+        step's buffers, which the next step overwrites."""
+        if self.scores is None and self.logits is None:
+            return None, None
+        row = next(i for i, sequence in enumerate(self.sequences) if sequence.key == key)
+        return (
+            None if self.scores is None else self.scores[row],
+            None if self.logits is None else self.logits[row],
+        )
+
+    def retire_all(self) -> None:
+        """Free every row and its pages (a call ended, also by an exception)."""
+        self.retire_many([sequence.key for sequence in self.sequences])
+
+    def retire_many(self, keys: list[Hashable]) -> None:
+        """`retire` each of `keys`, the last rows first: a row that ends with those after it moves nobody into its
+        place (with `contiguous_rows`, no keys/values are copied)."""
+        rows = {sequence.key: row for row, sequence in enumerate(self.sequences)}
+        for key in sorted(keys, key=rows.__getitem__, reverse=True):
+            self.retire(key)
+
     def _admit_or_error(self, *request: object) -> int | Exception:
         try:
             return self.admit(*request)
@@ -451,10 +625,14 @@ class DFlashEngine(DFlashStep):
     ) -> EngineSequence:
         """Take a request's pages and point `row`'s block tables and sampling settings at them (not yet running)."""
         length = len(prompt)
-        pages = self.pages_for(length, max_new_tokens)
-        sequence = EngineSequence(
-            key, length, length + max_new_tokens, sampling, self.target_pool.take(pages), self.drafter_pool.take(pages)
-        )
+        if self.contiguous_rows:  # the row's own stretch
+            pages = self.pages_per_row
+            stretch = self._stretch_pages(row)
+            taken = self.target_pool.take_pages(stretch), self.drafter_pool.take_pages(stretch)
+        else:
+            pages = self.pages_for(length, max_new_tokens)
+            taken = self.target_pool.take(pages), self.drafter_pool.take(pages)
+        sequence = EngineSequence(key, length, length + max_new_tokens, sampling, *taken)
         tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
         for table, taken in tables:
             table[row].zero_()
@@ -491,16 +669,22 @@ class DFlashEngine(DFlashStep):
     def _prefill(
         self, row: int, input_ids: torch.LongTensor, sampling: SamplingSettings
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt forward of one row (1, P) (`_prefill_logits`), and its first token (a 0-d tensor) under its own
+        sampling settings, with its log-probability when kept."""
+        logits = self._prefill_logits(row, input_ids)
+        first, logprob = self._first_tokens(logits, slice(row, row + 1), RowScoring.of([sampling]))
+        return first[0], None if logprob is None else logprob[0]
+
+    def _prefill_logits(self, row: int, input_ids: torch.LongTensor) -> torch.Tensor:
         """The prompt forward of one row (1, P), in chunks of at most `prefill_chunk` positions: keys/values to its
-        pages, captured rows to the drafter's context, and its first token (a 0-d tensor) under its own sampling
-        settings. A chunk's queries see the chunks before it through the pages, so the result is that of one forward,
-        while the attention scores and masks of a forward stay (chunk x span) rather than (P x P)."""
+        pages, captured rows to the drafter's context. Returns the last position's logits (1, 1, V). A chunk's queries
+        see the chunks before it through the pages, so the result is that of one forward, while the attention scores
+        and masks of a forward stay (chunk x span) rather than (P x P)."""
         length = input_ids.shape[1]
         for start in range(0, length, self.prefill_chunk):
             end = min(start + self.prefill_chunk, length)
-            logits = self._prefill_chunk(row, input_ids[:, start:end], start)
-        first, logprob = self._first_tokens(logits, slice(row, row + 1), RowScoring.of([sampling]))
-        return first[0], None if logprob is None else logprob[0]
+            logits = self._prefill_chunk(slice(row, row + 1), input_ids[:, start:end], start)
+        return logits
 
     def _first_tokens(
         self, logits: torch.Tensor, rows: slice, scoring: RowScoring
@@ -512,16 +696,19 @@ class DFlashEngine(DFlashStep):
         tokens, _ = accept(scores, no_drafts, do_sample, None)
         return tokens[:, 0], None if self.logprobs is None else token_logprobs(scores, tokens)[:, 0]
 
-    def _prefill_chunk(self, row: int, input_ids: torch.LongTensor, start: int) -> torch.Tensor:
-        """Positions start..start+c-1 of one row's prompt (input_ids (1, c)); returns the last one's logits
-        (1, 1, V)."""
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]  # (1, c)
-        span = self._span(start + input_ids.shape[1])
-        cache = self._target_cache(slice(row, row + 1), span)
+    def _prefill_chunk(
+        self, rows: slice, input_ids: torch.LongTensor, start: int, logits_to_keep: int | torch.Tensor = 1
+    ) -> torch.Tensor:
+        """Positions start..start+c-1 of the prompts of `rows` (input_ids (n, c)); returns the logits (n, k, V) of the
+        chunk's last position, or of its columns `logits_to_keep` (k,)."""
+        n, width = input_ids.shape
+        positions = torch.arange(start, start + width, device=input_ids.device).expand(n, width)  # (n, c)
+        span = self._span(start + width)
+        cache = self._target_cache(rows, span)
         cache.write_slots = positions
         keys = torch.arange(span, device=input_ids.device)
-        visible = keys[None, None, :] <= positions[:, :, None]  # (1, c, span)
-        captured = self.verify_rows.new_empty(1, input_ids.shape[1], self.verify_rows.shape[-1])
+        visible = keys[None, None, :] <= positions[:1, :, None]  # (1, c, span): the same for every row
+        captured = self.verify_rows.new_empty(n, width, self.verify_rows.shape[-1])
         self.generator.capture.destination = captured
         # a hybrid's linear layers start the row from empty states at its first chunk and carry them on through the
         # next ones (the prompt has no padding to mask)
@@ -530,23 +717,28 @@ class DFlashEngine(DFlashStep):
                 logits = self.target(
                     input_ids=input_ids,
                     position_ids=positions,
-                    attention_mask=self.target_masks(visible, positions, keys),
+                    attention_mask=self.target_masks(visible, positions[:1], keys),
                     use_cache=True,
-                    logits_to_keep=1,
+                    logits_to_keep=logits_to_keep,
                     **{self.cache_argument: cache},
-                ).logits[:, -1:]  # (1, 1, V)
+                ).logits  # (n, k, V)
         finally:
             self.generator.capture.destination = None
-        self.generator.write_context(captured, positions, page_slots(self.drafter_tables[row : row + 1], positions))
+        self.generator.write_context(captured, positions, page_slots(self.drafter_tables[rows], positions))
         return logits
 
     def _prefill_packed(
         self, first_row: int, prompts: list[list[int]], scoring: RowScoring
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_prefill_packed_logits`, then each prompt's first token under its own sampling settings (`scoring`: of
+        them all). Returns the first tokens (k,) and their log-probabilities (k,) when kept."""
+        logits = self._prefill_packed_logits(first_row, prompts)
+        return self._first_tokens(logits, slice(first_row, first_row + len(prompts)), scoring)
+
+    def _prefill_packed_logits(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
         """The prompts of rows first_row.. in one target forward (1, T), T their total length: each prompt's keys and
         values go to its own row's pages, each token reads back its own prompt's pages only (a block-diagonal causal
-        mask), and each prompt's last position gives its row's first token under its own sampling settings (`scoring`:
-        of them all). Returns the first tokens (k,) and their log-probabilities (k,) when kept."""
+        mask). Returns each prompt's last logits (k, 1, V)."""
         device = self.anchor_ids.device
         rows = range(first_row, first_row + len(prompts))
         lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
@@ -578,7 +770,7 @@ class DFlashEngine(DFlashStep):
         finally:
             self.generator.capture.destination = None
         self.generator.write_context(captured, positions, slots(self.drafter_tables))
-        return self._first_tokens(logits, slice(first_row, first_row + len(prompts)), scoring)
+        return logits
 
     def retire(self, key: Hashable) -> None:
         """Free `key`'s row and pages at once; the last row moves into its place."""
@@ -588,13 +780,48 @@ class DFlashEngine(DFlashStep):
         if self.policy is not None:
             self.policy.remove(key)
         if row != last:
+            moved = self.sequences[last]
+            tables = (self.target_tables, self.drafter_tables)
             for buffer in self.per_row:
+                if self.contiguous_rows and any(buffer is table for table in tables):
+                    continue  # the row keeps its stretch; the moving sequence's keys/values come into it
                 buffer[row] = buffer[last]
-            self.sequences[row] = self.sequences[last]
+            if self.contiguous_rows:
+                self._move_stretch(last, row, moved)
+            self.sequences[row] = moved
         self.sequences.pop()
         self.active[last] = 0
         if self.static_shapes:
             self._idle(last)
+
+    def _stretch_pages(self, row: int) -> list[int]:
+        """The pages `row` owns in each pool with `contiguous_rows` (after the scratch page)."""
+        first = self.scratch_pages + row * self.pages_per_row
+        return list(range(first, first + self.pages_per_row))
+
+    def _move_stretch(self, source: int, row: int, sequence: EngineSequence) -> None:
+        """With `contiguous_rows`: `sequence` moves from row `source` to `row`, whose stretch is free: its keys/values
+        below its anchor are copied there in both pools (the step writes the rest before it reads them: the target's
+        from the anchor on, the drafter's from the verify rows the row's buffers carry), and it holds that stretch's
+        pages instead of its old ones."""
+        slots = self.pages_per_row * PAGE_SIZE
+        start, to = (self.scratch_pages * PAGE_SIZE + r * slots for r in (source, row))
+        held = sequence.position
+        for pool in (self.target_pool, self.drafter_pool):
+            for buffer in (*pool.key_pools, *pool.value_pools):
+                if buffer.shape[0]:  # a hybrid's linear layers keep no keys
+                    buffer[to : to + held] = buffer[start : start + held]
+        self.target_pool.give_back(sequence.target_pages)
+        self.drafter_pool.give_back(sequence.drafter_pages)
+        sequence.target_pages = self.target_pool.take_pages(self._stretch_pages(row))
+        sequence.drafter_pages = self.drafter_pool.take_pages(self._stretch_pages(row))
+
+    def _stretch(self, rows: slice, span: int) -> tuple[int, int, int, int]:
+        """`PagedDrafterCache.read_stretch`'s arguments for `rows` (from 0, or one row) reading positions 0..span-1."""
+        slots = self.pages_per_row * PAGE_SIZE
+        first = rows.start or 0
+        count = (rows.stop - first) if rows.stop is not None else len(self.sequences)
+        return self.scratch_pages * PAGE_SIZE + first * slots, count, slots, span
 
     def _idle(self, row: int) -> None:
         """Make an inactive `row` (its `active` 0: its anchor never moves, it commits nothing) safe to run idle in a
@@ -614,12 +841,23 @@ class DFlashEngine(DFlashStep):
     def _target_cache(self, rows: slice, span: int) -> PagedTargetCache:
         """The target's cache for a forward of `rows` reading positions 0..span-1 (a hybrid's: with those rows'
         linear-attention states)."""
+        stretch = self._stretch(rows, span) if self.contiguous_rows else None
         if not self.hybrid:
             tables = self.target_tables[rows]
-            return PagedTargetCache(self.target_pool, tables, tables[:, : span // PAGE_SIZE])
+            return PagedTargetCache(self.target_pool, tables, tables[:, : span // PAGE_SIZE], stretch)
         conv = {i: state[rows] for i, state in self.conv.items()}
         recurrent = {i: state[rows] for i, state in self.recurrent.items()}
-        return PagedHybridCache(self.target_pool, self.target_tables[rows], span, conv, recurrent, self.linear_layers)
+        return PagedHybridCache(
+            self.target_pool, self.target_tables[rows], span, conv, recurrent, self.linear_layers, stretch
+        )
+
+    def _step_span(self) -> int:
+        """Positions a step of the running rows reads back: the longest sequence's, with a block. With
+        `contiguous_rows` (a generate call's), every row's whole stretch: one shape per row count, so that the drafter's
+        pass is compiled, and the step recorded, once per row count, not again at every span a long call reaches."""
+        if self.contiguous_rows:
+            return self.pages_per_row * PAGE_SIZE
+        return self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
 
     def _span(self, longest: int) -> int:
         """Positions a forward reads back: `longest` rounded up to SPAN_BUCKET, within the block tables."""
@@ -651,7 +889,10 @@ class DFlashEngine(DFlashStep):
         self, rows: EngineRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
         """Each row's own repetition penalty and sampling settings (greedy rows: the argmax), with the drafter's argmax
-        as its proposal; the tokens' log-probabilities go to `rows.logprobs` when kept."""
+        as its proposal; the tokens' log-probabilities go to `rows.logprobs` when kept. Under a bound generate call,
+        the call's processors and decoding rule (`DFlashStep.choose`)."""
+        if self.call_processors:
+            return super().choose(rows, logits, drafts, draft_probs)
         scores, do_sample = self._scores(
             logits, drafts, rows.do_sample, rows.temperature, rows.top_k, rows.top_p, rows.presence,
             rows.repetition_penalty,
@@ -675,28 +916,79 @@ class DFlashEngine(DFlashStep):
             anchor_ids=self.anchor_ids[:n],
             anchor_pos=self.anchor_pos[:n],
             prev_pos=self.prev_pos[:n],
-            offsets=self.offsets[:n],
             active=self.active[:n],
             max_length=self.max_length[:n],
             drafts=self.drafts[:n],
             out=self.out[:n],
             block_tables=self.drafter_tables[:n],
             verify_rows=self.verify_rows[:n],
-            target_slots=self.target_slots[:n],
-            key_slots=positions,
+            verify_positions=self.verify_positions[:n],
+            key_positions=positions,
             draft_key_positions=positions,
             target_cache=self._target_cache(slice(0, n), span),
-            drafter_view=PagedView(
+            drafter_view=StretchView(
+                self.drafter_pool, self.draft_block_slots[:n], self._stretch(slice(0, n), span)
+            ) if self.contiguous_rows else PagedView(
                 self.drafter_pool, self.draft_block_slots[:n],
                 read_slots=page_slots(self.drafter_tables[:n], positions.expand(n, -1)),
             ),
-            logprobs=None if self.logprobs is None else self.logprobs[:n],
-            **self._sampling(slice(0, n), scoring),
+            **self._scoring_fields(n, scoring),
+        )
+
+    def _scoring_fields(self, n: int, scoring: RowScoring) -> dict[str, torch.Tensor | None]:
+        """`EngineRows`' fields for how rows 0..n-1 choose their tokens: each request's own settings and kept
+        log-probabilities, or under a bound generate call (`bind`) its penalty set, padding and kept scores / logits."""
+        if not self.call_processors:
+            return dict(logprobs=None if self.logprobs is None else self.logprobs[:n],
+                        **self._sampling(slice(0, n), scoring))
+        return dict(
+            presence=self.presence[:n] if self.processors.penalty is not None else None,
+            scores=None if self.scores is None else self.scores[:n],
+            logits=None if self.logits is None else self.logits[:n],
+            padding=self.padding[:n],
         )
 
     def _run_rows(self, n: int, span: int, scoring: RowScoring) -> None:
         with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
-            self.step(self._rows(n, span, scoring))
+            rows = self._rows(n, span, scoring)
+            self._prepare_drafter(rows)
+            self.step(rows)
+
+    def _prepare_drafter(self, rows: EngineRows) -> None:
+        """When a bound generate call compiles the drafter's pass (`bind`), compile it for this many rows and run it
+        once (its first run also tunes kernels), before any graph records the step; later spans recompile it on their
+        first, eager run. Leaves the device state as a step would find it: a pass rewrites the last verify's context
+        rows as they were, and block slots the step overwrites. If compiling fails, a warning says why and the step
+        keeps the eager pass."""
+        n = rows.anchor_ids.shape[0]
+        if not self.compile_drafter or self.compile_error is not None or n in self.drafter_passes:
+            return
+        # A warning, not an info line: the call waits tens of seconds on a cold compile cache, and transformers shows
+        # only warnings by default.
+        logger.warning_once(
+            "DFlash: compiling the drafter's pass of the fast path with torch.compile, for each batch size the step "
+            "runs at (about half a minute per batch size on an H200 with a cold compile cache; that call takes "
+            "longer, later ones are faster); pass dflash_compile=False to generate to keep it eager."
+        )
+        started = time.perf_counter()
+        compiled = compile_drafter_pass(self.draft)
+        try:
+            with grouped_attention(self.drafter):
+                # Eagerly first: the grouped attention asks torch's sdpa dispatcher once per kind of call and keeps the
+                # answer, which a compiled trace can read but not ask (dflash_attention.py).
+                self.draft(rows)
+                compiled(rows)
+        except Exception as error:  # any failure to compile leaves the eager pass, never a failed call
+            lines = str(error).strip().splitlines()
+            self.compile_error = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+            logger.warning_once(
+                f"DFlash: compiling the drafter's pass failed ({self.compile_error}); the fast path runs it eagerly "
+                "(the same tokens, each step somewhat slower). Pass dflash_compile=False to generate to skip the "
+                "attempt."
+            )
+            return
+        logger.info(f"DFlash: compiled the drafter's pass for {n} rows in {time.perf_counter() - started:.1f} s")
+        self.drafter_passes[n] = compiled
 
     def _run_static(self, n: int, span: int, scoring: RowScoring) -> None:
         """The padded step at shape (n, span): on a CUDA device its first run is eager, on a side stream (the warm-up a
@@ -746,7 +1038,7 @@ class DFlashEngine(DFlashStep):
         n = len(self.sequences)
         if n == 0:
             return {}
-        span = self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
+        span = self._step_span()
         scoring = RowScoring.of([sequence.sampling for sequence in self.sequences])
         keys = [sequence.key for sequence in self.sequences]
         width, confidence, draft_seconds = self.block_size, None, None
@@ -805,6 +1097,7 @@ class DFlashEngine(DFlashStep):
 
 
 __all__ = [
-    "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DFlashEngine", "EngineRows", "EngineSequence", "PREFILL_CHUNK",
-    "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET", "STATIC_SPAN_BUCKET",
+    "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DRAFTER_RECOMPILE_LIMIT", "DFlashEngine", "EngineRows",
+    "EngineSequence", "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET",
+    "STATIC_SPAN_BUCKET", "bucket_size", "compile_drafter_pass",
 ]

@@ -19,10 +19,9 @@ acceptance, `commit(taken)`:
   benchmarks/families.md, "hybrid targets on the fast path", has the measurements and the other ways weighed.
 
 `LinearStates` holds this rule over per-sequence state buffers its owner hands it; the full-attention layers keep
-their keys/values beside it: in the `StaticTargetCache` that `HybridStaticCache` extends (the fast path), in the
-engine's page pool (dflash_engine.py's `PagedHybridCache`, over the engine's per-row state buffers), or in
-transformers' own DynamicCache (dflash_target_cache.py's `LinearVerifyCache`, over that cache's state tensors, for
-the eager loop's verify).
+their keys/values beside it: in the engine's page pool (dflash_engine.py's `PagedHybridCache`, over the engine's
+per-row state buffers; the fast path and continuous batching), or in transformers' own DynamicCache
+(dflash_target_cache.py's `LinearVerifyCache`, over that cache's state tensors, for the eager loop's verify).
 
 The layers talk to their cache through transformers' linear-attention methods, renamed between 5.17, 5.24 and 5.25
 (dflash_compat.py's `LinearAttentionCacheMethods` speaks all of them). The chunked rule's arguments are not handed to
@@ -44,7 +43,6 @@ import torch
 
 from .dflash_capture import decoder_layers
 from .dflash_compat import CHUNK_RULE, LinearAttentionCacheMethods, chunk_rule_reachable, recording_chunk_rule
-from .dflash_static_cache import StaticTargetCache
 
 # Text model types of the hybrid families the fast path serves (a multimodal wrapper's text config has the same).
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -99,8 +97,8 @@ def linear_state_buffers(
 class LinearStates(LinearAttentionCacheMethods):
     """The linear-attention layers' states of a target cache, one row per sequence, and the one rollback rule of a
     verify: `prefilling` for a prompt, `deferring` + `commit` for a verify (the module docstring). Mixed into a cache
-    that keeps the full-attention layers' keys/values: the fast path's `HybridStaticCache`, the continuous-batching
-    engine's paged cache (dflash_engine.py) and the eager loop's `LinearVerifyCache` (dflash_target_cache.py), which
+    that keeps the full-attention layers' keys/values: the engine's paged cache (dflash_engine.py), which serves the
+    fast path and continuous batching, and the eager loop's `LinearVerifyCache` (dflash_target_cache.py), which
     hand it views of tensors they hold (`bind_linear_states`)."""
 
     def bind_linear_states(
@@ -216,50 +214,7 @@ class LinearStates(LinearAttentionCacheMethods):
         return self.pending is not None
 
 
-class HybridStaticCache(LinearStates, StaticTargetCache):
-    """`StaticTargetCache` for the full-attention layers plus fixed per-sequence conv and recurrent states for the
-    linear-attention ones; `deferring` + `commit` roll the linear layers back to each sequence's accepted rows."""
-
-    def __init__(
-        self,
-        target: torch.nn.Module,
-        batch_size: int,
-        num_key_value_heads: int,
-        head_dim: int,
-        num_slots: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ):
-        linear = linear_attention_modules(target)
-        super().__init__(
-            len(decoder_layers(target)), batch_size, num_key_value_heads, head_dim, num_slots, dtype, device,
-            keyless_layers=frozenset(linear),
-        )
-        conv, recurrent = linear_state_buffers(linear, batch_size, dtype, device)
-        self.bind_linear_states(conv, recurrent, list(linear.values()), len(self.keys))
-
-    def head(self, rows: int) -> "HybridStaticCache":
-        view = super().head(rows)
-        view.bind_linear_states(
-            {i: state[:rows] for i, state in self.conv.items()},
-            {i: state[:rows] for i, state in self.recurrent.items()},
-            self.linear_layers,
-            len(self.keys),
-        )
-        return view
-
-    def carried_state(self) -> list[torch.Tensor]:
-        """The linear layers' conv and recurrent states: each step advances them over the accepted rows."""
-        return [*self.conv.values(), *self.recurrent.values()]
-
-    def reorder(self, index: torch.LongTensor) -> None:
-        super().reorder(index)
-        for states in (self.conv, self.recurrent):
-            for state in states.values():
-                state.copy_(state[index])
-
-
 __all__ = [
-    "CHUNK_RULE", "HYBRID_FAMILIES", "HybridStaticCache", "LinearStates", "hybrid_blocker", "linear_attention_modules",
+    "CHUNK_RULE", "HYBRID_FAMILIES", "LinearStates", "hybrid_blocker", "linear_attention_modules",
     "linear_state_buffers",
 ]

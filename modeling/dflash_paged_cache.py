@@ -153,6 +153,34 @@ class PagedDrafterCache:
         return gather(self.key_pools[layer]), gather(self.value_pools[layer])
 
 
+    def take_pages(self, pages: list[int]) -> list[int]:
+        """These free pages, now the caller's (a row that owns a fixed stretch of the pool takes its own)."""
+        taken = set(pages)
+        if not taken <= set(self.free_pages):
+            raise RuntimeError("a page asked for by id is not free; this is a bug: please report it")
+        self.free_pages = [page for page in self.free_pages if page not in taken]
+        return list(pages)
+
+    def read_stretch(
+        self, layer: int, first_slot: int, rows: int, slots_per_row: int, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of `rows` rows that each own one stretch of `slots_per_row` slots, row r's starting at
+        `first_slot + r * slots_per_row`: the first `span` slots of each, as two (rows, g, span, d) views, with no
+        copy (where `read_pages` gathers)."""
+
+        def view(pool: torch.Tensor) -> torch.Tensor:
+            stretch = pool[first_slot : first_slot + rows * slots_per_row]
+            return stretch.view(rows, slots_per_row, *pool.shape[1:])[:, :span].transpose(1, 2)
+
+        return view(self.key_pools[layer]), view(self.value_pools[layer])
+
+
+def page_slots(block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Flat pool slots of `positions` (b, n) for sequences with page tables `block_tables` (b, pages), computed on the
+    device (a step recorded as a CUDA graph writes context and block rows at slots it computes)."""
+    return block_tables.gather(1, positions // PAGE_SIZE) * PAGE_SIZE + positions % PAGE_SIZE
+
+
 class PagedView:
     """The paged cache seen by one drafter forward through the Cache API's `update`: the block rows' keys/values
     (b, g, q, d) go to `block_slots` (b * q or (b, q)), and every layer reads back the slots `read_slots` (b, kv) as
@@ -168,6 +196,21 @@ class PagedView:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.write_rows(layer_idx, self.block_slots, key, value)
         return self.cache.read(layer_idx, self.read_slots)
+
+
+class StretchView(PagedView):
+    """`PagedView` for rows that each own one stretch of the pool (`PagedDrafterCache.read_stretch`'s arguments in
+    `stretch`): every layer reads each row's first slots as a view."""
+
+    def __init__(self, cache: PagedDrafterCache, block_slots: torch.Tensor, stretch: tuple[int, int, int, int]):
+        super().__init__(cache, block_slots, read_slots=None)
+        self.stretch = stretch
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.write_rows(layer_idx, self.block_slots, key, value)
+        return self.cache.read_stretch(layer_idx, *self.stretch)
 
 
 class PagedCacheView(PagedView):
@@ -215,4 +258,6 @@ class PagedCacheView(PagedView):
         return {FULL: self.full_mask, SLIDING: self.window_mask}
 
 
-__all__ = ["DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE"]
+__all__ = [
+    "DflashProposerState", "PagedDrafterCache", "PagedCacheView", "PagedView", "PAGE_SIZE", "StretchView", "page_slots",
+]

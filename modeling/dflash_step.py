@@ -1,18 +1,15 @@
-"""One DFlash verify step on device tensors, written once for the fast path and the continuous-batching engine.
+"""One DFlash verify step on device tensors, the continuous-batching engine's (dflash_engine.py), which also serves
+`generate`'s fast path (dflash_fast_path.py).
 
 A step, for every row of a batch at once: the rows the last verify captured become drafter context, the drafter
 drafts a block after each row's anchor, the target verifies [anchor, drafts], and each row's anchor moves past the
 tokens it accepted plus the target's own next token. Every index lives on the device and no shape depends on what
-was accepted, so the fast path records the step as a CUDA graph (dflash_fast_path.py) and the engine
-(dflash_engine.py) runs it eagerly over the rows it holds.
+was accepted, so on a GPU the engine records the step as a CUDA graph per shape; on a CPU it runs eagerly.
 
-The two differ only in memory and sampling, which reach the step through `StepRows`:
-- the fast path: a (b, g, L, d) target cache whose slot s is column s of a left-padded row (`offsets`), and a
-  drafter pool laid out row by row (read as views);
-- the engine: one page pool per model shared by every row; its caches gather each row's pages through its block
-  table up to the batch's span (`offsets` 0: slot s is position s).
-How the target's scores become tokens is `choose` (the call's logits processors in the fast path, per-row sampling
-settings in the engine); the acceptance rule is dflash_acceptance.py's.
+Memory and sampling reach the step through `StepRows`: one page pool per model shared by every row, read through each
+row's block table (or, for a generate call's rows, as a view of the stretch each owns), and how the target's scores
+become tokens is `choose` (per-row sampling settings, or a generate call's logits processors); the acceptance rule is
+dflash_acceptance.py's.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -32,7 +29,7 @@ from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES
 from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
 from .dflash_processors import StepProcessors
-from .dflash_static_cache import page_slots
+from .dflash_paged_cache import page_slots
 
 
 @dataclass
@@ -40,23 +37,23 @@ class StepRows:
     """The rows one step runs on: views of a step's per-sequence buffers (the running sequences sit first)."""
 
     anchor_ids: torch.Tensor  # (n, 1) the last committed token
-    anchor_pos: torch.Tensor  # (n,) its position (real, padding excluded)
+    anchor_pos: torch.Tensor  # (n,) its position
     prev_pos: torch.Tensor  # (n,) the previous step's anchor position, whose verify rows become context now
-    offsets: torch.Tensor  # (n,) left padding (target slot = offset + position)
     active: torch.Tensor  # (n,) 1 while the sequence runs
-    max_length: torch.Tensor  # (n,) the padded length no sequence commits past
+    max_length: torch.Tensor  # (n,) the length no sequence commits past
     drafts: torch.Tensor  # (n, B - 1)
     out: torch.Tensor  # (n, B + 1) the target's tokens at the B verified rows, then the accepted count
     block_tables: torch.Tensor  # (n, pages) the drafter's pages of each sequence
     verify_rows: torch.Tensor  # (n, B, k * H) the last verify's captured target rows
-    target_slots: torch.Tensor  # (n, B) where the verify's keys/values go
-    key_slots: torch.Tensor  # (L,) the target slots every layer reads back, in order
+    verify_positions: torch.Tensor  # (n, B) the positions the verify stores keys/values at (a persistent buffer)
+    key_positions: torch.Tensor  # (L,) the target positions every layer reads back, in order
     draft_key_positions: torch.Tensor  # (S,) the drafter positions every layer reads back, in order
     target_cache: Any  # a Cache-API object: `update` stores at `write_slots` and returns (n, g, L, d)
     drafter_view: Any  # a Cache-API object over the drafter's pages, block rows written to `block_slots`
     presence: torch.Tensor | None = None  # (n, V) the tokens the repetition penalty counts
     scores: torch.Tensor | None = None  # (n, B, V) float32 the verified rows' processed scores, when kept
     logits: torch.Tensor | None = None  # (n, B, V) float32 their raw logits, when kept
+    padding: torch.Tensor | None = None  # (n,) a generate call's left padding of each row (its processors count it)
 
 
 class DFlashStep:
@@ -85,18 +82,18 @@ class DFlashStep:
     def target_masks(
         self,
         visible: torch.Tensor,
-        query_slots: torch.Tensor,
-        key_slots: torch.Tensor,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
         linear_attention: torch.Tensor | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor | None]:
-        """What the target's forward takes as `attention_mask`, from the slots each query sees under full attention
-        (visible (n, q, L)), the queries' own slots (n, q) and the slots read back (L,). Additive (n, 1, q, L)
+        """What the target's forward takes as `attention_mask`, from the positions each query sees under full attention
+        (visible (n, q, L)), the queries' own positions (n, q) and the positions read back (L,). Additive (n, 1, q, L)
         masks: eager attention adds them and sdpa takes them as they are (a boolean mask would be added as 0/1 by
         eager attention). A hybrid target's linear-attention layers take `linear_attention` instead: the prompt's
         padding mask (b, P) in the prefill, none in a verify (a block has no padding)."""
         windowed = None
-        if self.target_window is not None:  # slot distances are position distances (a sequence's slots are contiguous)
-            windowed = visible & in_window(query_slots, key_slots, self.target_window)
+        if self.target_window is not None:
+            windowed = visible & in_window(query_positions, key_positions, self.target_window)
         return target_attention_mask(visible, windowed, self.mask_types, self.mask_dtype, linear_attention)
 
     def drafter_mask(self, visible: torch.Tensor) -> torch.Tensor:
@@ -173,13 +170,12 @@ class DFlashStep:
         if draft_probs is not None:
             draft_probs = draft_probs[:, : width - 1]
         positions = rows.anchor_pos[:, None] + offsets  # (n, width)
-        # 3. Verify [anchor, drafts] at each sequence's own slots (its padded columns), causally.
-        slots = rows.offsets[:, None] + positions  # (n, width)
-        target_slots = rows.target_slots[:, :width]
-        target_slots.copy_(slots)
-        rows.target_cache.write_slots = target_slots
-        keys = rows.key_slots
-        visible = (keys >= rows.offsets[:, None, None]) & (keys <= slots[:, :, None])  # (n, width, L)
+        # 3. Verify [anchor, drafts] at their positions, causally.
+        verify_positions = rows.verify_positions[:, :width]
+        verify_positions.copy_(positions)
+        rows.target_cache.write_slots = verify_positions
+        keys = rows.key_positions
+        visible = keys <= positions[:, :, None]  # (n, width, L)
         self.generator.capture.destination = rows.verify_rows[:, :width]
         # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
         with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
@@ -187,14 +183,14 @@ class DFlashStep:
                 logits = self.target(
                     input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
                     position_ids=positions,
-                    attention_mask=self.target_masks(visible, slots, keys),
+                    attention_mask=self.target_masks(visible, positions, keys),
                     use_cache=True,
                     logits_to_keep=width,
                     **{self.cache_argument: rows.target_cache},
                 ).logits
         scores, tokens, accepted = self.choose(rows, logits, drafts, draft_probs)
-        # never commit past max_length: max_length minus the padded length is what a sequence may still commit
-        room = rows.max_length - rows.offsets - rows.anchor_pos - 1
+        # never commit past max_length
+        room = rows.max_length - rows.anchor_pos - 1
         accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
         # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
         rows.prev_pos.copy_(rows.anchor_pos)
@@ -214,6 +210,11 @@ class DFlashStep:
         if rows.logits is not None:
             rows.logits[:, :width].copy_(logits)
 
+    def prefix_lengths(self, rows: StepRows) -> torch.Tensor:
+        """(n,) plain generate's input_ids length before each row's verify rows, the anchor and a generate call's
+        padding included, which length-gated processors read."""
+        return rows.anchor_pos + 1 if rows.padding is None else rows.padding + rows.anchor_pos + 1
+
     def choose(
         self, rows: StepRows, logits: torch.Tensor, drafts: torch.LongTensor, draft_probs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.LongTensor, torch.LongTensor]:
@@ -221,9 +222,7 @@ class DFlashStep:
         bound processors and decoding rule. logits (n, k, V), the verified drafts (n, k - 1) -> (scores (n, k, V),
         tokens (n, k), accepted (n,))."""
         if self.processors.processors or self.rule.do_sample:
-            # the padded length plain generate's input_ids would have before row 0's token (the anchor included)
-            lengths = rows.offsets + rows.anchor_pos + 1
-            scores = self.processors(logits, lengths, rows.presence, drafts)  # (n, k, V)
+            scores = self.processors(logits, self.prefix_lengths(rows), rows.presence, drafts)  # (n, k, V)
         else:  # greedy, nothing to process: the argmax of the logits as they are is that of their exact float32 copy,
             scores = logits  # which would cost a (n, B, V) float32 write and read (9.7 MB per sequence at Qwen3's V)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)

@@ -8,7 +8,7 @@ import torch
 from hf_dflash import DFlashCandidateGenerator
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import VOCAB, random_prompt, tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_static_drafts
+from tests.test_fast_path import oracle_fast_path_drafts
 from tests.test_greedy_identity import oracle_drafts
 
 PAD = 0
@@ -64,7 +64,7 @@ def test_acceptance_lengths_count_what_each_step_commits_up_to_max_length(fast):
     batch = left_pad(prompts)
     for new_tokens in (9, 10, 11, 12):  # the last step ends at every place of a block
         plain = target.generate(**batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD)
-        oracle = oracle_static_drafts(plain, 7, VOCAB) if fast else oracle_drafts(plain, 7)
+        oracle = oracle_fast_path_drafts(plain, 7, VOCAB) if fast else oracle_drafts(plain, 7)
         with oracle:
             out = target.generate(
                 **batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
@@ -89,7 +89,7 @@ def test_acceptance_lengths_stop_at_the_eos_that_ends_a_sequence(fast):
     for position in range(2, 7):  # sequence 0 ends on its (position + 1)-th new token: at each place of a block
         eos = int(free[0, prompt_len + position])
         plain = target.generate(**batch, eos_token_id=eos, **settings)
-        with oracle_static_drafts(free, 7, VOCAB) if fast else oracle_drafts(free, 7):
+        with oracle_fast_path_drafts(free, 7, VOCAB) if fast else oracle_drafts(free, 7):
             out = target.generate(
                 **batch, eos_token_id=eos, assistant_model=drafter, dflash_fast_path=fast, return_dict_in_generate=True,
                 **settings,
@@ -150,7 +150,7 @@ def test_repetition_penalty_follows_each_sequence_after_another_leaves_the_batch
     others = free_run[1:, width : width + 12]
     assert not (others == eos).any(), "the other sequences should run on well after the first ends"
     plain = target.generate(**batch, **settings, eos_token_id=eos)
-    oracle = oracle_static_drafts(plain, 3, VOCAB) if fast else oracle_drafts(plain, 3)
+    oracle = oracle_fast_path_drafts(plain, 3, VOCAB) if fast else oracle_drafts(plain, 3)
     with oracle:
         out = target.generate(**batch, **settings, eos_token_id=eos, assistant_model=drafter, dflash_fast_path=fast)
     release_fast_path(drafter)

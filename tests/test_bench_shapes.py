@@ -18,7 +18,7 @@ import torch
 from hf_dflash import DFlashDraftModel
 from hf_dflash.bench import step_cost
 from hf_dflash.bench.published import RANDOM_SHAPES, SCALED_VOCAB, random_pair, scaled_down, shape_record
-from hf_dflash.bench.step_cost import held_step, target_one_token_step
+from hf_dflash.bench.step_cost import hold, target_one_token_step
 from hf_dflash.cli import main
 from hf_dflash.hub import published_drafters
 
@@ -74,8 +74,8 @@ def test_experts_option_is_refused_for_a_dense_shape_before_building():
 
 @pytest.mark.parametrize("name", list(RANDOM_SHAPES))
 def test_target_one_token_step_is_the_next_plain_step_on_the_fast_path_cache(name):
-    """The baseline's forward on the fast path's own cache gives the target's own next-token logits, for a
-    left-padded batch (on a GPU it is recorded as a graph; here it runs as it is)."""
+    """The baseline's forward on the engine's own cache, over a fast-path call's held sequences, gives the target's
+    own next-token logits, for a left-padded batch (on a GPU it is recorded as a graph; here it runs as it is)."""
     torch.manual_seed(0)
     target, drafter = random_pair(scaled_down(name), torch.float32, "cpu")
     prompts = [torch.randint(0, SCALED_VOCAB - 1, (n,)).tolist() for n in (9, 5)]
@@ -83,11 +83,12 @@ def test_target_one_token_step_is_the_next_plain_step_on_the_fast_path_cache(nam
     mask = (torch.arange(9) >= 9 - torch.tensor([9, 5])[:, None]).long()
     out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                           eos_token_id=None, assistant_model=drafter, dflash_fast_path=True)
-    step = held_step(drafter)
-    logits = target_one_token_step(step)()  # (b, 1, V)
-    for row, sequence in enumerate(step.sequence_of_row):
+    held = hold(drafter, out, torch.nn.functional.pad(mask, (0, 8), value=1))
+    logits = target_one_token_step(held)()  # (b, 1, V)
+    for row, sequence in enumerate(held.engine.sequences):
+        sequence = sequence.key
         tokens = out[sequence, 9 - len(prompts[sequence]) :]  # the sequence without its padding
-        assert int(step.anchor_ids[row, 0]) == int(tokens[-1])  # the last committed token is the one stepped
+        assert int(held.rows.anchor_ids[row, 0]) == int(tokens[-1])  # the last committed token is the one stepped
         plain = target(tokens[None]).logits[0, -1]
         torch.testing.assert_close(logits[row, 0], plain, atol=1e-4, rtol=1e-4)
 
@@ -146,11 +147,11 @@ def test_the_baseline_leaves_a_hybrid_step_as_it_was(monkeypatch):
     monkeypatch.setattr(step_cost, "graph_ms", replays)
     target, drafter = random_pair(scaled_down("qwen3.5-4b"), torch.float32, "cpu")
     prompt = torch.randint(0, SCALED_VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(1))
-    target.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, assistant_model=drafter,
-                    dflash_fast_path=True)
-    step = held_step(drafter)
-    before = [state.clone() for state in step.target_cache.carried_state()]
-    assert before and step_cost.target_1_token_ms(step) == 0.0
+    out = target.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, assistant_model=drafter,
+                          dflash_fast_path=True)
+    held = hold(drafter, out, torch.ones_like(out))
+    before = [state.clone() for state in held.carried_state()]
+    assert before and step_cost.target_1_token_ms(held) == 0.0
     assert not torch.equal(calls[0], calls[1])  # the replays did advance the states (the same token, a new state)
-    for state, value in zip(step.target_cache.carried_state(), before):
+    for state, value in zip(held.carried_state(), before):
         assert torch.equal(state, value)

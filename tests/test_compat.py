@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_dflash.modeling import dflash_compat
-from hf_dflash.modeling.dflash_linear_state import HybridStaticCache
+from tests.test_hybrid_fast_path import paged_hybrid_cache
 from tests.test_families import family_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,5 +189,5 @@ def test_linear_cache_speaks_what_this_transformers_calls(family):
     assert {"update_conv_state", "update_recurrent_state"} <= called  # the scan reads the cache calls
     target = family_target("qwen3_5_text" if family == "qwen3_5" else family)
     text = target.config.get_text_config()
-    cache = HybridStaticCache(target, 1, text.num_key_value_heads, text.head_dim, 16, torch.float32, "cpu")
+    cache = paged_hybrid_cache(target, 1, num_slots=16)
     assert not [name for name in called - {"get_seq_length"} if not hasattr(cache, name)]

@@ -1,4 +1,4 @@
-"""The fast path's compiled drafter pass (dflash_fast_path.py, `prepare_drafter`), run on the CPU: it drafts what the
+"""The fast path's compiled drafter pass (dflash_engine.py, `_prepare_drafter`), run on the CPU: it drafts what the
 eager pass drafts, `dflash_compile` switches it, a failed compile warns once and leaves the eager pass, and a compiled
 trace reads the sdpa dispatcher's answers that the eager pass left (dflash_attention.py), as it must on a GPU.
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers.testing_utils import CaptureLogger
 
-from hf_dflash.modeling import dflash_attention, dflash_fast_path
+from hf_dflash.modeling import dflash_attention, dflash_engine
 from hf_dflash.modeling.dflash_attention import grouped_attention
+from hf_dflash.bench.step_cost import hold
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import left_padded, random_prompt, tiny_drafter, tiny_target
 
@@ -50,13 +51,13 @@ def test_the_inductor_compiled_drafter_pass_drafts_what_the_eager_pass_drafts():
     compiled = fast_generate(target, drafter, ids, mask, dflash_compile=True)
     assert torch.equal(eager.sequences, plain) and torch.equal(compiled.sequences, plain)
     assert compiled.acceptance_lengths == eager.acceptance_lengths
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error is None
     compiled_pass = step.drafter_passes[1]
     assert compiled_pass != step.draft  # the step ran inductor's code
-    # From the state the call left, both passes write the same context and draft from it: float32 logits agree to
-    # rounding (inductor fuses and reorders reductions), and every draft is the same token.
-    rows = step.rows(1)
+    # From the call's sequence held in its engine, both passes write the same context and draft from it: float32
+    # logits agree to rounding (inductor fuses and reorders reductions), and every draft is the same token.
+    rows = hold(drafter, compiled.sequences, torch.ones_like(compiled.sequences)).rows
     with torch.no_grad(), grouped_attention(drafter):
         _, eager_logits = step.draft(rows)
         _, compiled_logits = compiled_pass(rows)
@@ -72,17 +73,17 @@ def test_dflash_compile_switches_the_drafter_pass(traced_only):
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     # the default compiles only where the step is recorded as a CUDA graph: not on a CPU
     assert torch.equal(fast_generate(target, drafter, ids, mask).sequences, plain)
-    step = drafter._dflash_static_step[1]
-    assert not traced_only and step.drafter_passes == {2: step.draft}
+    step = drafter._dflash_engine[1]
+    assert not traced_only and not step.drafter_passes
     assert torch.equal(fast_generate(target, drafter, ids, mask, dflash_compile=True).sequences, plain)
-    # compiled for both batch sizes the step may run at (2, and 1 once a sequence finishes), before it decodes
-    assert drafter._dflash_static_step[1] is step and traced_only == [step.draft, step.draft]
-    assert sorted(step.drafter_passes) == [1, 2] and step.draft not in step.drafter_passes.values()
+    # compiled for the rows the step ran at (both sequences run to the end), before its first step there
+    assert drafter._dflash_engine[1] is step and traced_only == [step.draft]
+    assert sorted(step.drafter_passes) == [2] and step.draft not in step.drafter_passes.values()
     # a call that keeps the drafter eager drops the compiled pass; a later compiling call compiles it again
     assert torch.equal(fast_generate(target, drafter, ids, mask, dflash_compile=False).sequences, plain)
-    assert step.drafter_passes == {2: step.draft}
+    assert not step.drafter_passes
     assert torch.equal(fast_generate(target, drafter, ids, mask, dflash_compile=True).sequences, plain)
-    assert len(traced_only) == 4 and step.draft not in step.drafter_passes.values()
+    assert len(traced_only) == 2 and step.draft not in step.drafter_passes.values()
     release_fast_path(drafter)
 
 
@@ -96,12 +97,12 @@ def test_a_failed_compile_warns_once_and_the_step_runs_the_eager_drafter(monkeyp
 
         return compiled
 
-    monkeypatch.setattr(dflash_fast_path, "compile_drafter_pass", failing_compile)
+    monkeypatch.setattr(dflash_engine, "compile_drafter_pass", failing_compile)
     target = tiny_target("qwen3", seed=7)
     drafter = tiny_drafter(target, seed=8, block_size=5)
     ids, mask = left_padded(1, 10, [0], seed=7)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
-    logger = dflash_fast_path.logger
+    logger = dflash_engine.logger
     with CaptureLogger(logger) as captured:
         out = fast_generate(target, drafter, ids, mask, dflash_compile=True)
         again = fast_generate(target, drafter, ids, mask, dflash_compile=True)
@@ -109,10 +110,10 @@ def test_a_failed_compile_warns_once_and_the_step_runs_the_eager_drafter(monkeyp
     assert captured.out.count("compiling the drafter's pass failed") == 1
     assert "(RuntimeError: no C compiler on this machine)" in captured.out
     assert "dflash_compile=False" in captured.out
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error == "RuntimeError: no C compiler on this machine"
-    assert step.drafter_passes == {1: step.draft}
-    assert len(attempts) == 1  # the held step does not try again
+    assert not step.drafter_passes
+    assert len(attempts) == 1  # the held engine does not try again
     release_fast_path(drafter)
 
 
@@ -127,14 +128,15 @@ def test_a_compiled_trace_reads_the_dispatchers_answers_that_the_eager_pass_left
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     out = fast_generate(target, drafter, ids, mask, dflash_compile=True)
     assert torch.equal(out.sequences, plain)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error is None and step.draft not in step.drafter_passes.values()
     assert dflash_attention.FUSED_CHOICES  # the eager pass asked, the trace read the answer
     # Without the eager pass first, the trace meets the dispatcher itself and stops: that is why it runs first.
     monkeypatch.setattr(dflash_attention, "FUSED_CHOICES", {})
-    unprimed = dflash_fast_path.compile_drafter_pass(step.draft)
+    rows = hold(drafter, out.sequences, torch.nn.functional.pad(mask, (0, 20), value=1)).rows
+    unprimed = dflash_engine.compile_drafter_pass(step.draft)
     with torch.no_grad(), grouped_attention(drafter), pytest.raises(Exception, match="non-Tensor"):
-        unprimed(step.rows(2))
+        unprimed(rows)
     release_fast_path(drafter)
 
 
@@ -160,8 +162,8 @@ def test_the_compiled_pass_is_one_graph_for_each_kind_of_step(traced_only, case)
             ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, assistant_model=drafter,
             dflash_fast_path=True, dflash_compile=compile_drafter, **sampling,
         ))
-    step = drafter._dflash_static_step[1]
-    assert step.compile_error is None and len(traced_only) == 2
+    step = drafter._dflash_engine[1]
+    assert step.compile_error is None and traced_only and set(traced_only) == {step.draft}
     assert step.draft not in step.drafter_passes.values()
     assert torch.equal(outputs[1], outputs[0])
     if not sampling["do_sample"]:
@@ -172,17 +174,26 @@ def test_the_compiled_pass_is_one_graph_for_each_kind_of_step(traced_only, case)
 
 def test_a_process_compiles_more_drafter_shapes_than_dynamos_default_limit(traced_only):
     """dynamo keeps 8 compiled versions of a function by default and, with fullgraph, raises past them; a long-lived
-    process meets more batch sizes and cache lengths than that, and each one still compiles."""
+    process meets more row counts and spans than that, and each one still compiles."""
     target = tiny_target("qwen3", seed=13, hidden_size=48, num_attention_heads=4)  # shapes no other test compiles
     drafter = tiny_drafter(target, seed=14, block_size=4)
     shapes = set()
-    for batch, length in ((3, 6), (5, 6), (6, 6), (7, 6), (3, 300)):  # 300: a second cache length
-        ids = random_prompt(length, seed=batch, batch=batch)
-        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0,
-                        assistant_model=drafter, dflash_fast_path=True, dflash_compile=True)
-        step = drafter._dflash_static_step[1]
-        assert step.compile_error is None and step.draft not in step.drafter_passes.values()
-        shapes |= {(size, step.num_slots) for size in step.drafter_passes}
+    run_rows = dflash_engine.DFlashEngine._run_rows
+
+    def record(self, n, span, scoring):
+        shapes.add((n, span))
+        run_rows(self, n, span, scoring)
+
+    dflash_engine.DFlashEngine._run_rows = record
+    try:
+        for batch, length in ((1, 6), (2, 6), (3, 6), (4, 6), (5, 6), (6, 6), (7, 6), (8, 6), (3, 300)):
+            ids = random_prompt(length, seed=batch, batch=batch)
+            target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                            pad_token_id=0, assistant_model=drafter, dflash_fast_path=True, dflash_compile=True)
+            step = drafter._dflash_engine[1]
+            assert step.compile_error is None and step.draft not in step.drafter_passes.values()
+    finally:
+        dflash_engine.DFlashEngine._run_rows = run_rows
     assert len(shapes) > 8
     release_fast_path(drafter)
 
@@ -194,6 +205,6 @@ def test_a_draft_vocabulary_compiles_into_the_drafter_pass_as_one_graph(traced_o
     ids, mask = left_padded(2, 9, [0, 3], seed=7)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(fast_generate(target, drafter, ids, mask, dflash_compile=True).sequences, plain)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert step.compile_error is None and traced_only and step.draft not in step.drafter_passes.values()
     release_fast_path(drafter)

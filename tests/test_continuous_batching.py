@@ -34,8 +34,7 @@ from transformers.generation.logits_process import (
 from hf_dflash import DFlashDraftModel
 from hf_dflash.modeling import dflash_continuous, dflash_linear_state
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
-from hf_dflash.modeling.dflash_engine import RECORD_SPAN_LIMIT, STATIC_SPAN_BUCKET, DFlashEngine
-from hf_dflash.modeling.dflash_fast_path import bucket_size
+from hf_dflash.modeling.dflash_engine import RECORD_SPAN_LIMIT, STATIC_SPAN_BUCKET, DFlashEngine, bucket_size
 from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, penalize, warp
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_families import HYBRID, family_target

@@ -18,12 +18,13 @@ from hf_dflash.hub import published_drafters
 from hf_dflash.modeling import dflash_fast_path_blockers
 from hf_dflash.modeling.dflash_capture import decoder_layers
 from hf_dflash.modeling.dflash_decoding import _cache_argument
-from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_engine import DFlashEngine
+from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_fast_path_blockers import FAST_PATH_FAMILIES
 from hf_dflash.modeling.dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
 from tests.conftest import VOCAB, random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
-from tests.test_fast_path import blocker_of, oracle_static_drafts
+from tests.test_fast_path import blocker_of, oracle_fast_path_drafts
 from tests.test_greedy_identity import oracle_drafts
 from tests.test_sampling import TEMPERATURE, TOP_K, chi_square_p_value, processed_probs
 
@@ -238,7 +239,7 @@ def test_the_fast_path_families_are_the_tested_ones():
 def fast_path_generate(target, drafter, batch: dict, reference: torch.LongTensor, wrong_every: int):
     """The fast path's greedy run on `batch` with the drafts right up to every `wrong_every`-th column of `reference`
     (acceptance then varies from 1 to B, differently per sequence)."""
-    with oracle_static_drafts(reference, wrong_every, target.config.get_text_config().vocab_size):
+    with oracle_fast_path_drafts(reference, wrong_every, target.config.get_text_config().vocab_size):
         out = target.generate(
             **batch, max_new_tokens=reference.shape[1] - batch["input_ids"].shape[1], do_sample=False,
             pad_token_id=PAD, assistant_model=drafter, dflash_fast_path=True, return_dict_in_generate=True,
@@ -272,18 +273,18 @@ def test_fast_path_window_is_not_off_by_one(family):
     batch = left_pad([random_prompt(n, seed=n) for n in (4, 9, 2)])
     plain = target.generate(**batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     assert torch.equal(fast_path_generate(target, drafter, batch, plain, wrong_every=3).sequences, plain)
-    original_init = DFlashStaticStep.__init__
+    original_init = DFlashEngine.__init__
     for shift in (1, -1):
 
         def shifted_init(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
             self.target_window += shift
 
-        DFlashStaticStep.__init__ = shifted_init
+        DFlashEngine.__init__ = shifted_init
         try:
             out = fast_path_generate(target, drafter, batch, plain, wrong_every=3)
         finally:
-            DFlashStaticStep.__init__ = original_init
+            DFlashEngine.__init__ = original_init
         assert not torch.equal(out.sequences, plain)
 
 

@@ -1,6 +1,6 @@
-"""The fast path's static step (dflash_fast_path.py), run on the CPU without a graph: the same buffers and the same
-step function a CUDA graph records, so its logic is checked here and only the capture is left to the GPU tests
-(tests/test_fast_path_gpu.py)."""
+"""The fast path (dflash_fast_path.py: a generate call's rows on the engine), run on the CPU without a graph: the same
+buffers and the same step function a CUDA graph records, so its logic is checked here and only the capture is left to
+the GPU tests (tests/test_fast_path_gpu.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from transformers.testing_utils import CaptureLogger
 
 from hf_dflash.modeling import dflash_decoding, dflash_fast_path, dflash_fast_path_blockers
 from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
-from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_engine import DFlashEngine, bucket_size
+from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_fast_path_blockers import takes_fast_path
 from tests.conftest import left_padded, random_prompt, tiny_drafter, tiny_target
 
@@ -20,20 +21,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class OracleHead(torch.nn.Module):
-    """Stands in for the lm_head inside the static step: its argmax is the reference continuation of each sequence
-    (read from the step's own device state and its row -> sequence map), wrong at every `wrong_every`-th column, so
+    """Stands in for the lm_head inside the engine's step: its argmax is the reference continuation of each sequence
+    (read from the engine's own device state and its rows' sequences), wrong at every `wrong_every`-th column, so
     acceptance varies from 1 to B and differs between sequences."""
 
-    def __init__(self, step: DFlashStaticStep, reference: torch.LongTensor, wrong_every: int, vocab: int):
+    def __init__(self, engine: DFlashEngine, reference: torch.LongTensor, wrong_every: int, vocab: int):
         super().__init__()
-        self.step, self.reference, self.wrong_every, self.vocab = step, reference, wrong_every, vocab
-        self.weight = step.generator.lm_head.weight
+        self.engine, self.reference, self.wrong_every, self.vocab = engine, reference, wrong_every, vocab
+        self.weight = engine.generator.lm_head.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows, drafts = hidden.shape[:2]
-        sequences = torch.tensor(self.step.sequence_of_row[:rows])
+        keys = [sequence.key for sequence in self.engine.sequences]
+        sequences = torch.tensor(keys + [0] * (rows - len(keys)))  # idle rows of a padded step read sequence 0
         # padded column of the token at position anchor + k, k = 1..B-1
-        columns = self.step.offsets[:rows, None] + self.step.anchor_pos[:rows, None] + 1 + torch.arange(drafts)
+        columns = self.engine.padding[:rows, None] + self.engine.anchor_pos[:rows, None] + 1 + torch.arange(drafts)
         clipped = columns.clamp(max=self.reference.shape[1] - 1)
         tokens = self.reference[sequences].gather(1, clipped)
         wrong = ((columns + sequences[:, None]) % self.wrong_every == 0) | (columns != clipped)
@@ -42,8 +44,9 @@ class OracleHead(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def oracle_static_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int):
-    original = DFlashStaticStep.step
+def oracle_fast_path_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int):
+    """The fast path's drafts (the engine's step) come from `OracleHead`."""
+    original = DFlashEngine.step
 
     def step(self, rows):
         real_head = self.generator.lm_head
@@ -53,21 +56,21 @@ def oracle_static_drafts(reference: torch.LongTensor, wrong_every: int, vocab: i
         finally:
             self.generator.lm_head = real_head
 
-    DFlashStaticStep.step = step
+    DFlashEngine.step = step
     try:
         yield
     finally:
-        DFlashStaticStep.step = original
+        DFlashEngine.step = original
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("wrong_every", [3, 1000])
-def test_static_step_equals_plain_greedy_with_varied_acceptance(family, wrong_every):
+def test_the_fast_path_equals_plain_greedy_with_varied_acceptance(family, wrong_every):
     target = tiny_target(family)
     drafter = tiny_drafter(target, block_size=5)
     ids, mask = left_padded(3, 10, [0, 4, 7])
     reference = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    with oracle_static_drafts(reference, wrong_every, target.config.vocab_size):
+    with oracle_fast_path_drafts(reference, wrong_every, target.config.vocab_size):
         out = target.generate(
             ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, assistant_model=drafter,
             dflash_fast_path=True, return_dict_in_generate=True,
@@ -82,13 +85,20 @@ def test_static_step_equals_plain_greedy_with_varied_acceptance(family, wrong_ev
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_static_drafts_equal_the_eager_paths_drafts(family):
-    """The drafter inside the static step (context keys/values written in-step, every slot read under a mask) proposes
+@pytest.mark.parametrize("prefill_chunk", [None, 5])
+def test_the_fast_paths_drafts_equal_the_eager_loops_drafts(family, prefill_chunk):
+    """The drafter inside the engine's step (context keys/values written in-step, its pages read under a mask) proposes
     what the eager runtime proposes, step after step, also once the first sequence has ended and the others moved up
-    to its rows (their drafter keys/values move with them)."""
+    to its rows (their drafter keys/values move with them). The call's prompts (12, 7 and 10 tokens) are prefilled
+    together, left-aligned: in one forward, or in chunks of `prefill_chunk` positions where the rows' prompts end in
+    different chunks; the positions a shorter prompt's padding ran at are written again before any step reads them."""
     target = tiny_target(family, seed=3)
     drafter = tiny_drafter(target, seed=4, num_layers=2, block_size=6)
     ids, mask = left_padded(3, 12, [0, 5, 2], seed=2)
+    shapes = []
+    handle = target.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     free_run = target.generate(
         ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None
     )
@@ -112,27 +122,34 @@ def test_static_drafts_equal_the_eager_paths_drafts(family):
 
     DFlashCandidateGenerator.__init__ = recording_init
     try:
-        outputs = [
-            target.generate(
+        outputs = []
+        for fast in (False, True):
+            if fast and prefill_chunk is not None:  # the engine the call will find held on the drafter
+                dflash_fast_path.engine_for(target, drafter, 3, 12 + 24).prefill_chunk = prefill_chunk
+            shapes.clear()  # the fast call's forwards are left
+            outputs.append(target.generate(
                 ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=eos,
                 assistant_model=drafter, dflash_fast_path=fast,
-            )
-            for fast in (False, True)
-        ]
+            ))
     finally:
         DFlashCandidateGenerator.__init__ = original_init
+        handle.remove()
         release_fast_path(drafter)
     assert torch.equal(outputs[0], outputs[1])
-    eager, static = draft_logits[0], draft_logits[1]
-    # Both loops drop a finished sequence from the batch at once (the static step runs at 2 rows once 2 sequences run),
-    # keeping the running ones in order: every step's rows are the same sequences in both.
-    assert len(eager) == len(static) and [logits.shape[0] for logits in eager] == [logits.shape[0] for logits in static]
+    assert shapes[:3] == ([(3, 12), (3, 6), (3, 6)] if prefill_chunk is None else [(3, 5), (3, 5), (3, 2)])
+    eager, engine = draft_logits[0], draft_logits[1]
+    # Both loops drop a finished sequence from the batch at once (the engine runs at 2 rows once 2 sequences run):
+    # every step's rows are the same sequences in both, in the eager loop in batch order, in the engine's rows after the
+    # last one moved into the place of the one that ended.
+    assert len(eager) == len(engine) and [logits.shape[0] for logits in eager] == [logits.shape[0] for logits in engine]
     assert sum(logits.shape[0] == 2 for logits in eager) > 3, "the first sequence should end steps before the others"
-    for eager_step, static_step in zip(eager, static):
-        torch.testing.assert_close(static_step, eager_step, atol=1e-5, rtol=1e-5)
+    for eager_step, engine_step in zip(eager, engine):
+        order = [[torch.allclose(e, g, atol=1e-5, rtol=1e-5) for g in engine_step].index(True) for e in eager_step]
+        assert sorted(order) == list(range(len(eager_step)))
+        torch.testing.assert_close(engine_step[order], eager_step, atol=1e-5, rtol=1e-5)
 
 
-def test_static_step_stops_at_eos_and_max_length_like_plain_generate():
+def test_the_fast_path_stops_at_eos_and_max_length_like_plain_generate():
     target = tiny_target("llama", seed=5)
     drafter = tiny_drafter(target, block_size=4)
     ids, mask = left_padded(3, 8, [0, 2, 5], seed=5)
@@ -140,7 +157,7 @@ def test_static_step_stops_at_eos_and_max_length_like_plain_generate():
     eos = int(reference[1, 8 + 6])  # a token row 1 emits early: rows end at different steps
     for kwargs in (dict(max_new_tokens=40, eos_token_id=eos), dict(max_new_tokens=13), dict(max_new_tokens=1)):
         plain = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kwargs)
-        with oracle_static_drafts(reference, 5, target.config.vocab_size):
+        with oracle_fast_path_drafts(reference, 5, target.config.vocab_size):
             fast = target.generate(
                 ids, attention_mask=mask, do_sample=False, pad_token_id=0, assistant_model=drafter,
                 dflash_fast_path=True, **kwargs,
@@ -149,7 +166,7 @@ def test_static_step_stops_at_eos_and_max_length_like_plain_generate():
     release_fast_path(drafter)
 
 
-def test_static_step_is_reused_across_calls_and_rebuilt_for_a_new_shape():
+def test_the_engine_is_reused_across_calls_and_rebuilt_for_a_new_shape():
     target = tiny_target("qwen3", seed=6)
     drafter = tiny_drafter(target, block_size=4)
     prompts = [random_prompt(n, seed=n) for n in (5, 9, 9)]
@@ -158,13 +175,13 @@ def test_static_step_is_reused_across_calls_and_rebuilt_for_a_new_shape():
         plain = target.generate(ids, max_new_tokens=12, do_sample=False)
         fast = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
         assert torch.equal(fast, plain)
-        held.append(drafter._dflash_static_step[1])
-    assert held[0] is held[1] is held[2]  # one cache-length bucket, one set of buffers
+        held.append(drafter._dflash_engine[1])
+    assert held[0] is held[1] is held[2]  # one length bucket, one set of buffers
     batch = random_prompt(6, seed=1, batch=2)
     target.generate(batch, max_new_tokens=4, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
-    assert drafter._dflash_static_step[1] is not held[0]
+    assert drafter._dflash_engine[1] is not held[0]
     release_fast_path(drafter)
-    assert drafter._dflash_static_step is None
+    assert drafter._dflash_engine is None
 
 
 @pytest.mark.parametrize(
@@ -220,7 +237,7 @@ CHAT_DEFAULTS = {
 
 
 @pytest.mark.parametrize("family", sorted(CHAT_DEFAULTS))
-def test_a_chat_models_default_call_is_served_by_the_static_step(family, monkeypatch):
+def test_a_chat_models_default_call_is_served_by_the_fast_path(family, monkeypatch):
     """A plain generate call on a chat model samples under its generation_config; on a GPU it takes the fast path.
     The decision is taken as on a GPU (the step then runs without a graph here)."""
     target = tiny_target(family)
@@ -232,8 +249,8 @@ def test_a_chat_models_default_call_is_served_by_the_static_step(family, monkeyp
         dflash_decoding, "takes_fast_path",
         lambda insist, blocker, device: blockers.append(blocker) or decide(insist, blocker, torch.device("cuda")),
     )
-    run_step = DFlashStaticStep.run_step
-    monkeypatch.setattr(DFlashStaticStep, "run_step", lambda self: replays.append(1) or run_step(self))
+    run_step = DFlashEngine.run_step
+    monkeypatch.setattr(DFlashEngine, "run_step", lambda self: replays.append(1) or run_step(self))
     out = target.generate(random_prompt(6, batch=2), max_new_tokens=12, assistant_model=drafter, pad_token_id=0)
     release_fast_path(drafter)
     assert blockers == [None]
@@ -330,9 +347,10 @@ def test_a_bitsandbytes_target_takes_the_eager_loop_with_the_reason(tmp_path):
     )
 
 
-def test_finished_sequences_leave_the_static_steps_batch(monkeypatch):
-    """Sequences that end early (their own eos, at different steps) move out of the step's rows: the step runs at
-    smaller batches (8 -> 4 -> 2 -> 1 as they finish) and every sequence still equals plain greedy generate."""
+def test_finished_sequences_leave_the_engines_batch(monkeypatch):
+    """Sequences that end early (their own eos, at different steps) leave the engine's rows the step they end: the
+    step runs at fewer rows as they finish and every sequence still equals plain greedy generate; a second call on
+    the held engine is exact too, and each call gives every page back."""
     target = tiny_target("qwen3", seed=9)
     drafter = tiny_drafter(target, block_size=4)
     ids, mask = left_padded(8, 9, [0, 3, 1, 5, 0, 2, 4, 6], seed=9)
@@ -340,12 +358,12 @@ def test_finished_sequences_leave_the_static_steps_batch(monkeypatch):
     # an eos each row meets at a different point of its own continuation (or never)
     eos = int(reference[5, 9 + 3])
     batches = []
-    run_step = DFlashStaticStep.run_step
-    monkeypatch.setattr(DFlashStaticStep, "run_step", lambda self: batches.append(self.live_rows) or run_step(self))
+    run_step = DFlashEngine.run_step
+    monkeypatch.setattr(DFlashEngine, "run_step", lambda self: batches.append(len(self.sequences)) or run_step(self))
     plain = target.generate(
         ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos
     )
-    with oracle_static_drafts(reference, 3, target.config.vocab_size):
+    with oracle_fast_path_drafts(reference, 3, target.config.vocab_size):
         fast = target.generate(
             ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos,
             assistant_model=drafter, dflash_fast_path=True,
@@ -354,20 +372,19 @@ def test_finished_sequences_leave_the_static_steps_batch(monkeypatch):
     assert len(set(lengths.tolist())) > 2, "the rows should end at different steps"
     assert torch.equal(fast, plain)
     assert batches[0] == 8 and min(batches) < 8 and batches == sorted(batches, reverse=True)
-    # a second call reuses the held step, whose rows were reordered, and is still exact
+    engine = drafter._dflash_engine[1]
+    assert not engine.sequences and engine.compute_free_capacity() == 1.0
+    # a second call reuses the held engine, whose rows moved as sequences ended, and is still exact
     again = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
                             eos_token_id=eos, assistant_model=drafter, dflash_fast_path=True)
     assert torch.equal(again, plain)
-    # rows moved with their pages: each row's block table is its state's, and no page is reachable from two rows
-    step = drafter._dflash_static_step[1]
-    assert torch.equal(step.block_tables, torch.stack([state.block_table_dev for state in step.generator.states]))
-    assert step.block_tables.unique().numel() == step.block_tables.numel()
+    assert drafter._dflash_engine[1] is engine and engine.compute_free_capacity() == 1.0
     release_fast_path(drafter)
 
 
 @pytest.mark.parametrize("running, batch, expected", [(8, 8, 8), (5, 8, 8), (4, 8, 4), (3, 8, 4), (1, 8, 1), (6, 6, 6), (4, 6, 4)])
 def test_bucket_sizes(running, batch, expected):
-    assert dflash_fast_path.bucket_size(running, batch) == expected
+    assert bucket_size(running, batch) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

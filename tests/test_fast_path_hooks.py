@@ -23,9 +23,10 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from hf_dflash.bench.soak import InterruptingStreamer, RaiseAtLength
-from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_engine import DFlashEngine
+from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_static_drafts
+from tests.test_fast_path import oracle_fast_path_drafts
 from tests.test_greedy_identity import oracle_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +39,7 @@ SAMPLED = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, repetition
 @contextlib.contextmanager
 def oracle(loop: str, reference: torch.LongTensor, vocab: int, wrong_every: int = 4):
     if loop == "fast":
-        with oracle_static_drafts(reference, wrong_every, vocab):
+        with oracle_fast_path_drafts(reference, wrong_every, vocab):
             yield
     else:
         with oracle_drafts(reference, wrong_every):
@@ -275,19 +276,19 @@ def test_the_scores_buffers_exist_only_for_a_call_that_returns_them(pair):
     plain = target.generate(prompt, max_new_tokens=8, do_sample=False)
     fast = dict(assistant_model=drafter, dflash_fast_path=True, max_new_tokens=8, do_sample=False)
     out = target.generate(prompt, return_dict_in_generate=True, output_scores=True, **fast)
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert torch.equal(out.sequences, plain) and out.logits is None
     assert step.scores.shape == (1, block, vocab) and step.logits is None
     assert torch.equal(target.generate(prompt, **fast), plain)
-    assert drafter._dflash_static_step[1] is step and step.scores is None and step.logits is None
+    assert drafter._dflash_engine[1] is step and step.scores is None and step.logits is None
 
 
 def test_every_hook_at_once_takes_the_fast_path(pair, monkeypatch):
     target, drafter = pair
     prompt = random_prompt(6, seed=9)
     steps = []
-    run_step = DFlashStaticStep.run_step
-    monkeypatch.setattr(DFlashStaticStep, "run_step", lambda self: steps.append(1) or run_step(self))
+    run_step = DFlashEngine.run_step
+    monkeypatch.setattr(DFlashEngine, "run_step", lambda self: steps.append(1) or run_step(self))
     kwargs = dict(
         max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True
     )
@@ -320,8 +321,8 @@ def test_a_hook_that_raises_leaves_the_fast_path_usable(pair, fault):
         target.generate(
             prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, dflash_fast_path=True, **kwargs
         )
-    step = drafter._dflash_static_step[1]
+    step = drafter._dflash_engine[1]
     assert hook_count(target) == hooks_before
     plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
     again = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, dflash_fast_path=True)
-    assert drafter._dflash_static_step[1] is step and torch.equal(again, plain)
+    assert drafter._dflash_engine[1] is step and torch.equal(again, plain)

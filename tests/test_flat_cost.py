@@ -1,6 +1,6 @@
-"""The fast path's attention without key/value expansion (dflash_attention.py) and the drafter's contiguous context
-read (dflash_static_cache.py): same values as transformers' sdpa, same tokens as plain greedy generate, and the user's
-model left as it was."""
+"""The fast path's attention without key/value expansion (dflash_attention.py) and the contiguous reads of a generate
+call's rows in the engine (`contiguous_rows`, dflash_engine.py): same values as transformers' sdpa and as a gather,
+same tokens as plain greedy generate, and the user's model left as it was."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from hf_dflash.modeling.dflash_attention import (
 )
 from hf_dflash.modeling.dflash_decoding import _cache_argument
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
-from hf_dflash.modeling.dflash_static_cache import StaticTargetCache, page_slots
+from hf_dflash.modeling.dflash_engine import PagedTargetCache
+from hf_dflash.modeling.dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, page_slots
 from tests.conftest import left_padded, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,19 +112,21 @@ def test_grouped_attention_equals_transformers_sdpa(groups, mask_kind, repeat_kv
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("heads", [4, 8])
 def test_a_verify_forward_gives_the_same_logits_with_grouped_attention(family, heads, grouped_calls):
-    """A left-padded batch's prompt in the static cache, then 5 verify rows over all its slots under the fast path's
-    mask: the logits (float32) with and without the grouped attention agree to rounding."""
+    """A left-padded batch's prompt in the engine's paged cache (row r's pages one after another), then 5 verify rows
+    over all its slots under the fast path's mask: the logits (float32) with and without the grouped attention agree
+    to rounding."""
     target = tiny_target(family, seed=5, num_attention_heads=heads, num_key_value_heads=2)
     text = target.config
     ids, real = left_padded(3, 11, [0, 3, 6], seed=1)
     batch, prompt_len = ids.shape
     num_slots, rows = 32, 5
 
-    def cache() -> StaticTargetCache:
-        return StaticTargetCache(
-            text.num_hidden_layers, batch, text.num_key_value_heads, text.hidden_size // heads, num_slots,
-            torch.float32, "cpu",
-        )
+    def cache() -> PagedTargetCache:
+        pages = num_slots // PAGE_SIZE
+        pool = PagedDrafterCache(text.num_hidden_layers, batch * pages, text.num_key_value_heads,
+                                 text.hidden_size // heads, torch.float32, "cpu")
+        tables = torch.arange(batch * pages).view(batch, pages)
+        return PagedTargetCache(pool, tables, tables)
 
     slots = torch.arange(num_slots)
     columns = torch.arange(prompt_len)
@@ -186,13 +189,13 @@ def test_the_1_token_baseline_runs_through_the_grouped_attention_inside_it(group
     target = tiny_target("qwen3", seed=3, num_attention_heads=8, num_key_value_heads=2)
     drafter = tiny_drafter(target, block_size=4)
     ids, mask = left_padded(2, 9, [0, 3])
-    target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                    assistant_model=drafter, dflash_fast_path=True)
-    step = drafter._dflash_static_step[1]
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                          assistant_model=drafter, dflash_fast_path=True)
+    held = step_cost.hold(drafter, out, torch.nn.functional.pad(mask, (0, 10), value=1))
     grouped_calls.clear()  # the call's own forwards
-    assert step_cost.target_1_token_ms(step) == 0.0 and not grouped_calls
+    assert step_cost.target_1_token_ms(held) == 0.0 and not grouped_calls
     with grouped_attention(target):
-        assert step_cost.target_1_token_ms(step) == 0.0
+        assert step_cost.target_1_token_ms(held) == 0.0
     release_fast_path(drafter)
     assert grouped_calls == [("Qwen3Attention", 8, 2, True)] * target.config.num_hidden_layers
     assert logits[0].shape == (2, 1, target.config.vocab_size)
@@ -238,51 +241,65 @@ def test_only_sdpa_attention_is_switched():
     assert target.config._attn_implementation == "eager" and drafter.config._attn_implementation == "sdpa"
 
 
-def test_the_drafter_reads_its_context_as_a_view_of_the_pool():
-    """Each row's drafter slots are one stretch of every layer's pool: the read shares the pool's memory and holds
-    what the gather through the block tables reads."""
-    target = tiny_target("llama", seed=6)
+def held_call(family: str, seed: int, lengths: list[int]) -> step_cost.HeldCall:
+    """A fast-path call on a left-padded batch of prompts of `lengths` tokens, its sequences held in its engine."""
+    target = tiny_target(family, seed=seed)
     drafter = tiny_drafter(target, block_size=4)
-    ids, mask = left_padded(3, 9, [0, 2, 5])
-    target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                    assistant_model=drafter, dflash_fast_path=True)
-    step = drafter._dflash_static_step[1]
-    rows = step.rows(3)
-    cache = step.generator.cache
-    g, d = cache.key_pools[0].shape[1:]
-    block = torch.randn(3, g, drafter.config.block_size, d)
-    read_all = page_slots(rows.block_tables, step.draft_key_positions.expand(3, -1))  # (3, S), the gather's slots
-    for layer in range(drafter.config.num_hidden_layers):
-        key, value = rows.drafter_view.update(block, -block, layer)
-        assert key.untyped_storage().data_ptr() == cache.key_pools[layer].untyped_storage().data_ptr()
-        assert value.untyped_storage().data_ptr() == cache.value_pools[layer].untyped_storage().data_ptr()
-        gathered_key, gathered_value = cache.read(layer, read_all)
-        assert torch.equal(key, gathered_key) and torch.equal(value, gathered_value)
-        assert key.abs().sum() > 0  # the prompt's context is there, not an empty pool
-    release_fast_path(drafter)
+    ids, mask = left_padded(len(lengths), max(lengths), [max(lengths) - n for n in lengths])
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                          assistant_model=drafter, dflash_fast_path=True)
+    return step_cost.hold(drafter, out, torch.nn.functional.pad(mask, (0, 10), value=1))
 
 
-def test_compaction_moves_each_sequences_drafter_context_to_its_new_row():
-    """When finished sequences leave the step, the running ones move to the first rows: their drafter keys/values
-    move with them, so the contiguous read of row r is still sequence_of_row[r]'s context."""
-    target = tiny_target("qwen3", seed=1)
-    drafter = tiny_drafter(target, block_size=4)
-    ids, mask = left_padded(4, 9, [0, 2, 5, 1])
-    target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                    assistant_model=drafter, dflash_fast_path=True)
-    step = drafter._dflash_static_step[1]
-    pools = step.generator.cache.key_pools + step.generator.cache.value_pools
+def test_the_drafter_and_the_target_read_a_calls_rows_as_views_of_the_pools():
+    """Each row of a generate call owns one stretch of every layer's pools: a layer's read shares the pool's memory
+    and holds what the gather through the block tables reads."""
+    held = held_call("llama", 6, [9, 7, 4])
+    engine, rows = held.engine, held.rows
+    n = rows.anchor_ids.shape[0]
+    read_all = page_slots(rows.block_tables, rows.draft_key_positions.expand(n, -1))  # (n, S), the gather's slots
+    for pool, view in ((engine.generator.cache, rows.drafter_view), (engine.target_pool, rows.target_cache)):
+        g, d = pool.key_pools[0].shape[1:]
+        for layer in range(len(pool.key_pools)):
+            if view is rows.target_cache:  # its writes go to the verify's slots; the anchors' own are harmless here
+                view.write_slots = rows.anchor_pos[:, None]
+            written = torch.randn(n, g, 1 if view is rows.target_cache else engine.block_size, d)
+            key, value = view.update(written, -written, layer)
+            assert key.untyped_storage().data_ptr() == pool.key_pools[layer].untyped_storage().data_ptr()
+            assert value.untyped_storage().data_ptr() == pool.value_pools[layer].untyped_storage().data_ptr()
+            tables = rows.block_tables if view is rows.drafter_view else engine.target_tables[:n]
+            gathered_key, gathered_value = pool.read(layer, page_slots(tables, rows.key_positions.expand(n, -1)))
+            assert torch.equal(key, gathered_key) and torch.equal(value, gathered_value)
+            assert key.abs().sum() > 0  # the prompt's context is there, not an empty pool
+    engine.retire_all()
 
-    def rows_of(pool: torch.Tensor) -> torch.Tensor:
-        return pool.view(4, step.draft_slots_per_row, *pool.shape[1:])  # (b, S, g, d)
 
-    before = {
-        sequence: [rows_of(pool)[row].clone() for pool in pools] for row, sequence in enumerate(step.sequence_of_row)
-    }
-    assert not torch.equal(before[0][0], before[2][0])  # rows differ, so a wrong move could not pass
-    step.compact([2, 3])
-    assert step.live_rows == 2 and step.sequence_of_row[:2] == [2, 3]
-    for row, sequence in enumerate(step.sequence_of_row):
-        for pool, held in zip(pools, before[sequence]):
-            assert torch.equal(rows_of(pool)[row], held)
-    release_fast_path(drafter)
+def test_a_row_that_moves_takes_its_keys_and_values_into_its_new_stretch(monkeypatch):
+    """When a sequence of a generate call ends, the last row moves into its place: the moving sequence's keys/values
+    below its anchor (the rest the step writes before reading) are copied into that row's stretch of both pools, so
+    the contiguous read of row r is still its sequence's. Rows that end together retire the last first, so none
+    moves."""
+    held = held_call("qwen3", 1, [9, 7, 4, 8])
+    engine = held.engine
+    slots = engine.pages_per_row * PAGE_SIZE
+    pools = [*engine.target_pool.key_pools, *engine.target_pool.value_pools, *engine.drafter_pool.key_pools,
+             *engine.drafter_pool.value_pools]
+
+    def stretch(pool: torch.Tensor, row: int) -> torch.Tensor:
+        start = engine.scratch_pages * PAGE_SIZE + row * slots
+        return pool[start : start + slots]
+
+    position = engine.sequences[3].position
+    last = [stretch(pool, 3)[:position].clone() for pool in pools]
+    assert not torch.equal(stretch(pools[0], 0)[:position], last[0])  # rows differ, so a wrong move could not pass
+    engine.retire(0)
+    assert [sequence.key for sequence in engine.sequences] == [3, 1, 2]
+    for pool, held_keys in zip(pools, last):
+        assert torch.equal(stretch(pool, 0)[:position], held_keys)
+    moves = []
+    move = engine._move_stretch
+    monkeypatch.setattr(engine, "_move_stretch", lambda *args: moves.append(args[:2]) or move(*args))
+    engine.retire_many([3, 2])  # rows 0 and 2: row 2 first, then row 1 moves into row 0
+    assert moves == [(1, 0)] and [sequence.key for sequence in engine.sequences] == [1]
+    engine.retire_all()
+    assert engine.compute_free_capacity() == 1.0

@@ -10,7 +10,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from hf_dflash import DFlashCandidateGenerator, DFlashGenerateOutput
 from hf_dflash.modeling.dflash_draft_vocabulary import DraftVocabularyHead
-from hf_dflash.modeling.dflash_fast_path import DFlashStaticStep, release_fast_path
+from hf_dflash.modeling.dflash_engine import DFlashEngine
+from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import hook_count, left_padded, random_prompt, tiny_drafter, tiny_target
 
 
@@ -236,7 +237,7 @@ def captured_drafts(fast: bool):
     """Record the drafts of every step, (b, B - 1) each, as the eager loop's generator or the fast path's propose
     made them."""
     drafts = []
-    owner, name = (DFlashStaticStep, "propose") if fast else (DFlashCandidateGenerator, "get_candidates")
+    owner, name = (DFlashEngine, "propose") if fast else (DFlashCandidateGenerator, "get_candidates")
     original = getattr(owner, name)
 
     def propose(self, rows):
@@ -275,7 +276,7 @@ def test_a_draft_vocabulary_keeps_greedy_output_and_every_draft_inside_it(batch,
         assert torch.equal(out, plain)
         assert drafts and torch.isin(torch.cat(drafts).flatten(), vocabulary).all()
         if fast:  # a new vocabulary gives a new step: the held one's head holds the old vocabulary's rows
-            assert drafter._dflash_static_step[1].generator.draft_vocabulary is drafter.draft_vocabulary
+            assert drafter._dflash_engine[1].generator.draft_vocabulary is drafter.draft_vocabulary
     release_fast_path(drafter)
 
 

@@ -15,11 +15,14 @@ from transformers.cache_utils import DynamicCache
 
 from hf_dflash.modeling.dflash_decoding import _cache_argument
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
-from hf_dflash.modeling.dflash_linear_state import HybridStaticCache, linear_attention_modules
+from hf_dflash.modeling.dflash_capture import decoder_layers
+from hf_dflash.modeling.dflash_engine import DFlashEngine, PagedHybridCache
+from hf_dflash.modeling.dflash_linear_state import linear_attention_modules, linear_state_buffers
+from hf_dflash.modeling.dflash_paged_cache import PAGE_SIZE, PagedDrafterCache
 from tests.conftest import random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
 from tests.test_families import family_target
-from tests.test_fast_path import oracle_static_drafts
+from tests.test_fast_path import oracle_fast_path_drafts
 
 HYBRID = ["qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe"]
 SCALE = dict(initializer_range=0.2)
@@ -49,7 +52,7 @@ def test_greedy_identity_alone(family, seed):
     )
     assert torch.equal(fast.sequences, plain)
     assert min(fast.acceptance_lengths[0]) == 1  # a step that accepted no draft
-    with oracle_static_drafts(plain, 3 + seed, vocab_of(target)):
+    with oracle_fast_path_drafts(plain, 3 + seed, vocab_of(target)):
         out = target.generate(
             prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, dflash_fast_path=True,
             return_dict_in_generate=True,
@@ -67,7 +70,7 @@ def test_greedy_identity_ragged_batch(family):
     drafter = tiny_drafter(target, block_size=5)
     batch = left_pad([random_prompt(n, seed=n) for n in (4, 9, 2)])
     plain = target.generate(**batch, max_new_tokens=22, do_sample=False, pad_token_id=PAD)
-    with oracle_static_drafts(plain, 3, vocab_of(target)):
+    with oracle_fast_path_drafts(plain, 3, vocab_of(target)):
         out = target.generate(
             **batch, max_new_tokens=22, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
             dflash_fast_path=True, return_dict_in_generate=True,
@@ -79,9 +82,9 @@ def test_greedy_identity_ragged_batch(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_finished_rows_leave_the_batch(family):
-    """A sequence that meets eos early is frozen and the running ones move to the first rows (`compact`): their
-    linear states move with them."""
+def test_finished_rows_leave_the_batch(family, monkeypatch):
+    """A sequence that meets eos early leaves the engine's rows and the last row moves into its place: its linear
+    states and its keys/values move with it."""
     target = family_target(family, seed=5, **SCALE)
     drafter = tiny_drafter(target, block_size=4)
     batch = left_pad([random_prompt(n, seed=20 + n) for n in (6, 3, 8)])
@@ -90,14 +93,32 @@ def test_finished_rows_leave_the_batch(family):
     eos = int(free[1, prompt_len + 4])  # sequence 1 stops after at most 5 tokens; the others may stop later
     plain = target.generate(**batch, max_new_tokens=24, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
     assert (plain[:, prompt_len:] == eos).any(dim=1).sum() < 3, "pick a prompt where not every sequence stops"
-    with oracle_static_drafts(free, 3, vocab_of(target)):
+    steps = []
+    run_step = DFlashEngine.run_step
+    monkeypatch.setattr(DFlashEngine, "run_step", lambda self: steps.append(len(self.sequences)) or run_step(self))
+    with oracle_fast_path_drafts(free, 3, vocab_of(target)):
         out = target.generate(
             **batch, max_new_tokens=24, do_sample=False, pad_token_id=PAD, eos_token_id=eos, assistant_model=drafter,
             dflash_fast_path=True, return_dict_in_generate=True,
         )
     assert torch.equal(out.sequences, plain)
-    assert drafter._dflash_static_step[1].live_rows < 3, "no sequence left the batch"
+    assert min(steps) < 3 and steps[0] == 3, "no sequence left the batch"
     release_fast_path(drafter)
+
+
+def paged_hybrid_cache(target: torch.nn.Module, batch: int, num_slots: int) -> PagedHybridCache:
+    """The engine's cache for a hybrid target's `batch` rows of `num_slots` positions each, in a pool of their own
+    (row r's pages one after another), with fresh linear-attention states."""
+    text = target.config.get_text_config()
+    linear = linear_attention_modules(target)
+    pages = num_slots // PAGE_SIZE
+    pool = PagedDrafterCache(
+        num_layers=len(decoder_layers(target)), num_pages=batch * pages, num_key_value_heads=text.num_key_value_heads,
+        head_dim=text.head_dim, dtype=torch.float32, device="cpu", keyless_layers=frozenset(linear),
+    )
+    conv, recurrent = linear_state_buffers(linear, batch, torch.float32, "cpu")
+    tables = torch.arange(batch * pages).view(batch, pages)
+    return PagedHybridCache(pool, tables, num_slots, conv, recurrent, list(linear.values()))
 
 
 @torch.no_grad()
@@ -115,9 +136,7 @@ def test_commit_leaves_the_states_of_plain_decoding(family, block, taken):
     batch = len(taken)
     ids = random_prompt(prompt_len + block, seed=7, batch=batch)
     text = target.config.get_text_config()
-    cache = HybridStaticCache(
-        target, batch, text.num_key_value_heads, text.head_dim, num_slots=16, dtype=torch.float32, device="cpu"
-    )
+    cache = paged_hybrid_cache(target, batch, num_slots=16)
     slots, argument = torch.arange(16), _cache_argument(target)  # the forward's name for its cache (5.24: cache)
 
     def forward(columns: torch.Tensor) -> None:

@@ -157,14 +157,14 @@ def test_context_buffers_hold_a_prompt_or_a_block_not_max_length(fast_path):
         DFlashCandidateGenerator.commit_prefill = original_prefill
         DFlashCandidateGenerator.update_candidate_strategy = original_update
     assert torch.equal(out, target.generate(ids, **kwargs))
-    pending = 0 if fast_path else 4
-    assert (10, (pending, pending)) in seen  # the prefill: a padded prompt of 10 rows
-    if not fast_path:  # each verify: a block (the fast path's steps capture into their own buffer)
-        assert (4, (4, 4)) in seen
-    assert all(scratch <= 10 and accumulators == (pending,) * len(accumulators) for scratch, accumulators in seen), seen
-    if fast_path:  # the held step keeps no prompt rows between calls
-        assert drafter._dflash_static_step[1].generator.scratch.shape[1] == 0
+    if fast_path:  # the engine captures a verify's rows into its own (rows, block) buffer and a prompt's per chunk
+        engine = drafter._dflash_engine[1]
+        assert not seen and engine.verify_rows.shape[:2] == (2, 4) and engine.generator.scratch.shape[1] == 0
         release_fast_path(drafter)
+        return
+    assert (10, (4, 4)) in seen  # the prefill: a padded prompt of 10 rows
+    assert (4, (4, 4)) in seen  # each verify: a block
+    assert all(scratch <= 10 and accumulators == (4,) * len(accumulators) for scratch, accumulators in seen), seen
 
 
 def test_propose_refuses_a_stale_context():

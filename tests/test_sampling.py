@@ -13,7 +13,7 @@ from transformers import (
 from hf_dflash.modeling.dflash_acceptance import DecodingRule, exponential_race_sample, inverse_cdf_sample, sample
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_static_drafts
+from tests.test_fast_path import oracle_fast_path_drafts
 from tests.test_greedy_identity import oracle_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,7 +118,7 @@ def sample_with_greedy_drafts(target, drafter, prompt, greedy, rule: str, fast: 
     sequence's whole cache); the eager loop one call."""
     calls, batch = (5, SAMPLES // 5) if fast else (1, SAMPLES)
     drafts = greedy.repeat(batch, 1)
-    oracle = oracle_static_drafts(drafts, 10**6, vocab=SMALL_VOCAB) if fast else oracle_drafts(drafts, 10**6)
+    oracle = oracle_fast_path_drafts(drafts, 10**6, vocab=SMALL_VOCAB) if fast else oracle_drafts(drafts, 10**6)
     with oracle:
         outs = [
             target.generate(

@@ -230,7 +230,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if reference is not None and args.sampling == "greedy":  # sampled outputs agree in distribution only
                 measurement.identical_to_plain = sum(a == b for a, b in zip(outputs, reference)) / len(outputs)
             if method == "dflash" and device.startswith("cuda"):
-                measurement.extra.update(step_cost.gpu_step_figures(drafter))
+                measurement.extra.update(step_cost.gpu_step_figures(target, drafter, batches[0], args.max_new_tokens))
             results.append(measurement)
             print(format_row(measurement), flush=True)
         _add_ratios([m for m in results if m.setting == setting])

@@ -119,14 +119,12 @@ def eager_loop_ways(model_type: str, overrides: dict, time: Any) -> dict[str, An
 
 @torch.no_grad()
 def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> dict[str, Any]:
-    from ..modeling.dflash_linear_state import HybridStaticCache
+    from ..modeling.dflash_linear_state import LinearStates, linear_state_buffers
 
     layer, cache, config = layer_and_cache(model_type, overrides)
     keyword = cache_keyword(layer)
-    stack = torch.nn.Module()  # what HybridStaticCache looks for: `.layers`, with `linear_attn` in each
-    stack.layers = torch.nn.ModuleList([torch.nn.Module()])
-    stack.layers[0].linear_attn = layer
-    static = HybridStaticCache(stack, batch, 1, 1, num_slots=1, dtype=torch.float32, device="cpu")
+    static = LinearStates()  # the engine's rule over per-sequence states, for this one layer
+    static.bind_linear_states(*linear_state_buffers({0: layer}, batch, torch.float32, "cpu"), [layer], num_layers=1)
     with static.prefilling():
         layer(torch.randn(batch, PROMPT, config.hidden_size), **{keyword: static})
     conv0, recurrent0 = static.conv[0].clone(), static.recurrent[0].clone()

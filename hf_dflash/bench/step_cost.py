@@ -1,9 +1,9 @@
 """One fast-path verify step against the target's own 1-token decode step, at a published shape, per context length.
 
 The target and drafter are a published shape (`--shape`, random weights: see `published.py`), batch 1. Per context,
-one greedy fast-path call of `--new-tokens` leaves its step held with the sequence finished, so that every replay
-repeats the same work. Then, as CUDA graphs (median of 30 replays; on a CPU the same calls eagerly, a smoke run of a
-scaled-down shape):
+one greedy fast-path call of `--new-tokens`, whose sequence is then held in the call's engine frozen (`hold`), so
+that every replay repeats the same work. Then, as CUDA graphs (median of 30 replays; on a CPU the same calls eagerly,
+a smoke run of a scaled-down shape):
 - `target_1_token_ms`: the target's own 1-token decode forward on the held step's cache and masks (its last token at
   its position), through the target's own attention: the floor a verify step is compared against (`hf-dflash bench
   decode` reports the same figure as `target_1_token_graph_ms`); `target_1_token_grouped_ms`: the same under the
@@ -24,7 +24,7 @@ On a hybrid shape (qwen3.5-4b) transformers runs flash-linear-attention's kernel
 it is installed, else its PyTorch rule; `--without-fla` hides the package from this process (the report says which):
 run once with and once without to compare the two.
 
-This module is the one place `hf-dflash bench` reaches into the fast path's step (its rows, parts and held step);
+This module is the one place `hf-dflash bench` reaches into the fast path's engine (its rows and the step's parts);
 `decode` takes its GPU figures from here.
 """
 
@@ -48,8 +48,8 @@ from .published import RANDOM_SHAPES, random_pair, scaled_down
 VARIANTS = ("before", "fold", "fast_path", "compiled")  # the compiled one last: compiling changes the held step
 TARGET_1_TOKEN_BASELINE = (
     "the target's own forward of one token per sequence (its last committed token, at its position), with the "
-    "target's own attention implementation, on the target cache the fast path keeps for its family (StaticTargetCache;"
-    " HybridStaticCache with the Gated DeltaNet states for hybrid targets) under the fast path's masks (sliding "
+    "target's own attention implementation, on the engine's target cache (with the Gated DeltaNet states for hybrid "
+    "targets) under the engine's masks (sliding "
     "windows applied as the fast path applies them; attention sinks inside eager attention), recorded once as a CUDA "
     "graph after our last call of the setting; median of 30 replays. GPU only: absent from rows measured elsewhere."
 )
@@ -60,10 +60,46 @@ TARGET_1_TOKEN_BASELINE = (
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def held_step(drafter: torch.nn.Module) -> Any | None:
-    """The fast-path step the drafter's last fast-path call left held (its buffers and graphs), or None."""
-    held = getattr(drafter, "_dflash_static_step", None)
-    return None if held is None else held[1]
+@dataclasses.dataclass
+class HeldCall:
+    """A fast-path call's sequences held in the engine that served it, frozen (their anchors no longer move), so that
+    every step over `rows` repeats the same work: rows 0..n-1 of `engine` at the call's span (`hold`)."""
+
+    engine: Any
+    rows: Any
+
+    def carried_state(self) -> list[torch.Tensor]:
+        """What a step advances beyond the frozen anchors: a hybrid target's conv and recurrent states."""
+        return [*self.engine.conv.values(), *self.engine.recurrent.values()]
+
+    def remake_rows(self) -> None:
+        """The rows again, after `bind` changed what they read."""
+        self.rows = rows_of(self.engine, self.rows.anchor_ids.shape[0])
+
+
+def rows_of(engine: Any, count: int) -> Any:
+    """The engine's first `count` rows at the shape its step runs them."""
+    from ..modeling.dflash_engine import RowScoring
+
+    span = engine._step_span()
+    if engine.static_shapes:
+        count, span = engine._static_shape(count, span)
+    return engine._rows(count, span, RowScoring(sampled=False, penalized=False))
+
+
+@torch.no_grad()
+def hold(drafter: torch.nn.Module, sequences: torch.LongTensor, attention_mask: torch.Tensor) -> HeldCall | None:
+    """Hold a greedy fast-path call's output `sequences` (b, L), left-padded as `attention_mask` says, in the engine
+    that served it: admitted again without their last token, which the admission chooses again (their anchor), then
+    frozen. None when no engine is held (the call took the eager loop)."""
+    held = getattr(drafter, "_dflash_engine", None)
+    if held is None:
+        return None
+    engine = held[1]
+    engine.retire_all()
+    engine.admit_call(sequences[:, :-1], attention_mask[:, :-1], sequences.shape[1], engine.processors)
+    engine.active.zero_()
+    return HeldCall(engine, rows_of(engine, len(engine.sequences)))
 
 
 def graph_ms(fn: Any) -> float:
@@ -71,16 +107,16 @@ def graph_ms(fn: Any) -> float:
     return harness.time_graph(fn).median_ms
 
 
-def target_one_token_step(step: Any) -> Any:
-    """The target's own 1-token decode forward on `step`'s target cache, as plain decoding's next step would run it:
-    each sequence's last committed token at its own position, seeing every real slot before it (the fast path's
+def target_one_token_step(held: HeldCall) -> Any:
+    """The target's own 1-token decode forward on the held call's target cache, as plain decoding's next step would
+    run it: each sequence's last committed token at its own position, seeing every position before it (the engine's
     masks: a sliding layer only its window), through the target's own attention. Returns a function that runs it
     and returns the logits (b, 1, V). A hybrid target's linear states advance at each call (restore them with
     `carried_state`)."""
-    rows = step.rows(step.batch_size)
-    slots = (rows.offsets + rows.anchor_pos)[:, None]  # (b, 1) the token's own slot
-    visible = (step.key_slots >= rows.offsets[:, None, None]) & (step.key_slots <= slots[:, :, None])  # (b, 1, L)
-    mask = step.target_masks(visible, slots, step.key_slots)
+    step, rows = held.engine, held.rows
+    slots = rows.anchor_pos[:, None]  # (b, 1) the token's own position
+    visible = rows.key_positions <= slots[:, :, None]  # (b, 1, L)
+    mask = step.target_masks(visible, slots, rows.key_positions)
     positions = rows.anchor_pos[:, None]  # (b, 1)
     cache = rows.target_cache
 
@@ -96,37 +132,45 @@ def target_one_token_step(step: Any) -> Any:
 
 
 @torch.no_grad()
-def target_1_token_ms(step: Any, timer: Any = None) -> float:
-    """`target_one_token_step` of a held step, timed by `timer` (default: as a CUDA graph, median of its replays);
-    see TARGET_1_TOKEN_BASELINE. The step's carried states (a hybrid target's linear layers) are put back after."""
-    saved = [state.clone() for state in step.target_cache.carried_state()]
+def target_1_token_ms(held: HeldCall, timer: Any = None) -> float:
+    """`target_one_token_step` of a held call, timed by `timer` (default: as a CUDA graph, median of its replays);
+    see TARGET_1_TOKEN_BASELINE. The carried states (a hybrid target's linear layers) are put back after."""
+    saved = [state.clone() for state in held.carried_state()]
     try:
-        return (timer or graph_ms)(target_one_token_step(step))
+        return (timer or graph_ms)(target_one_token_step(held))
     finally:
-        for state, value in zip(step.target_cache.carried_state(), saved):
+        for state, value in zip(held.carried_state(), saved):
             state.copy_(value)
 
 
 @torch.no_grad()
-def step_parts_ms(step: Any, timer: Any = None) -> dict[str, float]:
-    """Our step's parts, timed by `timer` (default: each as a CUDA graph), after a finished call (every sequence
-    frozen, so each call repeats the same work): propose (context keys/values + drafter + lm_head), verify (target
-    forward + acceptance) and the whole step."""
+def step_parts_ms(held: HeldCall, timer: Any = None) -> dict[str, float]:
+    """Our step's parts, timed by `timer` (default: each as a CUDA graph), over a held call (every sequence frozen,
+    so each call repeats the same work): propose (context keys/values + drafter + lm_head), verify (target forward +
+    acceptance) and the whole step."""
     timer = timer or graph_ms
-    rows = step.rows(step.batch_size)  # the whole batch, as a call's first steps run it
+    step, rows = held.engine, held.rows
     with step.generator.capture:
         return {"propose_graph_ms": timer(lambda: step.propose(rows)),
                 "verify_graph_ms": timer(lambda: step.verify(rows, None)),
                 "step_graph_ms": timer(lambda: step.step(rows))}
 
 
-def gpu_step_figures(drafter: torch.nn.Module) -> dict[str, float]:
-    """On a GPU, after a fast-path call: our step's parts and the target's 1-token step on the same cache, as CUDA
-    graphs; {} when no step is held (the call took the eager loop)."""
-    step = held_step(drafter)
-    if step is None:
+def gpu_step_figures(
+    target: torch.nn.Module, drafter: torch.nn.Module, batch: dict[str, torch.Tensor], max_new_tokens: int
+) -> dict[str, float]:
+    """On a GPU: a greedy fast-path call on `batch`, then, over its held sequences, our step's parts and the target's
+    1-token step on the same cache, as CUDA graphs; {} when the call took the eager loop."""
+    out = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter)
+    prompt_mask = batch["attention_mask"]
+    mask = torch.nn.functional.pad(prompt_mask, (0, out.shape[1] - prompt_mask.shape[1]), value=1)
+    held = hold(drafter, out, mask)
+    if held is None:
         return {}
-    return {**step_parts_ms(step), "target_1_token_graph_ms": target_1_token_ms(step)}
+    try:
+        return {**step_parts_ms(held), "target_1_token_graph_ms": target_1_token_ms(held)}
+    finally:
+        held.engine.retire_all()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -173,11 +217,10 @@ def fast_path_attention(function: Any):
 
 def with_gathered_context(step: Any, rows: Any) -> Any:
     """`rows` whose drafter reads every context slot by a gather through the block tables (the `before` variant)."""
-    from ..modeling.dflash_paged_cache import PagedView
-    from ..modeling.dflash_static_cache import page_slots
+    from ..modeling.dflash_paged_cache import PagedView, page_slots
 
     n = rows.anchor_ids.shape[0]
-    read_slots = page_slots(rows.block_tables, step.draft_key_positions.expand(n, -1))  # (n, S)
+    read_slots = page_slots(rows.block_tables, rows.draft_key_positions.expand(n, -1))  # (n, S)
     view = PagedView(step.generator.cache, block_slots=rows.drafter_view.block_slots, read_slots=read_slots)
     return dataclasses.replace(rows, drafter_view=view)
 
@@ -214,24 +257,27 @@ def kernel_profile(fn: Any, top: int) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def finished_step(target: Any, drafter: Any, context: int, new_tokens: int) -> Any:
-    """The fast-path step a greedy call of `new_tokens` on a random `context`-token prompt leaves held, its one
-    sequence finished (so each call repeats the same work)."""
+def finished_step(target: Any, drafter: Any, context: int, new_tokens: int) -> HeldCall:
+    """A greedy fast-path call of `new_tokens` on a random `context`-token prompt, its sequence then held frozen in
+    the call's engine (so each step repeats the same work)."""
     # random ids below the mask token's (random weights: the text does not matter, only its length)
     prompt = torch.randint(0, drafter.config.mask_token_id, (1, context), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(target.device)
     # every token real: without a mask generate would take a random id equal to pad_token_id for padding
-    target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False,
-                    pad_token_id=0, assistant_model=drafter, dflash_fast_path=True, dflash_compile=False)
-    return held_step(drafter)
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0, assistant_model=drafter, dflash_fast_path=True, dflash_compile=False)
+    return hold(drafter, out, torch.ones_like(out))
 
 
-def compile_drafter(step: Any) -> dict[str, Any]:
-    """Compile the held step's drafter pass at its batch size, as a compiling call does before recording its graph;
-    the seconds it took (dynamo, inductor and the kernels' first run), and why it failed if it did."""
+def compile_drafter(held: HeldCall) -> dict[str, Any]:
+    """Compile the held call's drafter pass at its rows, as a compiling call does before recording its graph; the
+    seconds it took (dynamo, inductor and the kernels' first run), and why it failed if it did."""
+    step = held.engine
     started = time.perf_counter()
     step.bind(step.processors, step.rule, False, False, compile_drafter=True)
-    step.prepare_drafter(step.batch_size)
+    held.remake_rows()
+    with step.generator.capture:
+        step._prepare_drafter(held.rows)
     seconds = time.perf_counter() - started
     print(f"  compiled the drafter pass in {seconds:.1f} s" + (f": FAILED, {step.compile_error}" if step.compile_error
                                                                else ""), flush=True)
@@ -239,7 +285,7 @@ def compile_drafter(step: Any) -> dict[str, Any]:
 
 
 def release(drafter: Any) -> None:
-    """Drop the held step and its buffers before the next context, and give their memory back to the device."""
+    """Drop the engine and its buffers before the next context, and give their memory back to the device."""
     from ..modeling.dflash_fast_path import release_fast_path
 
     release_fast_path(drafter)
@@ -259,20 +305,20 @@ def measure(target: Any, drafter: Any, context: int, args: argparse.Namespace) -
     from ..modeling.dflash_attention import grouped_attention
 
     timer = part_timer(args.device)
-    step = finished_step(target, drafter, context, args.new_tokens)
-    rows = step.rows(step.batch_size)
-    result: dict[str, Any] = {"context": context, "num_slots": step.num_slots,
-                              "target_1_token_ms": target_1_token_ms(step, timer)}
+    held = finished_step(target, drafter, context, args.new_tokens)
+    step, rows = held.engine, held.rows
+    result: dict[str, Any] = {"context": context, "span": rows.key_positions.shape[0],
+                              "target_1_token_ms": target_1_token_ms(held, timer)}
     with grouped_attention(target):
-        result["target_1_token_grouped_ms"] = target_1_token_ms(step, timer)
+        result["target_1_token_grouped_ms"] = target_1_token_ms(held, timer)
     with step.generator.capture:
         for name in args.variants:
             function, view, compiled = variant_setup(name)
             if compiled:
-                result.update(compile_drafter(step))
+                result.update(compile_drafter(held))
                 if result["compile_error"] is not None:
                     continue
-                rows = step.rows(step.batch_size)  # the step's views, made again by `bind`
+                rows = held.rows  # the engine's views, made again after `bind`
             variant_rows = rows if view else with_gathered_context(step, rows)
             with fast_path_attention(function):
                 parts = {
@@ -294,17 +340,17 @@ def measure(target: Any, drafter: Any, context: int, args: argparse.Namespace) -
 def profile(target: Any, drafter: Any, context: int, args: argparse.Namespace) -> dict[str, Any]:
     """Kernels of an eager verify and propose under the fast path's attention, of a compiled propose, and of the
     target's eager 1-token forward, on a fresh call at `context`."""
-    step = finished_step(target, drafter, context, args.new_tokens)
-    rows = step.rows(step.batch_size)
+    held = finished_step(target, drafter, context, args.new_tokens)
+    step, rows = held.engine, held.rows
     with step.generator.capture:
         found = {
             "verify": kernel_profile(lambda: step.verify(rows, None), args.profile_top),
             "propose": kernel_profile(lambda: step.propose(rows), args.profile_top),
         }
-        if compile_drafter(step)["compile_error"] is None:
-            rows = step.rows(step.batch_size)
+        if compile_drafter(held)["compile_error"] is None:
+            rows = held.rows
             found["propose_compiled"] = kernel_profile(lambda: step.propose(rows), args.profile_top)
-    found["target_1_token"] = kernel_profile(target_one_token_step(step), args.profile_top)
+    found["target_1_token"] = kernel_profile(target_one_token_step(held), args.profile_top)
     for part, kernels in found.items():
         print(f"  ctx {context} {part:>16}: {kernels['launches']} {kernels['what']}, {kernels['total_ms']:.2f} ms",
               flush=True)
