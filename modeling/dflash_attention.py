@@ -2,7 +2,7 @@
 
 Given a mask, transformers' sdpa attention copies every key/value head G times (`repeat_kv`, G = heads per key/value
 head) before calling `scaled_dot_product_attention`, because torch's fused CUDA kernels do not all take a mask and
-grouped heads together. A verify step attends 16 rows to every slot of the static cache, so that copy of all L slots
+grouped heads together. A verify step attends 16 rows to every position the step reads back, so that copy of all L slots
 of every layer dominates its growth with context (benchmarks/step-cost.md).
 
 Two ways to read each key/value head once, chosen per call:

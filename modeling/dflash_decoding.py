@@ -274,7 +274,7 @@ def dflash_generate(
     anchor included: where a target forward costs in proportion to its rows (a CPU), verifying only the drafts that
     are likely to be accepted is cheaper. It never changes the output.
     `dflash_fast_path` (a generate keyword): None (the default) takes the CUDA-graph fast path (dflash_fast_path.py)
-    whenever it can serve the call on a GPU; True insists (an error names what blocks it; on a CPU the same static
+    whenever it can serve the call on a GPU; True insists (an error names what blocks it; on a CPU the engine's
     step runs without a graph); False always takes the eager loop (`EagerDecoding`). The tokens are the same
     either way.
     `dflash_compile` (a generate keyword): whether the fast path compiles its drafter pass with torch.compile before

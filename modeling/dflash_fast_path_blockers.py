@@ -32,9 +32,9 @@ from .dflash_processors import StepProcessors
 
 logger = logging.get_logger(__name__)
 
-# Target families whose forward the fast path is tested with (4D masks, one per layer type, and our static cache go
-# straight through their attention); others take the eager loop rather than risk a forward that reads the cache
-# differently.
+# Target families whose forward the fast path is tested with (4D masks, one per layer type, and the engine's paged
+# cache go straight through their attention); others take the eager loop rather than risk a forward that reads the
+# cache differently.
 FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES)
 # Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
 # Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
