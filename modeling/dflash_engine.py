@@ -33,7 +33,8 @@ sampled ones stay target-distributed: the width is chosen from the drafter's sta
 never sampled), and accepting a prefix of fewer drafts is the same acceptance rule. Without a policy every step
 verifies the full block.
 
-Buffers belong to the engine, which its caller owns (the manager, dflash_continuous.py); the drafter keeps nothing.
+Buffers belong to the engine, which its caller owns: the manager (dflash_continuous.py), or `generate`'s fast path
+(dflash_fast_path.py), which keeps one engine per drafter, its rows each one stretch of the pools (`contiguous_rows`).
 Each step reads the device once (the verified tokens and accepted counts), twice with a policy (the drafts'
 confidence, before choosing the width). Without a policy a CUDA device replays each step's shape as a recorded
 graph (`static_shapes`); with one, steps run eagerly.
