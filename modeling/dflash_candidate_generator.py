@@ -54,7 +54,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         max_length: longest sequence (prompt + new tokens) any of them may reach; sizes the page pool.
         max_rows: most target rows captured in one forward (the padded prompt length, or B); sizes the scratch.
         pending_rows: rows a state holds before their keys/values are computed (default: a block, one verify's;
-            more let plain steps defer theirs, `take_context`). The fast path passes 0: its step writes the verified
+            more let plain steps defer theirs, `take_context`). The engine passes 0: its step writes the verified
             rows to the pages itself.
         num_pages: pages of the drafter's pool (default: every page `batch_size` sequences of `max_length` need; the
             continuous-batching engine sizes its shared pool itself).
@@ -119,7 +119,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.capture.destination = self.scratch[: len(self.states), :num_rows]
 
     def resize_scratch(self, max_rows: int) -> None:
-        """Capture at most `max_rows` rows per sequence from now on, into a new scratch (the fast path holds a prompt's
+        """Capture at most `max_rows` rows per sequence from now on, into a new scratch (the eager loop holds a prompt's
         rows only through its prefill). The hooks write nowhere until the next `capture_rows`."""
         self.capture.destination = None  # the hooks' view would keep the old scratch alive
         self.scratch = self.scratch.new_empty(self.scratch.shape[0], max_rows, self.scratch.shape[2])
@@ -235,13 +235,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
         for i, (state, accepted) in enumerate(zip(self.states, num_matches)):
             state.ctx_count_drafter = state.ctx_committed  # drop the block rows' page slots
             state.append_context(self.scratch[i, : accepted + 1])
-
-    def restart(self) -> None:
-        """Begin new sequences in the same buffers (the fast path reuses them across calls): every state empties and
-        keeps its pages."""
-        for state in self.states:
-            state.ctx_len = state.ctx_committed = state.ctx_count_drafter = 0
-            state.context_ready = False
 
     def keep(self, indices: Sequence[int]) -> None:
         """Carry on with the sequences at `indices` only (in that order); the others' pages return to the pool."""

@@ -107,8 +107,8 @@ class EagerDecoding:
     def prefill(self) -> list[int]:
         """The prompt forward (dflash_prefill.py) into transformers' cache. Returns the batch rows still running."""
         tokens, scores, logits = prefill(
-            self.target, self.generator, self.input_ids, self.attention_mask, self.attention_mask,
-            {self.cache_arg: self.cache}, self.processors, self.rule.do_sample,
+            self.target, self.generator, self.input_ids, self.attention_mask, {self.cache_arg: self.cache},
+            self.processors, self.rule.do_sample,
         )
         self.target_cache.after_prefill(self.attention_mask)
         # The prompt's rows are in the drafter's pages now; a verify captures at most a block.

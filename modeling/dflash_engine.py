@@ -611,6 +611,8 @@ class DFlashEngine(DFlashStep):
     def retire_many(self, keys: list[Hashable]) -> None:
         """`retire` each of `keys`, the last rows first: a row that ends with those after it moves nobody into its
         place (with `contiguous_rows`, no keys/values are copied)."""
+        if not keys:  # most steps of a call end no row
+            return
         rows = {sequence.key: row for row, sequence in enumerate(self.sequences)}
         for key in sorted(keys, key=rows.__getitem__, reverse=True):
             self.retire(key)

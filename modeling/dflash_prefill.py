@@ -1,9 +1,7 @@
-"""The prompt forward, written once for both loops: the target reads the prompt while hooks capture the drafter's
-layers, the prompt's real rows become drafter context, and each sequence's first token is chosen under the call's
-processors exactly as plain generate chooses it (every processor called once on the whole batch).
-
-The loops differ only in the target cache they hand over (transformers' own, or the fast path's static one, which
-needs its own 4D mask).
+"""The eager loop's prompt forward: the target reads the left-padded prompts into transformers' cache while hooks
+capture the drafter's layers, the prompts' real rows become drafter context, and each sequence's first token is chosen
+under the call's processors exactly as plain generate chooses it (every processor called once on the whole batch).
+The engine prefills its rows itself, into its pools (dflash_engine.py).
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -30,20 +28,19 @@ def prefill(
     generator: DFlashCandidateGenerator,
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor,
-    forward_mask: torch.Tensor,
     cache: dict[str, Any],
     processors: StepProcessors,
     do_sample: bool,
 ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
-    """The prompt forward. input_ids (b, P); attention_mask (b, P) 1 for real tokens (left padding 0); forward_mask
-    the mask the target's forward takes with `cache` ({argument name: cache}).
+    """The prompt forward. input_ids (b, P); attention_mask (b, P) 1 for real tokens (left padding 0); `cache`:
+    {the forward's argument name: transformers' cache}.
 
     Returns (first tokens (b,), their processed scores (b, 1, V), the raw logits (b, 1, V)).
     """
     generator.capture_rows(input_ids.shape[1])
     logits = target(
         input_ids=input_ids,
-        attention_mask=forward_mask,
+        attention_mask=attention_mask,
         position_ids=prompt_positions(attention_mask),
         use_cache=True,
         logits_to_keep=1,
