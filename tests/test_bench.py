@@ -11,6 +11,7 @@ import torch
 from hf_dflash import DFlashConfig, DFlashDraftModel
 from hf_dflash.bundled_models import load_stories260k
 from hf_dflash.cli import main
+from hf_dflash.modeling import dflash_decoding
 
 
 def random_drafter_and_prompts(tmp_path, texts: list[str]) -> tuple[str, str]:
@@ -24,19 +25,25 @@ def random_drafter_and_prompts(tmp_path, texts: list[str]) -> tuple[str, str]:
     return str(tmp_path / "drafter"), str(prompts)
 
 
-def test_bench_reports_every_method_side_by_side(tmp_path):
+def test_bench_reports_every_method_side_by_side(tmp_path, monkeypatch):
     drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
     out = tmp_path / "report.json"
+    engine_calls = []  # generate calls the engine served: on a CPU only `dflash-engine`'s
+    decode_on_engine = dflash_decoding.decode_on_engine
+    monkeypatch.setattr(dflash_decoding, "decode_on_engine",
+                        lambda *args: engine_calls.append(args[1].shape[0]) or decode_on_engine(*args))
+    methods = ["plain", "plain-static", "dflash", "dflash-engine", "dflash-eager"]
     main([
         "bench", "decode", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
-        "--max-new-tokens", "12", "--batch-sizes", "1", "2", "--methods", "plain", "plain-static", "dflash",
-        "--out", str(out),
+        "--max-new-tokens", "12", "--batch-sizes", "1", "2", "--methods", *methods, "--out", str(out),
     ])
     report = json.loads(out.read_text())
     assert report["dtype"] == "fp32"  # the default on a CPU
     assert {"date", "machine", "versions", "command"} <= report.keys()
     rows = {(r["setting"].split()[-1], r["method"]): r for r in report["results"]}
-    assert set(rows) == {(b, m) for b in ("b1", "b2") for m in ("plain", "plain-static", "dflash")}
+    assert set(rows) == {(b, m) for b in ("b1", "b2") for m in methods}
+    # b1: a warm-up, then each prompt's timed and first-token calls; b2: batches of 2 and 1 prompts
+    assert engine_calls == [1] * 7 + [2, 2, 2, 1, 1]
     for row in rows.values():
         assert row["prompts"] == 3 and 0 < row["new_tokens"] <= 36 and row["tokens_per_s"] > 0
         assert row["identical_to_plain"] == 1.0  # float32 on a CPU: every method gives plain greedy's tokens

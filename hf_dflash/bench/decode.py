@@ -6,7 +6,9 @@ Methods:
   step on a GPU);
 - `native`: transformers' own DFlash loop with the same drafter (`speculation_type="dflash"`; batch 1 only, so a
   setting of a larger batch skips it and the report says so);
-- `dflash`: ours (`assistant_model=drafter`: the CUDA-graph fast path on a GPU, the eager loop elsewhere).
+- `dflash`: ours (`assistant_model=drafter`: the CUDA-graph fast path on a GPU, the eager loop elsewhere);
+- `dflash-engine`, `dflash-eager`: ours with the path forced (`dflash_fast_path=True` / `False`): on a CPU the
+  engine's step without a graph against the eager loop over transformers' cache (not run unless named).
 
 Reported per method: tau, tokens/s, ms per verify step (per token for plain methods), time to first token, peak GPU
 memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights SHAPE` the target and drafter are
@@ -46,7 +48,8 @@ from ..modeling import DFlashDraftModel
 from . import harness, step_cost
 from .published import RANDOM_SHAPES, SAMPLING, random_pair, shape_record
 
-METHODS = ("plain", "plain-static", "native", "dflash")
+METHODS = ("plain", "plain-static", "native", "dflash", "dflash-engine", "dflash-eager")
+DEFAULT_METHODS = METHODS[:4]
 # A prompt-set run's target, prompts and their number when left out (`cli_checks.check_bench` reads them too).
 DEFAULT_TARGET, DEFAULT_PROMPTS, DEFAULT_LIMIT = "smollm2", "humaneval", 8
 
@@ -106,6 +109,8 @@ def _method_kwargs(method: str, drafter: torch.nn.Module) -> dict[str, Any]:
         "plain-static": {"cache_implementation": "static"},
         "native": {"assistant_model": drafter, "speculation_type": "dflash"},
         "dflash": {"assistant_model": drafter, "return_dict_in_generate": True},
+        "dflash-engine": {"assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": True},
+        "dflash-eager": {"assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": False},
     }[method]
 
 
@@ -140,7 +145,7 @@ def run_method(
             outputs.append(row)
             new_tokens += len(row)
         # decode steps after the prefill's first token
-        if method == "dflash":
+        if method.startswith("dflash"):
             steps += max(len(lengths) for lengths in out.acceptance_lengths)
             committed += sum(sum(lengths) for lengths in out.acceptance_lengths)
             verified += sum(len(lengths) for lengths in out.acceptance_lengths)
@@ -330,7 +335,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="batch sizes of prompt-set runs (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
     parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
                         help="decode with a family's published sampling defaults (qwen3: temperature 0.6, top_k 20, "
                         "top_p 0.95; llama3: temperature 0.6, top_p 0.9), every method alike")
