@@ -152,7 +152,6 @@ class PagedDrafterCache:
 
         return gather(self.key_pools[layer]), gather(self.value_pools[layer])
 
-
     def take_pages(self, pages: list[int]) -> list[int]:
         """These free pages, now the caller's (a row that owns a fixed stretch of the pool takes its own)."""
         taken = set(pages)

@@ -49,9 +49,9 @@ VARIANTS = ("before", "fold", "fast_path", "compiled")  # the compiled one last:
 TARGET_1_TOKEN_BASELINE = (
     "the target's own forward of one token per sequence (its last committed token, at its position), with the "
     "target's own attention implementation, on the engine's target cache (with the Gated DeltaNet states for hybrid "
-    "targets) under the engine's masks (sliding "
-    "windows applied as the fast path applies them; attention sinks inside eager attention), recorded once as a CUDA "
-    "graph after our last call of the setting; median of 30 replays. GPU only: absent from rows measured elsewhere."
+    "targets) under the engine's masks (sliding windows applied as the fast path applies them; attention sinks inside "
+    "eager attention), recorded once as a CUDA graph after our last call of the setting; median of 30 replays. GPU "
+    "only: absent from rows measured elsewhere."
 )
 
 
@@ -114,15 +114,14 @@ def target_one_token_step(held: HeldCall) -> Any:
     and returns the logits (b, 1, V). A hybrid target's linear states advance at each call (restore them with
     `carried_state`)."""
     step, rows = held.engine, held.rows
-    slots = rows.anchor_pos[:, None]  # (b, 1) the token's own position
-    visible = rows.key_positions <= slots[:, :, None]  # (b, 1, L)
-    mask = step.target_masks(visible, slots, rows.key_positions)
-    positions = rows.anchor_pos[:, None]  # (b, 1)
+    positions = rows.anchor_pos[:, None]  # (b, 1) the token's own position
+    visible = rows.key_positions <= positions[:, :, None]  # (b, 1, L)
+    mask = step.target_masks(visible, positions, rows.key_positions)
     cache = rows.target_cache
 
     @torch.no_grad()
     def forward() -> torch.Tensor:
-        cache.write_slots = slots
+        cache.write_slots = positions
         return step.target(
             input_ids=rows.anchor_ids, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1,
             **{step.cache_argument: cache},
