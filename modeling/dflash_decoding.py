@@ -12,9 +12,10 @@ and runs one of two loops over the same step parts:
    the target's own token after them; the target cache goes back to the committed length (dflash_target_cache.py:
    full, sliding-window and Gated DeltaNet layers) and the accepted rows become drafter context.
 The fast path (dflash_fast_path.py) runs the call's rows on the continuous-batching engine (fixed device buffers,
-each step a CUDA graph on a GPU); `EagerDecoding` runs the step's parts around transformers' own cache. Either way the committed tokens then pass the same host hooks
-(dflash_host_hooks.py): stopping criteria called one token at a time (so stop strings and custom criteria end
-generation exactly where plain generate would), the streamer, per-token scores and logits.
+each step a CUDA graph on a GPU); `EagerDecoding` runs the step's parts around transformers' own cache. Either way
+the committed tokens then pass the same host hooks (dflash_host_hooks.py): stopping criteria called one token at a
+time (so stop strings and custom criteria end generation exactly where plain generate would), the streamer,
+per-token scores and logits.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
