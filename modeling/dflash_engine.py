@@ -820,11 +820,10 @@ class DFlashEngine(DFlashStep):
         sequence.drafter_pages = self.drafter_pool.take_pages(self._stretch_pages(row))
 
     def _stretch(self, rows: slice, span: int) -> tuple[int, int, int, int]:
-        """`PagedDrafterCache.read_stretch`'s arguments for `rows` (from 0, or one row) reading positions 0..span-1."""
+        """`PagedDrafterCache.read_stretch`'s arguments for `rows` (a slice with a stop) reading positions 0..span-1."""
         slots = self.pages_per_row * PAGE_SIZE
         first = rows.start or 0
-        count = (rows.stop - first) if rows.stop is not None else len(self.sequences)
-        return self.scratch_pages * PAGE_SIZE + first * slots, count, slots, span
+        return self.scratch_pages * PAGE_SIZE + first * slots, rows.stop - first, slots, span
 
     def _idle(self, row: int) -> None:
         """Make an inactive `row` (its `active` 0: its anchor never moves, it commits nothing) safe to run idle in a
@@ -959,10 +958,10 @@ class DFlashEngine(DFlashStep):
 
     def _prepare_drafter(self, rows: EngineRows) -> None:
         """When a bound generate call compiles the drafter's pass (`bind`), compile it for this many rows and run it
-        once (its first run also tunes kernels), before any graph records the step; later spans recompile it on their
-        first, eager run. Leaves the device state as a step would find it: a pass rewrites the last verify's context
-        rows as they were, and block slots the step overwrites. If compiling fails, a warning says why and the step
-        keeps the eager pass."""
+        once (its first run also tunes kernels), before any graph records the step (a call's step reads every row's
+        whole stretch, so the row count fixes its shape). Leaves the device state as a step would find it: a pass
+        rewrites the last verify's context rows as they were, and block slots the step overwrites. If compiling
+        fails, a warning says why and the step keeps the eager pass."""
         n = rows.anchor_ids.shape[0]
         if not self.compile_drafter or self.compile_error is not None or n in self.drafter_passes:
             return

@@ -123,30 +123,30 @@ def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> d
 
     layer, cache, config = layer_and_cache(model_type, overrides)
     keyword = cache_keyword(layer)
-    static = LinearStates()  # the engine's rule over per-sequence states, for this one layer
-    static.bind_linear_states(*linear_state_buffers({0: layer}, batch, torch.float32, "cpu"), [layer], num_layers=1)
-    with static.prefilling():
-        layer(torch.randn(batch, PROMPT, config.hidden_size), **{keyword: static})
-    conv0, recurrent0 = static.conv[0].clone(), static.recurrent[0].clone()
+    states = LinearStates()  # the engine's rule over per-sequence states, for this one layer
+    states.bind_linear_states(*linear_state_buffers({0: layer}, batch, torch.float32, "cpu"), [layer], num_layers=1)
+    with states.prefilling():
+        layer(torch.randn(batch, PROMPT, config.hidden_size), **{keyword: states})
+    conv0, recurrent0 = states.conv[0].clone(), states.recurrent[0].clone()
     block = torch.randn(batch, BLOCK, config.hidden_size)
     taken = torch.tensor(KEPT[batch])
 
     def restore() -> None:
-        static.conv[0].copy_(conv0)
-        static.recurrent[0].copy_(recurrent0)
+        states.conv[0].copy_(conv0)
+        states.recurrent[0].copy_(recurrent0)
 
     def verify() -> None:
         restore()
-        with static.deferring():
-            layer(block, **{keyword: static})
+        with states.deferring():
+            layer(block, **{keyword: states})
 
     verify()
-    recorded = dict(static.pending)
+    recorded = dict(states.pending)
 
     def masked_chunk() -> None:
         restore()
-        static.pending = dict(recorded)
-        static.commit(taken)
+        states.pending = dict(recorded)
+        states.commit(taken)
 
     rule_module = sys.modules[type(layer).__module__]
 
@@ -154,9 +154,9 @@ def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> d
         restore()
         pending = recorded[0]
         keep = (torch.arange(BLOCK) < taken[:, None])[..., None]  # (b, B, 1)
-        kwargs = dict(pending.kwargs, initial_state=static.recurrent[0], output_final_state=True)
+        kwargs = dict(pending.kwargs, initial_state=states.recurrent[0], output_final_state=True)
         kwargs["g"], kwargs["beta"] = pending.kwargs["g"] * keep, pending.kwargs["beta"] * keep
-        static.recurrent[0].copy_(rule_module.torch_recurrent_gated_delta_rule(*pending.args, **kwargs)[1])
+        states.recurrent[0].copy_(rule_module.torch_recurrent_gated_delta_rule(*pending.args, **kwargs)[1])
 
     state = cache.layers[0]
     # transformers' own cache, for the layer's re-run
@@ -169,9 +169,9 @@ def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> d
             layer(block[rows][:, :count], **{keyword: cache})
 
     masked_chunk()
-    chunk_states = static.recurrent[0].clone()
+    chunk_states = states.recurrent[0].clone()
     masked_loop()
-    torch.testing.assert_close(static.recurrent[0], chunk_states, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states.recurrent[0], chunk_states, atol=1e-4, rtol=1e-4)
     return {
         "kept_rows": KEPT[batch],
         "verify_chunk_ms": time(verify),
