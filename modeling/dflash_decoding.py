@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .dflash_acceptance import DecodingRule, accept, draft_confidence
+from .dflash_acceptance import DecodingRule, accept, width_confidence
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_checks import check_call
 from .dflash_compat import cache_argument, cache_from_kwargs
@@ -161,15 +161,9 @@ class EagerDecoding:
                 proposal = self.generator.proposal
                 drafts, draft_probs = proposal.drafts.to(device), proposal.probs.to(device)
             if policy is not None:
-                # A DFlash2 row's q depends on the draft sampled before it: a width read from those would depend on
-                # the drafts it keeps, so its confidence comes from the rows' own logits.
-                dflash2 = self.generator.drafter.config.is_dflash2
-                if draft_probs is None and not dflash2:
-                    # argmax drafts: the proposal's confidence, the probability of each row's argmax, is already the
-                    # largest probability of the row (one softmax over the vocabulary fewer per step)
-                    confidence = self.generator.proposal.confidence.tolist()  # (b, B - 1), a host sync
-                else:
-                    confidence = draft_confidence(draft_logits, None if dflash2 else draft_probs).tolist()
+                selector = self.generator.drafter.config.is_dflash2
+                # (b, B - 1), a host sync
+                confidence = width_confidence(self.generator.proposal, draft_logits, selector).tolist()
                 num_rows = policy.width(live, confidence, num_rows)
             drafts = drafts[:, : num_rows - 1]
             draft_probs = None if draft_probs is None else draft_probs[:, : num_rows - 1]
@@ -308,13 +302,15 @@ def dflash_generate(
     max_length = generation_config.max_length
     host_hooks = HostHooks(input_ids, generation_config, stopping_criteria, streamer)
     return_dict = generation_config.return_dict_in_generate
-    blocker = fast_path_blocker(target, drafter, processors, verify_rows, attention_mask)
-    if blocker is None and policy is not None:
-        blocker = "dflash_adaptive is on (the fast path verifies the full block; pass dflash_adaptive=False)"
+    blocker = fast_path_blocker(target, drafter, processors, attention_mask)
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
         engine = engine_for(target, drafter, input_ids.shape[0], max_length)
-        compile_drafter = engine.use_graphs if dflash_compile is None else dflash_compile
-        engine.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
+        # a width chosen per step (the policy, or the cap) is chosen on the host: those steps run without a graph
+        chosen_width = policy is not None or verify_rows < block_size
+        compile_drafter = engine.use_graphs and not chosen_width if dflash_compile is None else dflash_compile
+        engine.bind(
+            processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter, policy, verify_rows
+        )
         decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks)
         host_hooks.end()
         return _generate_output(host_hooks, return_dict)

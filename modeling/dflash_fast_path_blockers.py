@@ -141,11 +141,9 @@ def fast_path_blocker(
     target: torch.nn.Module,
     drafter: torch.nn.Module,
     processors: StepProcessors,
-    verify_rows: int,
     attention_mask: torch.Tensor,
 ) -> str | None:
     """Why the fast path cannot serve this call, with the fix when there is one; None when it can."""
-    config = drafter.config
     text = target.config.get_text_config()
     devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
     if len(devices) != 1:
@@ -162,8 +160,6 @@ def fast_path_blocker(
             f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
             "drop them for the fast path"
         )
-    if verify_rows != config.block_size:
-        return "dflash_verify_rows is set (drop it for the fast path)"
     windows = _window_blocker(text)
     if windows is not None:
         return windows
