@@ -12,7 +12,8 @@ and runs one of two loops over the same step parts:
    the target's own token after them; the target cache goes back to the committed length (dflash_target_cache.py:
    full, sliding-window and Gated DeltaNet layers) and the accepted rows become drafter context.
 The fast path (dflash_fast_path.py) runs the call's rows on the continuous-batching engine (fixed device buffers,
-each step a CUDA graph on a GPU); `EagerDecoding` runs the step's parts around transformers' own cache. Either way
+each full-width step a CUDA graph on a GPU), on any device, whenever it can serve the call; `EagerDecoding` runs the
+step's parts around transformers' own cache for the calls it cannot (dflash_fast_path_blockers.py). Either way
 the committed tokens then pass the same host hooks (dflash_host_hooks.py): stopping criteria called one token at a
 time (so stop strings and custom criteria end generation exactly where plain generate would), the streamer,
 per-token scores and logits.
@@ -268,10 +269,9 @@ def dflash_generate(
     `dflash_verify_rows` (a generate keyword, default: the block size) caps the rows the target verifies per step,
     anchor included: where a target forward costs in proportion to its rows (a CPU), verifying only the drafts that
     are likely to be accepted is cheaper. It never changes the output.
-    `dflash_fast_path` (a generate keyword): None (the default) takes the CUDA-graph fast path (dflash_fast_path.py)
-    whenever it can serve the call on a GPU; True insists (an error names what blocks it; on a CPU the engine's
-    step runs without a graph); False always takes the eager loop (`EagerDecoding`). The tokens are the same
-    either way.
+    `dflash_fast_path` (a generate keyword): None (the default) takes the fast path (dflash_fast_path.py: the
+    engine's step, a CUDA graph on a GPU, eager on a CPU) whenever it can serve the call; True insists (an error
+    names what blocks it); False always takes the eager loop (`EagerDecoding`). The tokens are the same either way.
     `dflash_compile` (a generate keyword): whether the fast path compiles its drafter pass with torch.compile before
     recording it (dflash_fast_path.py). None (the default) compiles where the step is recorded as a CUDA graph; True
     compiles also where it is not (a CPU); False keeps it eager. Only proposals can differ, never the output.
@@ -283,9 +283,9 @@ def dflash_generate(
     `acceptance_lengths` measure the drafter and a run repeats exactly: with a policy the widths follow measured
     timings, which changes tau and, under sampling, which random numbers are drawn (the tokens stay exactly
     target-distributed, and greedy tokens never change). True makes a policy for this call; a `VerifyPolicy`
-    instance is used as given, and its cost fit carries over from call to call. With a policy the eager loop serves
-    the call: the GPU fast path replays one full-width step, and at small batches a GPU verifies 16 rows in about
-    the time of one.
+    instance is used as given, and its cost fit carries over from call to call. With a policy or a
+    `dflash_verify_rows` cap the engine's steps run without a graph (the width is chosen on the host), and at small
+    batches a GPU verifies 16 rows in about the time of one.
     """
     target = model
     rule = DecodingRule.for_call(generation_config, dflash_sampling)
@@ -311,9 +311,11 @@ def dflash_generate(
         engine.bind(
             processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter, policy, verify_rows
         )
-        decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks)
+        # as the eager loop's `returned_cache`: a batch of 1, where plain generate can continue from the cache
+        returned = cache if return_dict and input_ids.shape[0] == 1 and engine.hands_back_caches else None
+        decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks, returned)
         host_hooks.end()
-        return _generate_output(host_hooks, return_dict)
+        return _generate_output(host_hooks, return_dict, **{cache_argument(target): returned})
     loop = EagerDecoding(
         target, drafter, input_ids, attention_mask, cache, processors, rule, host_hooks, verify_rows, policy
     )

@@ -27,11 +27,14 @@ refused with a ValueError naming the limit (`check_request`).
 How many rows a step verifies is a `VerifyPolicy`'s (dflash_policy.py) choice when `adaptive` is on (by default
 where the engine runs on a CPU, where a verify costs about in proportion to its rows): per step it decides whether to
 draft at all (a plain step verifies each anchor alone and skips the drafter's layers; the last verify's rows still
-become drafter context), and after drafting how many rows (anchor + drafts) to verify, from each sequence's drafter
+become drafter context, at once or with the next drafted step), and after drafting how many rows (anchor + drafts) to verify, from each sequence's drafter
 confidence and recent acceptance and the verify cost it measures per batch size. Greedy tokens never change and
-sampled ones stay target-distributed: the width is chosen from the drafter's state alone (the engine's drafts are
-never sampled), and accepting a prefix of fewer drafts is the same acceptance rule. Without a policy every step
-verifies the full block.
+sampled ones stay target-distributed: the width is chosen from the drafter's state alone (a request's drafts are
+never sampled; a bound generate call's sampled drafts give the width through `width_confidence`, which never reads
+the drafts drawn), and accepting a prefix of fewer drafts is the same acceptance rule. A plain step leaves the row it
+captured waiting behind the rows already waiting, where every row waits the same count (`waiting_rows`): the next
+drafted step stores them as drafter context in one pass. Without a policy every step verifies the full block, or a
+bound generate call's `dflash_verify_rows`.
 
 Buffers belong to the engine, which its caller owns: the manager (dflash_continuous.py), or `generate`'s fast path
 (dflash_fast_path.py), which keeps one engine per drafter, its rows each one stretch of the pools (`contiguous_rows`).
@@ -615,6 +618,25 @@ class DFlashEngine(DFlashStep):
             None if self.scores is None else self.scores[row],
             None if self.logits is None else self.logits[row],
         )
+
+    @property
+    def hands_back_caches(self) -> bool:
+        """Whether `copy_into_cache` can give a sequence's keys/values to transformers' cache as plain decoding would
+        hold them: every layer of the target attends over its whole history (no sliding window, no Gated DeltaNet
+        states)."""
+        return not self.hybrid and self.target_window is None
+
+    @torch.no_grad()
+    def copy_into_cache(self, key: Hashable, cache: object) -> None:
+        """Store `key`'s target keys/values of every position before its anchor in `cache`, an empty transformers
+        cache, layer by layer (`update`): what plain generate's cache holds after the same tokens (all but the last,
+        which it has not read yet), so that generate can continue from it. Only where `hands_back_caches`."""
+        row = next(i for i, sequence in enumerate(self.sequences) if sequence.key == key)
+        positions = torch.arange(self.sequences[row].position, device=self.anchor_ids.device)
+        slots = page_slots(self.target_tables[row : row + 1], positions[None])  # (1, L)
+        for layer in range(len(self.target_pool.key_pools)):
+            keys, values = self.target_pool.read(layer, slots)  # (1, g, L, d) gathered copies
+            cache.update(keys, values, layer)
 
     def retire_all(self) -> None:
         """Free every row and its pages (a call ended, also by an exception)."""

@@ -25,9 +25,10 @@ class OracleHead(torch.nn.Module):
     (read from the engine's own device state and its rows' sequences), wrong at every `wrong_every`-th column, so
     acceptance varies from 1 to B and differs between sequences."""
 
-    def __init__(self, engine: DFlashEngine, reference: torch.LongTensor, wrong_every: int, vocab: int):
+    def __init__(self, engine: DFlashEngine, reference: torch.LongTensor, wrong_every: int, vocab: int | None = None):
         super().__init__()
-        self.engine, self.reference, self.wrong_every, self.vocab = engine, reference, wrong_every, vocab
+        self.engine, self.reference, self.wrong_every = engine, reference, wrong_every
+        self.vocab = vocab or engine.vocab_size
         self.weight = engine.generator.lm_head.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,7 @@ class OracleHead(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def oracle_fast_path_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int):
+def oracle_fast_path_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int | None = None):
     """The fast path's drafts (the engine's `propose`, at full-width steps and at chosen widths alike) come from
     `OracleHead`."""
     original = DFlashEngine.propose
@@ -284,7 +285,8 @@ def test_a_gpu_call_off_the_fast_path_says_why_once():
         assert not takes_fast_path(None, "a made-up reason (test of the warning, on a CPU)", torch.device("cpu"))
     assert captured.out.count("takes the eager loop") == 1
     assert "because a made-up reason (test of the warning)" in captured.out
-    assert takes_fast_path(None, None, cuda) and takes_fast_path(True, None, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert takes_fast_path(None, None, cuda) and takes_fast_path(None, None, cpu) and takes_fast_path(True, None, cpu)
     with pytest.raises(ValueError, match="dflash_fast_path=True, but the fast path cannot serve this call: why"):
         takes_fast_path(True, "why", cuda)
 

@@ -267,7 +267,7 @@ class Scripted(VerifyPolicy):
 
 
 def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same(monkeypatch):
-    """A plain step leaves its row in the accumulator while another verify's rows fit (`take_context(defer=True)`):
+    """In the eager loop a plain step leaves its row in the accumulator while another verify's rows fit (`take_context(defer=True)`):
     a run of plain steps computes its context keys/values in one pass, and the drafts after it do not change."""
     from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
 
@@ -292,7 +292,7 @@ def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same
         passes.clear()
         policy = Scripted(script)
         out = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter,
-                              dflash_adaptive=policy)
+                              dflash_adaptive=policy, dflash_fast_path=False)
         assert torch.equal(out, plain)
         runs[defer] = (list(passes), policy.drafted, list(policy.widths))
     (deferred, drafted, widths), (eager, drafted_eager, widths_eager) = runs[True], runs[False]
