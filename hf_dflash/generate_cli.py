@@ -106,20 +106,23 @@ class TokenProgress(BaseStreamer):
 
 def warm_up(target: Any, drafter: Any, tokenizer: Any, device: str, dflash_settings: dict[str, Any]) -> str:
     """Run plain generate and DFlash once on a short prompt, so one-time costs (allocator, kernels, the CUDA-graph
-    capture) stay out of the timings, and say which path DFlash takes: the CUDA-graph fast path or the eager loop."""
+    capture) stay out of the timings, and say which path DFlash takes: the engine's step (on a GPU a CUDA graph,
+    unless each step chooses its width on the host) or, for a call the engine cannot serve, the eager loop."""
     warm = encode(tokenizer, "Hi", device)
     settings = dict(max_new_tokens=4, do_sample=False)
     target.generate(**warm, **settings)
-    if not device.startswith("cuda"):
-        target.generate(**warm, **settings, assistant_model=drafter, **dflash_settings)
-        return "eager loop (the CUDA-graph fast path runs on a GPU)"
     try:
         target.generate(**warm, **settings, assistant_model=drafter, dflash_fast_path=True, **dflash_settings)
-        return "CUDA-graph fast path"
     except ValueError as refusal:
         # The default call decides: it raises again if the call itself is wrong, not just the fast path.
         target.generate(**warm, **settings, assistant_model=drafter, **dflash_settings)
         return f"eager loop: {str(refusal).split('cannot serve this call: ')[-1]}"
+    if not device.startswith("cuda"):
+        return "engine's step (eager on a CPU)"
+    block = drafter.config.block_size
+    if dflash_settings.get("dflash_adaptive") or dflash_settings.get("dflash_verify_rows", block) < block:
+        return "engine's step without CUDA graphs (each step's width is chosen on the host)"
+    return "CUDA-graph fast path"
 
 
 def identity_verdict(plain: torch.Tensor, dflash: torch.Tensor, dtype: torch.dtype) -> str:

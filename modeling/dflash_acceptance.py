@@ -71,6 +71,18 @@ def draft_confidence(draft_logits: torch.Tensor, draft_probs: torch.Tensor | Non
     return probs.amax(dim=-1)
 
 
+def width_confidence(proposal: "Proposal", draft_logits: torch.Tensor, selector: bool) -> torch.Tensor:
+    """What a verify policy (dflash_policy.py) reads of a proposal to choose how many rows to verify (b, B - 1)
+    float32, in both loops. Argmax drafts are a function of the drafter's state alone, so their own confidence serves
+    (for a DFlash drafter the largest probability of each row). Sampled drafts must not decide the width
+    (`draft_confidence`): a DFlash drafter's rows give the largest probability of the distribution they were drawn
+    from; a DFlash2 row's distribution depends on the draft drawn before it, so its confidence comes from the rows'
+    own logits (draft_logits (b, B - 1, V))."""
+    if proposal.probs is None:
+        return proposal.confidence
+    return draft_confidence(draft_logits, None if selector else proposal.probs)
+
+
 @dataclass
 class Proposal:
     """A drafter's proposal for the B - 1 rows after each anchor (`DFlashDraftModel.propose`)."""
@@ -162,5 +174,5 @@ def accept(
 
 __all__ = [
     "DecodingRule", "Proposal", "accept", "draft_confidence", "draft_distribution", "exponential_race_sample",
-    "inverse_cdf_sample", "sample",
+    "inverse_cdf_sample", "sample", "width_confidence",
 ]

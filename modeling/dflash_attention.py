@@ -30,6 +30,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -132,15 +133,22 @@ def grouped_sdpa_attention(
 register_attention(GROUPED_SDPA, grouped_sdpa_attention)
 
 
+# Per model, the configs `_configs` found: an eager step enters `grouped_attention` twice, and walking every module of
+# the target each time would be host work paid at every step.
+_CONFIGS: "weakref.WeakKeyDictionary[torch.nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+
+
 def _configs(model: torch.nn.Module) -> list[Any]:
     """Every distinct config the model's modules read their attention implementation from (a composite model's
-    sub-configs included)."""
-    found: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if has_attention_implementation(config):
-            found.setdefault(id(config), config)
-    return list(found.values())
+    sub-configs included), found once per model."""
+    if model not in _CONFIGS:
+        found: dict[int, Any] = {}
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if has_attention_implementation(config):
+                found.setdefault(id(config), config)
+        _CONFIGS[model] = list(found.values())
+    return _CONFIGS[model]
 
 
 @contextmanager

@@ -12,7 +12,8 @@ and runs one of two loops over the same step parts:
    the target's own token after them; the target cache goes back to the committed length (dflash_target_cache.py:
    full, sliding-window and Gated DeltaNet layers) and the accepted rows become drafter context.
 The fast path (dflash_fast_path.py) runs the call's rows on the continuous-batching engine (fixed device buffers,
-each step a CUDA graph on a GPU); `EagerDecoding` runs the step's parts around transformers' own cache. Either way
+each full-width step a CUDA graph on a GPU), on any device, whenever it can serve the call; `EagerDecoding` runs the
+step's parts around transformers' own cache for the calls it cannot (dflash_fast_path_blockers.py). Either way
 the committed tokens then pass the same host hooks (dflash_host_hooks.py): stopping criteria called one token at a
 time (so stop strings and custom criteria end generation exactly where plain generate would), the streamer,
 per-token scores and logits.
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .dflash_acceptance import DecodingRule, accept, draft_confidence
+from .dflash_acceptance import DecodingRule, accept, width_confidence
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_checks import check_call
 from .dflash_compat import cache_argument, cache_from_kwargs
@@ -161,15 +162,9 @@ class EagerDecoding:
                 proposal = self.generator.proposal
                 drafts, draft_probs = proposal.drafts.to(device), proposal.probs.to(device)
             if policy is not None:
-                # A DFlash2 row's q depends on the draft sampled before it: a width read from those would depend on
-                # the drafts it keeps, so its confidence comes from the rows' own logits.
-                dflash2 = self.generator.drafter.config.is_dflash2
-                if draft_probs is None and not dflash2:
-                    # argmax drafts: the proposal's confidence, the probability of each row's argmax, is already the
-                    # largest probability of the row (one softmax over the vocabulary fewer per step)
-                    confidence = self.generator.proposal.confidence.tolist()  # (b, B - 1), a host sync
-                else:
-                    confidence = draft_confidence(draft_logits, None if dflash2 else draft_probs).tolist()
+                selector = self.generator.drafter.config.is_dflash2
+                # (b, B - 1), a host sync
+                confidence = width_confidence(self.generator.proposal, draft_logits, selector).tolist()
                 num_rows = policy.width(live, confidence, num_rows)
             drafts = drafts[:, : num_rows - 1]
             draft_probs = None if draft_probs is None else draft_probs[:, : num_rows - 1]
@@ -274,10 +269,9 @@ def dflash_generate(
     `dflash_verify_rows` (a generate keyword, default: the block size) caps the rows the target verifies per step,
     anchor included: where a target forward costs in proportion to its rows (a CPU), verifying only the drafts that
     are likely to be accepted is cheaper. It never changes the output.
-    `dflash_fast_path` (a generate keyword): None (the default) takes the CUDA-graph fast path (dflash_fast_path.py)
-    whenever it can serve the call on a GPU; True insists (an error names what blocks it; on a CPU the engine's
-    step runs without a graph); False always takes the eager loop (`EagerDecoding`). The tokens are the same
-    either way.
+    `dflash_fast_path` (a generate keyword): None (the default) takes the fast path (dflash_fast_path.py: the
+    engine's step, a CUDA graph on a GPU, eager on a CPU) whenever it can serve the call; True insists (an error
+    names what blocks it); False always takes the eager loop (`EagerDecoding`). The tokens are the same either way.
     `dflash_compile` (a generate keyword): whether the fast path compiles its drafter pass with torch.compile before
     recording it (dflash_fast_path.py). None (the default) compiles where the step is recorded as a CUDA graph; True
     compiles also where it is not (a CPU); False keeps it eager. Only proposals can differ, never the output.
@@ -289,9 +283,9 @@ def dflash_generate(
     `acceptance_lengths` measure the drafter and a run repeats exactly: with a policy the widths follow measured
     timings, which changes tau and, under sampling, which random numbers are drawn (the tokens stay exactly
     target-distributed, and greedy tokens never change). True makes a policy for this call; a `VerifyPolicy`
-    instance is used as given, and its cost fit carries over from call to call. With a policy the eager loop serves
-    the call: the GPU fast path replays one full-width step, and at small batches a GPU verifies 16 rows in about
-    the time of one.
+    instance is used as given, and its cost fit carries over from call to call. With a policy or a
+    `dflash_verify_rows` cap the engine's steps run without a graph (the width is chosen on the host), and at small
+    batches a GPU verifies 16 rows in about the time of one.
     """
     target = model
     rule = DecodingRule.for_call(generation_config, dflash_sampling)
@@ -308,16 +302,20 @@ def dflash_generate(
     max_length = generation_config.max_length
     host_hooks = HostHooks(input_ids, generation_config, stopping_criteria, streamer)
     return_dict = generation_config.return_dict_in_generate
-    blocker = fast_path_blocker(target, drafter, processors, verify_rows, attention_mask)
-    if blocker is None and policy is not None:
-        blocker = "dflash_adaptive is on (the fast path verifies the full block; pass dflash_adaptive=False)"
+    blocker = fast_path_blocker(target, drafter, processors, attention_mask)
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
         engine = engine_for(target, drafter, input_ids.shape[0], max_length)
-        compile_drafter = engine.use_graphs if dflash_compile is None else dflash_compile
-        engine.bind(processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter)
-        decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks)
+        # a width chosen per step (the policy, or the cap) is chosen on the host: those steps run without a graph
+        chosen_width = policy is not None or verify_rows < block_size
+        compile_drafter = engine.use_graphs and not chosen_width if dflash_compile is None else dflash_compile
+        engine.bind(
+            processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter, policy, verify_rows
+        )
+        # as the eager loop's `returned_cache`: a batch of 1, where plain generate can continue from the cache
+        returned = cache if return_dict and input_ids.shape[0] == 1 and engine.hands_back_caches else None
+        decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks, returned)
         host_hooks.end()
-        return _generate_output(host_hooks, return_dict)
+        return _generate_output(host_hooks, return_dict, **{cache_argument(target): returned})
     loop = EagerDecoding(
         target, drafter, input_ids, attention_mask, cache, processors, rule, host_hooks, verify_rows, policy
     )

@@ -27,11 +27,14 @@ refused with a ValueError naming the limit (`check_request`).
 How many rows a step verifies is a `VerifyPolicy`'s (dflash_policy.py) choice when `adaptive` is on (by default
 where the engine runs on a CPU, where a verify costs about in proportion to its rows): per step it decides whether to
 draft at all (a plain step verifies each anchor alone and skips the drafter's layers; the last verify's rows still
-become drafter context), and after drafting how many rows (anchor + drafts) to verify, from each sequence's drafter
+become drafter context, at once or with the next drafted step), and after drafting how many rows (anchor + drafts) to verify, from each sequence's drafter
 confidence and recent acceptance and the verify cost it measures per batch size. Greedy tokens never change and
-sampled ones stay target-distributed: the width is chosen from the drafter's state alone (the engine's drafts are
-never sampled), and accepting a prefix of fewer drafts is the same acceptance rule. Without a policy every step
-verifies the full block.
+sampled ones stay target-distributed: the width is chosen from the drafter's state alone (a request's drafts are
+never sampled; a bound generate call's sampled drafts give the width through `width_confidence`, which never reads
+the drafts drawn), and accepting a prefix of fewer drafts is the same acceptance rule. A plain step leaves the row it
+captured waiting behind the rows already waiting, where every row waits the same count (`waiting_rows`): the next
+drafted step stores them as drafter context in one pass. Without a policy every step verifies the full block, or a
+bound generate call's `dflash_verify_rows`.
 
 Buffers belong to the engine, which its caller owns: the manager (dflash_continuous.py), or `generate`'s fast path
 (dflash_fast_path.py), which keeps one engine per drafter, its rows each one stretch of the pools (`contiguous_rows`).
@@ -54,7 +57,7 @@ from typing import NamedTuple
 import torch
 from transformers.utils import logging
 
-from .dflash_acceptance import DecodingRule, accept
+from .dflash_acceptance import DecodingRule, accept, width_confidence
 from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
@@ -389,9 +392,15 @@ class DFlashEngine(DFlashStep):
             self.policy: VerifyPolicy | None = adaptive
         else:
             self.policy = VerifyPolicy(whole_batch=True) if adaptive else None
-        # Of the last verify's rows, how many the next step stores as drafter context (`store_context`): its largest
-        # accepted count + 1 under the policy; a newly admitted row needs none (it was prefilled).
+        # The most rows a step verifies, anchor included (a bound generate call's `dflash_verify_rows` may lower it).
+        self.verify_cap = block
+        # After a step of a chosen width, how many captured rows (from each row's `prev_pos`) the next step stores as
+        # drafter context (`store_context`): the largest accepted count + 1, or the rows plain steps left waiting;
+        # `waiting_rows`: that count when every row waits exactly that many, so that a plain step may leave its own
+        # row waiting behind them (None when rows wait different counts). A newly admitted row waits for none (it
+        # was prefilled).
         self.context_rows = 1
+        self.waiting_rows: int | None = 0
 
     # -- room ---------------------------------------------------------------------------------------------------
 
@@ -500,12 +509,16 @@ class DFlashEngine(DFlashStep):
 
     def bind(
         self, processors: StepProcessors, rule: DecodingRule, keep_scores: bool, keep_logits: bool,
-        compile_drafter: bool = False,
+        compile_drafter: bool = False, policy: VerifyPolicy | None = None, verify_rows: int | None = None,
     ) -> None:
         """Serve a `generate` call (dflash_decoding.py): its rows' tokens are chosen under the call's logits processors
         and decoding rule (the drafts sampled from the drafter under rejection sampling) instead of per-request
-        settings, and the step writes the verify rows' scores / logits out when the call returns them. A recorded
-        graph baked in what it was recorded with: the graphs are kept only for a call that computes the same."""
+        settings, and the step writes the verify rows' scores / logits out when the call returns them. The call's
+        `policy` (its `dflash_adaptive`) chooses each step's width, and `verify_rows` (its `dflash_verify_rows`,
+        default the block) caps it; either makes the steps run eagerly at the width chosen. A recorded graph baked
+        in what it was recorded with: the graphs are kept only for a call that computes the same."""
+        self.policy = policy
+        self.verify_cap = verify_rows or self.block_size
         kept = (self.scores is not None, self.logits is not None)
         if compile_drafter != self.compile_drafter:
             self._drop_graphs()
@@ -547,6 +560,8 @@ class DFlashEngine(DFlashStep):
         max_new_tokens = max_length - padded_length
         for prompt in prompts:
             self.check_request(len(prompt), max_new_tokens)
+        if self.policy is not None:  # the call's rows 0..b-1, from the prior; the cost fit carries over
+            self.policy.start(batch)
         placed = []
         try:
             for row, prompt in enumerate(prompts):
@@ -604,6 +619,25 @@ class DFlashEngine(DFlashStep):
             None if self.logits is None else self.logits[row],
         )
 
+    @property
+    def hands_back_caches(self) -> bool:
+        """Whether `copy_into_cache` can give a sequence's keys/values to transformers' cache as plain decoding would
+        hold them: every layer of the target attends over its whole history (no sliding window, no Gated DeltaNet
+        states)."""
+        return not self.hybrid and self.target_window is None
+
+    @torch.no_grad()
+    def copy_into_cache(self, key: Hashable, cache: object) -> None:
+        """Store `key`'s target keys/values of every position before its anchor in `cache`, an empty transformers
+        cache, layer by layer (`update`): what plain generate's cache holds after the same tokens (all but the last,
+        which it has not read yet), so that generate can continue from it. Only where `hands_back_caches`."""
+        row = next(i for i, sequence in enumerate(self.sequences) if sequence.key == key)
+        positions = torch.arange(self.sequences[row].position, device=self.anchor_ids.device)
+        slots = page_slots(self.target_tables[row : row + 1], positions[None])  # (1, L)
+        for layer in range(len(self.target_pool.key_pools)):
+            keys, values = self.target_pool.read(layer, slots)  # (1, g, L, d) gathered copies
+            cache.update(keys, values, layer)
+
     def retire_all(self) -> None:
         """Free every row and its pages (a call ended, also by an exception)."""
         self.retire_many([sequence.key for sequence in self.sequences])
@@ -657,6 +691,8 @@ class DFlashEngine(DFlashStep):
         self.active[row] = 1
         self.anchor_pos[row] = self.prev_pos[row] = sequence.position  # the first step has no verify rows to store
         self.max_length[row] = sequence.max_length
+        # the row waits for no captured rows: so do all only if the running ones do too
+        self.waiting_rows = 0 if not self.sequences or self.waiting_rows == 0 else None
         self.sequences.append(sequence)
         if self.policy is not None:
             self.policy.add(sequence.key)
@@ -854,10 +890,11 @@ class DFlashEngine(DFlashStep):
         )
 
     def _step_span(self) -> int:
-        """Positions a step of the running rows reads back: the longest sequence's, with a block. With
-        `contiguous_rows` (a generate call's), every row's whole stretch: one shape per row count, so that the drafter's
-        pass is compiled, and the step recorded, once per row count, not again at every span a long call reaches."""
-        if self.contiguous_rows:
+        """Positions a step of the running rows reads back: the longest sequence's, with a block. Where a generate
+        call's step is recorded or its drafter's pass compiled (`contiguous_rows` rows), every row's whole stretch:
+        one shape per row count, so that the pass is compiled, and the step recorded, once per row count, not again at
+        every span a long call reaches."""
+        if self.contiguous_rows and (self.use_graphs or self.compile_drafter):
             return self.pages_per_row * PAGE_SIZE
         return self._span(max(sequence.position for sequence in self.sequences) + self.block_size)
 
@@ -1044,23 +1081,33 @@ class DFlashEngine(DFlashStep):
         scoring = RowScoring.of([sequence.sampling for sequence in self.sequences])
         keys = [sequence.key for sequence in self.sequences]
         width, confidence, draft_seconds = self.block_size, None, None
-        if self.policy is not None:  # eager, at the running rows' shape: the width is chosen between draft and verify
+        chosen_width = self.policy is not None or self.verify_cap < self.block_size
+        if chosen_width:  # eager, at the running rows' shape: the width is chosen between draft and verify
             with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
                 started = time.perf_counter()
                 rows = self._rows(n, span, scoring)
-                width, confidence = self._draft_for_policy(rows, keys)
+                width, confidence, draft_probs, waits = self._draft_at_width(rows, keys)
                 verify_started = time.perf_counter()
                 draft_seconds = None if confidence is None else verify_started - started
-                self.verify(rows, None, width)
+                self.verify(rows, draft_probs, width, self.waiting_rows if waits else None)
         elif self.static_shapes:
             self._run_static(*self._static_shape(n, span), scoring)
         else:
             self._run_rows(n, span, scoring)
         out = self.out[:n].tolist()  # the step's host synchronization (the policy's second)
         accepted = [row[self.block_size] for row in out]
-        if self.policy is not None:
-            self.policy.record(keys, width, accepted, confidence, draft_seconds, time.perf_counter() - verify_started)
-            self.context_rows = max(accepted) + 1
+        if chosen_width:
+            if self.policy is not None:
+                self.policy.record(
+                    keys, width, accepted, confidence, draft_seconds, time.perf_counter() - verify_started
+                )
+            if waits:  # a plain step's row joins those waiting
+                self.waiting_rows = self.context_rows = self.waiting_rows + 1
+            else:
+                self.context_rows = max(accepted) + 1
+                self.waiting_rows = accepted[0] + 1 if len(set(accepted)) == 1 else None
+        else:
+            self.context_rows, self.waiting_rows = self.block_size, None
         self.width_steps[width] += 1
         self.row_steps += n
         self.accepted_drafts += sum(accepted)
@@ -1082,20 +1129,31 @@ class DFlashEngine(DFlashStep):
         taken, sequence.logprobs = sequence.logprobs, []
         return taken
 
-    def _draft_for_policy(self, rows: EngineRows, keys: list[Hashable]) -> tuple[int, list[list[float]] | None]:
-        """Before the verify, under the policy: draft and take the width the drafts' confidence pays for, or only
-        store the last verify's rows as context (a plain step: width 1, the drafter's layers skipped). Returns the
-        width and the drafts' confidence (n, B - 1) as read back, None on a plain step."""
+    def _draft_at_width(
+        self, rows: EngineRows, keys: list[Hashable]
+    ) -> tuple[int, list[list[float]] | None, torch.Tensor | None, bool]:
+        """Before the verify of a step whose width is chosen: draft, and take the width the drafts' confidence pays
+        for under the policy (or the cap without one); or under the policy a plain step (width 1, the drafter's
+        layers skipped), which stores the captured rows as context or leaves them waiting for the next drafted step
+        (one pass of the drafter's context weights costs about as much for many rows as for one on a CPU). Returns
+        the width, the drafts' confidence (n, B - 1) as read back (None on a plain step or without a policy), the
+        distributions the drafts were sampled from under rejection sampling (else None) and whether the captured
+        rows wait."""
         # no row commits more than its room: a verify wider than the largest room would only cost
-        cap = min(self.block_size, max(sequence.max_length - sequence.position - 1 for sequence in self.sequences))
+        room = max(sequence.max_length - sequence.position - 1 for sequence in self.sequences)
+        cap = min(self.verify_cap, room)
+        if self.policy is None:
+            return cap, None, self.propose(rows, self.context_rows)[0].probs, False
         if cap > 1 and self.policy.should_draft(keys):
-            # The drafter's probability of each of its drafts. The engine never samples drafts (each row's own
-            # sampling acts in `choose`), so the width read from it depends on the drafter's state alone, never on
-            # the target's random draws: the verified drafts and the acceptance rule stay those of a full step.
-            confidence = self.propose(rows, self.context_rows).confidence.tolist()
-            return self.policy.width(keys, confidence, cap), confidence
+            # The width is read from the drafter's state alone, never from a sampled draft or the target's random
+            # draws (`width_confidence`): the verified drafts and the acceptance rule stay those of a full step.
+            proposal, draft_logits = self.propose(rows, self.context_rows)
+            confidence = width_confidence(proposal, draft_logits, self.drafter.config.is_dflash2).tolist()
+            return self.policy.width(keys, confidence, cap), confidence, proposal.probs, False
+        if self.waiting_rows is not None and self.waiting_rows < self.block_size:  # room behind them
+            return 1, None, None, True
         self.store_context(rows, self.context_rows)
-        return 1, None
+        return 1, None, None, False
 
 
 __all__ = [

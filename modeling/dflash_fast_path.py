@@ -13,7 +13,9 @@ exactly as plain generate would stop and report. The call's logits processors an
 (`DFlashEngine.bind`).
 
 Which calls the fast path serves, and the warning that says why one does not: dflash_fast_path_blockers.py. On a
-CPU (`generate(..., dflash_fast_path=True)`) the engine runs the same step without a graph, which is how CI tests it.
+CPU the engine runs the same step without a graph, which is how CI tests it. A call's verify policy
+(`dflash_adaptive`) or `dflash_verify_rows` makes its steps choose their width on the host: those run without a graph
+on any device.
 
 The drafter's pass of the step (its context keys/values, masks, layers and the lm_head over the draft rows: our own
 code) is compiled with torch.compile (inductor, fixed shapes) before a graph records it, so the graph replays
@@ -26,6 +28,8 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -67,17 +71,24 @@ def release_fast_path(drafter: torch.nn.Module) -> None:
 
 def decode_on_engine(
     engine: DFlashEngine, input_ids: torch.LongTensor, attention_mask: torch.Tensor, processors: StepProcessors,
-    host_hooks: HostHooks,
+    host_hooks: HostHooks, cache: Any = None,
 ) -> None:
     """The fast path's host loop for a bound call (`DFlashEngine.bind`): its rows are admitted at step 0 and leave
     the engine's batch the step they end; per step one step of the engine and one read-back of the committed
     tokens, which then pass the call's host hooks (`host_hooks`, which keeps the sequences). Every row leaves the
-    engine when the call ends, also by an exception."""
+    engine when the call ends, also by an exception. `cache`: transformers' empty cache of a call of one sequence,
+    which receives the sequence's keys/values before it leaves (`DFlashEngine.copy_into_cache`)."""
+
+    def leave(sequences: list[int]) -> None:
+        if cache is not None and sequences:
+            engine.copy_into_cache(sequences[0], cache)
+        engine.retire_many(sequences)
+
     try:
         first, scores, logits = engine.admit_call(input_ids, attention_mask, host_hooks.max_length, processors)
-        engine.retire_many([i for i, token in enumerate(first) if host_hooks.commit(i, [token], scores[i], logits[i])])
+        leave([i for i, token in enumerate(first) if host_hooks.commit(i, [token], scores[i], logits[i])])
         while engine.sequences:
-            engine.retire_many([
+            leave([
                 sequence for sequence, tokens in engine.run_step().items()
                 if host_hooks.commit_verified(sequence, tokens, *engine.verified_rows(sequence))
             ])

@@ -1,5 +1,5 @@
-"""Which calls the CUDA-graph fast path serves: the reasons a call takes the eager loop instead, and the warning that
-names them.
+"""Which calls the fast path (the engine's step; a CUDA graph on a GPU) serves: the reasons a call takes the eager
+loop instead, and the warning that names them.
 
 The fast path (dflash_fast_path.py) serves greedy and sampled decoding (point-mass or rejection sampling, inside the
 step, with random numbers a graph replays afresh) under the logits processors that run on the device
@@ -141,11 +141,9 @@ def fast_path_blocker(
     target: torch.nn.Module,
     drafter: torch.nn.Module,
     processors: StepProcessors,
-    verify_rows: int,
     attention_mask: torch.Tensor,
 ) -> str | None:
     """Why the fast path cannot serve this call, with the fix when there is one; None when it can."""
-    config = drafter.config
     text = target.config.get_text_config()
     devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
     if len(devices) != 1:
@@ -162,8 +160,6 @@ def fast_path_blocker(
             f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
             "drop them for the fast path"
         )
-    if verify_rows != config.block_size:
-        return "dflash_verify_rows is set (drop it for the fast path)"
     windows = _window_blocker(text)
     if windows is not None:
         return windows
@@ -191,10 +187,11 @@ def fast_path_blocker(
 
 
 def takes_fast_path(insist: bool | None, blocker: str | None, device: torch.device) -> bool:
-    """Whether a call takes the fast path: `insist` is generate's `dflash_fast_path` (None: whenever it can on a GPU).
+    """Whether a call takes the fast path: `insist` is generate's `dflash_fast_path` (None: whenever it can).
 
-    A GPU call that the fast path cannot serve says why once per reason (a logged warning); one that insists on it
-    is an error instead.
+    A GPU call that the fast path cannot serve says why once per reason (a logged warning: there the eager loop costs
+    several times more per step); one that insists on it is an error instead. On a CPU both loops run eagerly at
+    about the same cost per step, so a call the engine cannot serve takes the eager loop without a warning.
     """
     if insist and blocker is not None:
         raise ValueError(f"dflash_fast_path=True, but the fast path cannot serve this call: {blocker}")
@@ -204,7 +201,7 @@ def takes_fast_path(insist: bool | None, blocker: str | None, device: torch.devi
             "the same; each verify step costs several times more. Pass dflash_fast_path=False to choose the eager "
             "loop without this warning."
         )
-    return bool(insist) or (insist is None and blocker is None and device.type == "cuda")
+    return bool(insist) or (insist is None and blocker is None)
 
 
 __all__ = [

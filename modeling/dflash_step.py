@@ -107,20 +107,20 @@ class DFlashStep:
 
     def step(self, rows: StepRows) -> None:
         """A full-width step: draft a block, verify all B rows (the fast path records this)."""
-        self.verify(rows, self.propose(rows).probs)
+        self.verify(rows, self.propose(rows)[0].probs)
 
-    def propose(self, rows: StepRows, context_rows: int | None = None) -> Proposal:
+    def propose(self, rows: StepRows, context_rows: int | None = None) -> tuple[Proposal, torch.Tensor]:
         """Store the last verify's rows as context, then draft the next block into `rows.drafts` (the drafter's
-        `propose`: DFlash2's selector runs here, inside the step). Returns the proposal: its `probs`, the
+        `propose`: DFlash2's selector runs here, inside the step). Returns the proposal (its `probs`, the
         distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None, and the
-        drafter's `confidence` in each draft. `context_rows`: see `store_context` (default: all B rows, as the
-        fast path's recorded or compiled pass stores them)."""
+        drafter's `confidence` in each draft) and the draft rows' logits (n, B - 1, V). `context_rows`: see
+        `store_context` (default: all B rows, as the fast path's recorded or compiled pass stores them)."""
         drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
         with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
             hidden, draft_logits = drafter_pass(rows) if context_rows is None else self.draft(rows, context_rows)
         proposal = self.generator.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
         rows.drafts.copy_(proposal.drafts)
-        return proposal
+        return proposal, draft_logits
 
     def store_context(self, rows: StepRows, context_rows: int | None = None) -> None:
         """1. The first `context_rows` rows the last verify captured (positions prev_pos + 0..context_rows-1;
@@ -158,12 +158,18 @@ class DFlashStep:
         masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
         return generator.draft_rows(rows.anchor_ids, positions, masks, rows.drafter_view)
 
-    def verify(self, rows: StepRows, draft_probs: torch.Tensor | None, width: int | None = None) -> None:
+    def verify(
+        self, rows: StepRows, draft_probs: torch.Tensor | None, width: int | None = None,
+        waiting_rows: int | None = None,
+    ) -> None:
         """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor.
 
         `width` (1..B, default B): the rows verified per sequence, the anchor and the first width - 1 drafts (the
         engine's policy narrows it; 1 verifies the anchor alone, a plain decoding step). Only those rows are
-        computed and captured; `out` holds tokens in its first `width` columns and the accepted count last."""
+        computed and captured; `out` holds tokens in its first `width` columns and the accepted count last.
+        `waiting_rows`: a plain step that leaves the captured rows before it waiting to become context (every row
+        waits exactly this many, from `prev_pos`) captures its own row behind them and keeps `prev_pos`; by
+        default the rows are captured from the first and `prev_pos` moves to the anchor."""
         block = self.block_size
         width = block if width is None else width
         drafts, offsets = rows.drafts[:, : width - 1], self.block_offsets[:width]
@@ -176,7 +182,8 @@ class DFlashStep:
         rows.target_cache.write_slots = verify_positions
         keys = rows.key_positions
         visible = keys <= positions[:, :, None]  # (n, width, L)
-        self.generator.capture.destination = rows.verify_rows[:, :width]
+        first = waiting_rows or 0
+        self.generator.capture.destination = rows.verify_rows[:, first : first + width]
         # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
         with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
             with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
@@ -193,7 +200,8 @@ class DFlashStep:
         room = rows.max_length - rows.anchor_pos - 1
         accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
         # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
-        rows.prev_pos.copy_(rows.anchor_pos)
+        if waiting_rows is None:
+            rows.prev_pos.copy_(rows.anchor_pos)
         running = rows.active[:, None] > 0
         rows.anchor_ids.copy_(torch.where(running, tokens.gather(1, accepted[:, None]), rows.anchor_ids))
         rows.anchor_pos.add_((accepted + 1) * rows.active)

@@ -122,9 +122,9 @@ def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
     DFlashCandidateGenerator.get_candidates = recording
     try:
         with oracle_drafts(plain, wrong_every=4):
-            out = target.generate(
+            out = target.generate(  # the eager loop's batch (the engine's: test_fast_path.py)
                 **batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=eos,
-                assistant_model=drafter,
+                assistant_model=drafter, dflash_fast_path=False,
             )
     finally:
         DFlashCandidateGenerator.get_candidates = original

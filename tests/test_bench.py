@@ -28,7 +28,7 @@ def random_drafter_and_prompts(tmp_path, texts: list[str]) -> tuple[str, str]:
 def test_bench_reports_every_method_side_by_side(tmp_path, monkeypatch):
     drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
     out = tmp_path / "report.json"
-    engine_calls = []  # generate calls the engine served: on a CPU only `dflash-engine`'s
+    engine_calls = []  # generate calls the engine served: `dflash`'s (its default on a CPU too), `dflash-engine`'s
     decode_on_engine = dflash_decoding.decode_on_engine
     monkeypatch.setattr(dflash_decoding, "decode_on_engine",
                         lambda *args: engine_calls.append(args[1].shape[0]) or decode_on_engine(*args))
@@ -42,8 +42,8 @@ def test_bench_reports_every_method_side_by_side(tmp_path, monkeypatch):
     assert {"date", "machine", "versions", "command"} <= report.keys()
     rows = {(r["setting"].split()[-1], r["method"]): r for r in report["results"]}
     assert set(rows) == {(b, m) for b in ("b1", "b2") for m in methods}
-    # b1: a warm-up, then each prompt's timed and first-token calls; b2: batches of 2 and 1 prompts
-    assert engine_calls == [1] * 7 + [2, 2, 2, 1, 1]
+    # per method, b1: a warm-up, then each prompt's timed and first-token calls; b2: batches of 2 and 1 prompts
+    assert engine_calls == [1] * 14 + [2, 2, 2, 1, 1] * 2
     for row in rows.values():
         assert row["prompts"] == 3 and 0 < row["new_tokens"] <= 36 and row["tokens_per_s"] > 0
         assert row["identical_to_plain"] == 1.0  # float32 on a CPU: every method gives plain greedy's tokens
@@ -52,6 +52,34 @@ def test_bench_reports_every_method_side_by_side(tmp_path, monkeypatch):
         ours, plain = rows[batch, "dflash"], rows[batch, "plain"]
         assert ours["extra"]["speedup_over_plain"] == pytest.approx(ours["tokens_per_s"] / plain["tokens_per_s"])
         assert plain["extra"]["speedup_over_plain"] == 1
+
+
+def test_bench_runs_our_methods_with_one_verify_policy_each(tmp_path, monkeypatch):
+    """`--adaptive`: each of our methods passes one `VerifyPolicy` to all its calls, which verifies the widths it
+    chose; the setting says so, and the tokens stay plain greedy's."""
+    import hf_dflash.bench.decode as decode
+
+    policies = []
+
+    class Recording(decode.VerifyPolicy):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.steps_recorded = 0
+            policies.append(self)
+
+        def record(self, *args, **kwargs):
+            self.steps_recorded += 1
+            super().record(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "VerifyPolicy", Recording)
+    drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "Tom saw"])
+    out = tmp_path / "adaptive.json"
+    main(["bench", "decode", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
+          "--max-new-tokens", "12", "--methods", "plain", "dflash-engine", "dflash-eager", "--adaptive",
+          "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert all(row["setting"].endswith("adaptive b1") and row["identical_to_plain"] == 1.0 for row in rows)
+    assert len(policies) == 2 and all(policy.steps_recorded > 0 for policy in policies)
 
 
 def test_bench_samples_with_a_family_preset_and_runs_prompts_at_their_own_lengths(tmp_path):

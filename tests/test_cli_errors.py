@@ -325,8 +325,8 @@ def test_generate_streams_on_the_eager_loop_and_keeps_its_comparison(tmp_path, c
 
 
 def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
-    """On a GPU the warm-up asks for the fast path and reports the blocker when there is one. The fast path's step
-    also runs on a CPU (without a CUDA graph), so the branch is exercised here with the device name alone."""
+    """The warm-up asks for the engine's step and reports the blocker when there is one. The step also runs on a CPU
+    (without a CUDA graph), so the GPU's branches are exercised here with the device name alone."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     prompt = {"input_ids": random_prompt(5), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
@@ -334,9 +334,13 @@ def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
     warm_up = hf_dflash.generate_cli.warm_up
     assert warm_up(target, drafter, None, "cuda", {}) == "CUDA-graph fast path"
     assert warm_up(target, drafter, None, "cuda", {"dflash_verify_rows": 2}) == (
-        "eager loop: dflash_verify_rows is set (drop it for the fast path)"
+        "engine's step without CUDA graphs (each step's width is chosen on the host)"
     )
-    assert warm_up(target, drafter, None, "cpu", {}) == "eager loop (the CUDA-graph fast path runs on a GPU)"
+    assert warm_up(target, drafter, None, "cpu", {}) == "engine's step (eager on a CPU)"
+    assert warm_up(target, drafter, None, "cpu", {"no_repeat_ngram_size": 2}) == (
+        "eager loop: logits processors that read the whole prefix run on the host (NoRepeatNGramLogitsProcessor); "
+        "drop them for the fast path"
+    )
 
 
 def test_a_bfloat16_difference_is_reported_and_a_float32_one_stops_the_job():

@@ -109,12 +109,12 @@ def test_greedy_identity_alone(family, seed):
     plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
     # A random drafter is rejected almost always; the oracle's drafts are accepted up to each planted mistake. Without
     # eos there, so that no sequence ends before its acceptance lengths can show that (a tiny target may say eos early).
-    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), plain)
+    eager = dict(assistant_model=drafter, dflash_fast_path=False)  # the matrix's eager column
+    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, **eager), plain)
     endless = target.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
     with oracle_drafts(endless, wrong_every=3 + seed):
         out = target.generate(
-            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, return_dict_in_generate=True,
-            eos_token_id=None,
+            prompt, max_new_tokens=20, do_sample=False, return_dict_in_generate=True, eos_token_id=None, **eager
         )
     assert torch.equal(out.sequences, endless)
     assert max(out.acceptance_lengths[0]) > 1 and min(out.acceptance_lengths[0]) < drafter.config.block_size
@@ -129,17 +129,22 @@ def test_greedy_identity_ragged_batch(family):
     with oracle_drafts(plain, wrong_every=3):
         out = target.generate(
             **batch, max_new_tokens=22, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
-            return_dict_in_generate=True,
+            return_dict_in_generate=True, dflash_fast_path=False,  # the matrix's eager column
         )
     assert torch.equal(out.sequences, plain)
     assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1  # sequences accepted different counts
 
 
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in WINDOWED])
-def test_returned_cache_continues_as_plain(family):
-    """The cache the eager loop returns for one sequence holds the tokens plain decoding would have read: its length
-    is plain's (from transformers 5.25 a Gated DeltaNet layer counts its tokens, and in hybrids layer 0 is one) and
-    generate continues from it with plain's tokens (qwen3_5 places its rotary positions from that length)."""
+@pytest.mark.parametrize(
+    "family, fast",
+    [(family, False) for family in FAMILIES if family not in WINDOWED]
+    + [(family, True) for family in FAMILIES if family not in WINDOWED and family not in HYBRID],
+)
+def test_returned_cache_continues_as_plain(family, fast):
+    """The cache returned for one sequence holds the tokens plain decoding would have read: its length is plain's
+    (from transformers 5.25 a Gated DeltaNet layer counts its tokens, and in hybrids layer 0 is one) and generate
+    continues from it with plain's tokens (qwen3_5 places its rotary positions from that length). The eager loop
+    returns its rolled-back cache; the engine copies a sequence's keys/values into generate's empty one."""
     target = family_target(family, seed=2)
     drafter = tiny_drafter(target, block_size=4)
     prompt = random_prompt(6, seed=2)
@@ -147,7 +152,8 @@ def test_returned_cache_continues_as_plain(family):
     argument = _cache_argument(target)
     with oracle_drafts(plain.sequences, wrong_every=3):  # every verify rejects a draft: the layers roll back
         out = target.generate(
-            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, return_dict_in_generate=True,
+            dflash_fast_path=fast,
         )
     assert min(out.acceptance_lengths[0]) < drafter.config.block_size
     cache = getattr(out, argument)
@@ -156,14 +162,20 @@ def test_returned_cache_continues_as_plain(family):
     assert torch.equal(more, plain.sequences)
 
 
-@pytest.mark.parametrize("family, batch", [("gpt_oss", 1), ("mistral", 1), ("llama", 2)])
-def test_no_cache_is_returned_where_plain_generate_could_not_continue_from_it(family, batch):
+@pytest.mark.parametrize(
+    "family, batch, fast",
+    [("gpt_oss", 1, False), ("mistral", 1, False), ("llama", 2, False), ("mistral", 1, True), ("llama", 2, True),
+     ("qwen3_next", 1, True)],
+)
+def test_no_cache_is_returned_where_plain_generate_could_not_continue_from_it(family, batch, fast):
     """Sliding layers were made full-history layers with their front slots dropped (gpt-oss's would then not fit its
-    full layers' masks); in a batch, finished sequences left the cache and rows some sequences rejected stay in it."""
+    full layers' masks); in a batch, finished sequences left the cache and rows some sequences rejected stay in it.
+    The engine hands back only the keys/values of layers that attend over their whole history: not a sliding
+    window's, nor a hybrid's Gated DeltaNet states."""
     target = family_target(family, seed=2)
     out = target.generate(
         random_prompt(6, seed=2).repeat(batch, 1), max_new_tokens=12, do_sample=False,
-        assistant_model=tiny_drafter(target, block_size=4), return_dict_in_generate=True,
+        assistant_model=tiny_drafter(target, block_size=4), return_dict_in_generate=True, dflash_fast_path=fast,
     )
     assert getattr(out, _cache_argument(target)) is None
 
@@ -386,14 +398,15 @@ def test_multimodal_wrapper_serves_its_text_model(family):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_sliding_layers_keep_about_a_window(family):
-    """A sliding layer keeps full history only while some sequence can still see it: after 40 tokens it holds about
-    W + B slots, a full-attention layer all of them."""
+    """In the eager loop (whose cache is transformers' own) a sliding layer keeps full history only while some sequence
+    can still see it: after 40 tokens it holds about W + B slots, a full-attention layer all of them."""
     target = family_target(family, seed=5)
     drafter = tiny_drafter(target, block_size=4)
     prompt = random_prompt(5, seed=5)
     cache = DynamicCache(config=target.config)  # passed in, as generate does not return it for a sliding target
     target.generate(
-        prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, **{_cache_argument(target): cache}
+        prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, dflash_fast_path=False,
+        **{_cache_argument(target): cache},
     )
     kinds = getattr(target.config, "layer_types", None) or ["sliding_attention"] * len(cache.layers)  # Mistral-style
     for kind, layer in zip(kinds, cache.layers):

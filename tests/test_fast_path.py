@@ -25,9 +25,10 @@ class OracleHead(torch.nn.Module):
     (read from the engine's own device state and its rows' sequences), wrong at every `wrong_every`-th column, so
     acceptance varies from 1 to B and differs between sequences."""
 
-    def __init__(self, engine: DFlashEngine, reference: torch.LongTensor, wrong_every: int, vocab: int):
+    def __init__(self, engine: DFlashEngine, reference: torch.LongTensor, wrong_every: int, vocab: int | None = None):
         super().__init__()
-        self.engine, self.reference, self.wrong_every, self.vocab = engine, reference, wrong_every, vocab
+        self.engine, self.reference, self.wrong_every = engine, reference, wrong_every
+        self.vocab = vocab or engine.vocab_size
         self.weight = engine.generator.lm_head.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -44,23 +45,24 @@ class OracleHead(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def oracle_fast_path_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int):
-    """The fast path's drafts (the engine's step) come from `OracleHead`."""
-    original = DFlashEngine.step
+def oracle_fast_path_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int | None = None):
+    """The fast path's drafts (the engine's `propose`, at full-width steps and at chosen widths alike) come from
+    `OracleHead`."""
+    original = DFlashEngine.propose
 
-    def step(self, rows):
+    def propose(self, rows, *args):
         real_head = self.generator.lm_head
         self.generator.lm_head = OracleHead(self, reference, wrong_every, vocab)
         try:
-            original(self, rows)
+            return original(self, rows, *args)
         finally:
             self.generator.lm_head = real_head
 
-    DFlashEngine.step = step
+    DFlashEngine.propose = propose
     try:
         yield
     finally:
-        DFlashEngine.step = original
+        DFlashEngine.propose = original
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -184,20 +186,36 @@ def test_the_engine_is_reused_across_calls_and_rebuilt_for_a_new_shape():
     assert drafter._dflash_engine is None
 
 
-@pytest.mark.parametrize(
-    "kwargs, blocker",
-    [
-        (dict(no_repeat_ngram_size=2), "NoRepeatNGramLogitsProcessor"),
-        (dict(dflash_verify_rows=2), "dflash_verify_rows"),
-    ],
-)
-def test_insisting_on_the_fast_path_names_what_blocks_it(kwargs, blocker):
+def test_insisting_on_the_fast_path_names_what_blocks_it():
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
-    with pytest.raises(ValueError, match=f"dflash_fast_path=True, but .*{blocker}"):
+    with pytest.raises(ValueError, match="dflash_fast_path=True, but .*NoRepeatNGramLogitsProcessor"):
         target.generate(
-            random_prompt(5), max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True, **kwargs
+            random_prompt(5), max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True, no_repeat_ngram_size=2
         )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_engine_verifies_at_most_dflash_verify_rows_and_equals_plain_greedy(family):
+    """A call's `dflash_verify_rows` caps the engine's steps (run eagerly at that width); the oracle's drafts are
+    accepted up to the cap, never past it."""
+    from tests.test_families import family_target  # it imports this file's oracle (through test_batched)
+
+    target = family_target(family)
+    drafter = tiny_drafter(target, block_size=6)
+    ids, mask = left_padded(3, 8, [0, 3, 5])
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    with oracle_fast_path_drafts(reference, 7, target.config.get_text_config().vocab_size):
+        out = target.generate(
+            ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=drafter,
+            dflash_fast_path=True, dflash_verify_rows=3, return_dict_in_generate=True,
+        )
+    assert torch.equal(out.sequences, reference)
+    lengths = [taken for row in out.acceptance_lengths for taken in row]
+    assert max(lengths) == 3  # drafts were accepted, and no step verified more than 3 rows
+    engine = drafter._dflash_engine[1]
+    assert set(engine.width_steps) <= {1, 2, 3} and engine.width_steps[3] > 0
+    release_fast_path(drafter)
 
 
 def test_an_untested_target_family_is_not_served_by_the_fast_path():
@@ -267,14 +285,15 @@ def test_a_gpu_call_off_the_fast_path_says_why_once():
         assert not takes_fast_path(None, "a made-up reason (test of the warning, on a CPU)", torch.device("cpu"))
     assert captured.out.count("takes the eager loop") == 1
     assert "because a made-up reason (test of the warning)" in captured.out
-    assert takes_fast_path(None, None, cuda) and takes_fast_path(True, None, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert takes_fast_path(None, None, cuda) and takes_fast_path(None, None, cpu) and takes_fast_path(True, None, cpu)
     with pytest.raises(ValueError, match="dflash_fast_path=True, but the fast path cannot serve this call: why"):
         takes_fast_path(True, "why", cuda)
 
 
 def blocker_of(target, drafter):
     return dflash_fast_path_blockers.fast_path_blocker(
-        target, drafter, dflash_decoding.StepProcessors([]), drafter.config.block_size, torch.ones(1, 4, dtype=torch.long),
+        target, drafter, dflash_decoding.StepProcessors([]), torch.ones(1, 4, dtype=torch.long),
     )
 
 

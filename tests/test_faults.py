@@ -3,7 +3,8 @@
 Each fault is raised on purpose part-way through decoding: a stopping criterion that raises, ctrl-c inside a
 streamer's `put`, an out-of-memory error from the drafter's forward or from a target layer. After it: no forward hook
 is left on the target, no parameter, mode or generation config changed, every drafter page went back to its pool,
-nothing keeps the call's drafter buffers alive, and the next call (greedy and batched) equals plain generate.
+and the next call (greedy and batched) equals plain generate. In the eager loop nothing keeps the call's drafter
+buffers alive; the engine, which the drafter keeps for its next call, holds no row and every page of both pools.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ def generators(monkeypatch):
     return made
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
 @pytest.mark.parametrize(
     "fault", ["stopping criterion raises", "ctrl-c in streamer.put", "drafter out of memory", "target out of memory"]
 )
-def test_a_fault_leaves_everything_usable(fault, generators):
+def test_a_fault_leaves_everything_usable(fault, fast, generators):
     target = tiny_target("qwen3", seed=31)
     drafter = tiny_drafter(target, seed=32, block_size=5)
     before_target, before_drafter = snapshot(target), snapshot(drafter)
@@ -99,14 +101,22 @@ def test_a_fault_leaves_everything_usable(fault, generators):
         fail_on_call(module, 4, "target")
     try:
         with pytest.raises(error_type):
-            target.generate(random_prompt(6, seed=31), max_new_tokens=30, do_sample=False, assistant_model=drafter, **kwargs)
+            target.generate(
+                random_prompt(6, seed=31), max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                dflash_fast_path=fast, **kwargs,
+            )
     finally:
         if module is not None:
             restore(module)
 
     assert len(generators) == 1
     gc.collect()
-    assert generators[0]() is None, "something still holds the failed call's drafter buffers"
+    if fast:
+        engine = drafter._dflash_engine[1]
+        usage = engine.pool_usage()
+        assert not engine.sequences and usage["target_pages_used"] == usage["drafter_pages_used"] == 0
+    else:
+        assert generators[0]() is None, "something still holds the failed call's drafter buffers"
     assert_unchanged(before_target, target)
     assert_unchanged(before_drafter, drafter)
     # the next calls are right: one sequence, then a left-padded batch
@@ -120,7 +130,8 @@ def test_a_fault_leaves_everything_usable(fault, generators):
 
 
 def test_pages_return_to_the_pool_when_the_loop_raises(generators):
-    """The loop hands every page back even when an exception escapes it (a generator kept for reuse must not leak)."""
+    """The eager loop hands every page back even when an exception escapes it (a generator kept for reuse must not
+    leak)."""
     target = tiny_target("llama", seed=34)
     drafter = tiny_drafter(target, block_size=4)
     kept = []
@@ -134,7 +145,9 @@ def test_pages_return_to_the_pool_when_the_loop_raises(generators):
     fail_on_call(drafter, 2, "drafter")
     try:
         with pytest.raises(torch.OutOfMemoryError):
-            target.generate(random_prompt(5), max_new_tokens=20, do_sample=False, assistant_model=drafter)
+            target.generate(
+                random_prompt(5), max_new_tokens=20, do_sample=False, assistant_model=drafter, dflash_fast_path=False
+            )
     finally:
         restore(drafter)
         DFlashCandidateGenerator.release = original_release

@@ -13,6 +13,7 @@ from hf_dflash.modeling.dflash_draft_vocabulary import DraftVocabularyHead
 from hf_dflash.modeling.dflash_engine import DFlashEngine
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import hook_count, left_padded, random_prompt, tiny_drafter, tiny_target
+from tests.test_fast_path import oracle_fast_path_drafts
 
 
 @contextlib.contextmanager
@@ -21,7 +22,8 @@ def oracle_drafts(reference: torch.LongTensor, wrong_every: int):
 
     reference (b, L) is plain generate's output for the same (left-padded) batch. The real propose still runs (so
     the drafter state machine is exercised); only its argmax is replaced, which gives acceptance lengths anywhere
-    from 1 to B, different for each sequence.
+    from 1 to B, different for each sequence. On either path: the eager loop's proposals, and the engine's
+    (`oracle_fast_path_drafts`, the same drafts).
     """
     original_propose = DFlashCandidateGenerator.get_candidates
     original_prefill = DFlashCandidateGenerator.commit_prefill
@@ -46,7 +48,8 @@ def oracle_drafts(reference: torch.LongTensor, wrong_every: int):
     DFlashCandidateGenerator.get_candidates = get_candidates
     DFlashCandidateGenerator.commit_prefill = commit_prefill
     try:
-        yield
+        with oracle_fast_path_drafts(reference, wrong_every):  # the same drafts where the engine serves the call
+            yield
     finally:
         DFlashCandidateGenerator.get_candidates = original_propose
         DFlashCandidateGenerator.commit_prefill = original_prefill
@@ -63,15 +66,17 @@ def test_random_drafter_is_lossless(family, seed):
     assert torch.equal(plain, dflash)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
 @pytest.mark.parametrize("wrong_every", [2, 3, 5, 1000])
-def test_accepting_drafts_is_lossless(wrong_every):
+def test_accepting_drafts_is_lossless(wrong_every, fast):
     target = tiny_target("qwen3", seed=3)
     drafter = tiny_drafter(target, block_size=6)
     prompt = random_prompt(9, seed=3)
     plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
     with oracle_drafts(plain, wrong_every):
         out = target.generate(
-            prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+            prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, return_dict_in_generate=True,
+            dflash_fast_path=fast,
         )
     assert torch.equal(plain, out.sequences)
     (lengths,) = out.acceptance_lengths
@@ -213,15 +218,16 @@ def test_prompt_of_one_token(llama_pair):
         assert torch.equal(plain, target.generate(prompt, max_new_tokens=15, do_sample=False, assistant_model=drafter))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_verifying_fewer_rows_changes_nothing_but_the_cost(rows):
+def test_verifying_fewer_rows_changes_nothing_but_the_cost(rows, fast):
     target = tiny_target("qwen3", seed=8)
     drafter = tiny_drafter(target, block_size=6)
     prompt = random_prompt(5, seed=8)
     plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
     with oracle_drafts(plain, wrong_every=1000):
         out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter,
-                              return_dict_in_generate=True, dflash_verify_rows=rows)
+                              return_dict_in_generate=True, dflash_verify_rows=rows, dflash_fast_path=fast)
     assert torch.equal(plain, out.sequences)
     assert max(out.acceptance_lengths[0]) == rows
 

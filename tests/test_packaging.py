@@ -122,3 +122,40 @@ def test_stories260k_without_gguf_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # find_spec then reports it missing, as on a plain install
     with pytest.raises(ImportError, match=re.escape('pip install "hf-dflash[local]"')):
         bundled_models.load_stories260k()
+
+
+def test_every_import_of_our_own_modules_names_something_that_exists():
+    """Imports inside functions (GPU-only and optional paths, which CPU tests never run) are checked too: each name
+    taken from one of hf-dflash's own modules exists there (a module whose optional dependency is missing is left
+    out)."""
+    import ast
+    import importlib
+
+    missing = []
+    for path in sorted([*REPO.glob("hf_dflash/**/*.py"), *REPO.glob("modeling/*.py")]):
+        if "models" in path.relative_to(REPO).parts[1:-1]:
+            continue
+        parts = path.relative_to(REPO).with_suffix("").parts
+        package = ("hf_dflash.modeling",) if parts[0] == "modeling" else parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = list(package[0].split(".") if parts[0] == "modeling" else package)
+                base = base[: len(base) - node.level + 1]
+                name = ".".join([*base, *([node.module] if node.module else [])])
+            elif (node.module or "").startswith("hf_dflash"):
+                name = node.module
+            else:
+                continue
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # an optional dependency of that module
+                continue
+            for alias in node.names:
+                if alias.name != "*" and not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{name}.{alias.name}")
+                    except ImportError:
+                        missing.append(f"{path.relative_to(REPO)}:{node.lineno} {name}.{alias.name}")
+    assert not missing, missing

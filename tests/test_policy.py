@@ -233,14 +233,15 @@ def test_an_argmax_proposals_confidence_is_the_largest_probability_the_policy_re
     assert torch.equal(proposal.confidence, draft_confidence(logits, None))
 
 
-def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose():
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
+def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose(fast):
     target = tiny_target("llama")
     drafter = tiny_drafter(target, block_size=8)  # random: its drafts are mostly wrong
     prompt = random_prompt(6, batch=2)
     plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
     policy = VerifyPolicy(explore_every=8)
     out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter,
-                          dflash_adaptive=policy, return_dict_in_generate=True)
+                          dflash_adaptive=policy, return_dict_in_generate=True, dflash_fast_path=fast)
     assert torch.equal(out.sequences, plain)
     # the policy ran: the loop verified the widths it chose, narrower than the block most of the time
     steps = max(len(lengths) for lengths in out.acceptance_lengths)
@@ -266,7 +267,7 @@ class Scripted(VerifyPolicy):
 
 
 def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same(monkeypatch):
-    """A plain step leaves its row in the accumulator while another verify's rows fit (`take_context(defer=True)`):
+    """In the eager loop a plain step leaves its row in the accumulator while another verify's rows fit (`take_context(defer=True)`):
     a run of plain steps computes its context keys/values in one pass, and the drafts after it do not change."""
     from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
 
@@ -291,7 +292,7 @@ def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same
         passes.clear()
         policy = Scripted(script)
         out = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter,
-                              dflash_adaptive=policy)
+                              dflash_adaptive=policy, dflash_fast_path=False)
         assert torch.equal(out, plain)
         runs[defer] = (list(passes), policy.drafted, list(policy.widths))
     (deferred, drafted, widths), (eager, drafted_eager, widths_eager) = runs[True], runs[False]
@@ -302,6 +303,51 @@ def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same
     assert 9 in deferred[1:] and max(deferred[1:]) <= 2 * 8
     # the drafter's confidence in each drafted step's rows: the same context, whenever its keys/values were computed
     torch.testing.assert_close(torch.tensor(drafted), torch.tensor(drafted_eager), rtol=1e-5, atol=0)
+
+
+def test_the_engines_plain_steps_leave_their_rows_waiting_and_the_next_drafts_are_the_same(monkeypatch):
+    """On the engine a plain step captures its row behind those still waiting to become drafter context
+    (`waiting_rows`), so a run of plain steps is stored in one pass by the next drafted step, and its drafts do not
+    change. The reference run stores every plain step's rows at once."""
+    from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
+    from hf_dflash.modeling.dflash_engine import DFlashEngine
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=8)
+    prompt = random_prompt(6, batch=2)
+    plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    script = [True] + [False] * 5
+    passes = []
+    write_context = DFlashCandidateGenerator.write_context
+
+    def counted(self, rows, positions, slots):
+        passes.append(rows.shape[1])
+        write_context(self, rows, positions, slots)
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "write_context", counted)
+    runs = {}
+    for waiting in (True, False):
+        if not waiting:
+            draft_at_width = DFlashEngine._draft_at_width
+
+            def storing_at_once(self, rows, keys):
+                width, confidence, probs, waits = draft_at_width(self, rows, keys)
+                if waits:
+                    self.store_context(rows, self.context_rows)
+                return width, confidence, probs, False
+
+            monkeypatch.setattr(DFlashEngine, "_draft_at_width", storing_at_once)
+        passes.clear()
+        policy = Scripted(script)
+        out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                              dflash_adaptive=policy, dflash_fast_path=True)
+        assert torch.equal(out, plain)
+        runs[waiting] = (list(passes), policy.drafted, list(policy.widths))
+    (waited, drafted, widths), (stored, drafted_stored, widths_stored) = runs[True], runs[False]
+    assert widths == widths_stored and widths.count(1) >= 20  # the same steps, most of them plain
+    # the prefill's pass, then one per drafted step (its waiting rows and the last verify's: 1 + 5 + ... rows)
+    assert len(waited) < len(stored) // 2 and max(waited[1:]) > max(stored[1:])
+    torch.testing.assert_close(torch.tensor(drafted), torch.tensor(drafted_stored), rtol=1e-5, atol=0)
 
 
 def test_dflash_adaptive_true_makes_a_policy_per_call_and_false_keeps_the_full_width(monkeypatch):
@@ -339,8 +385,9 @@ def test_stories260k_with_the_policy_equals_plain_greedy():
     assert torch.equal(out, plain) and len(set(policy.widths)) > 1
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
 @pytest.mark.parametrize("rule", ["point_mass", "rejection"])
-def test_sampling_with_the_policy_follows_the_target_distribution(rule):
+def test_sampling_with_the_policy_follows_the_target_distribution(rule, fast):
     """Rows cost 0.1 of a step here, so the width follows the drafter's confidence (1 to 3 of 4 rows)."""
     target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
@@ -350,10 +397,10 @@ def test_sampling_with_the_policy_follows_the_target_distribution(rule):
     policy = VerifyPolicy(VerifyCost(fixed=(1.0, 0.1, 0.0)), explore_every=1000)
     torch.manual_seed(0)
     settings = {**SAMPLED, "dflash_adaptive": policy}
-    (out,) = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, False, settings)
-    assert 1 < max(policy.widths) and min(policy.widths) < 4, policy.widths
-    assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
-    samples = out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2]
+    outs = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, fast, settings)
+    assert 1 < max(policy.widths) and min(policy.widths) < 4, policy.widths  # the last call's
+    assert max(max(lengths) for out in outs for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
+    samples = torch.cat([out.sequences[:, prompt.shape[1] : prompt.shape[1] + 2] for out in outs])
     assert_tuples_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
 
 

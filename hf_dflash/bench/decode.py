@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from ..batching import eos_token_ids, left_pad_token_id, up_to_first_eos
 from ..generate_cli import timed
 from ..modeling import DFlashDraftModel
+from ..modeling.dflash_policy import VerifyPolicy
 from . import harness, step_cost
 from .published import RANDOM_SHAPES, SAMPLING, random_pair, shape_record
 
@@ -116,11 +117,14 @@ def _method_kwargs(method: str, drafter: torch.nn.Module) -> dict[str, Any]:
 
 def run_method(
     method: str, target: torch.nn.Module, drafter: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
-    max_new_tokens: int, setting: str, pad_token_id: int, sampling: str = "greedy",
+    max_new_tokens: int, setting: str, pad_token_id: int, sampling: str = "greedy", adaptive: bool = False,
 ) -> tuple[Measurement, list[list[int]]]:
     """Warm up once on the first batch (compiles and graph captures happen there), then time every batch. Sampled
-    calls are seeded, so a rerun draws the same tokens."""
+    calls are seeded, so a rerun draws the same tokens. `adaptive`: our methods' calls share one `VerifyPolicy`
+    (as `hf-dflash generate` passes one to all its calls), made for this method."""
     kwargs = dict(pad_token_id=pad_token_id, **SAMPLING[sampling], **_method_kwargs(method, drafter))
+    if adaptive and method.startswith("dflash"):
+        kwargs["dflash_adaptive"] = VerifyPolicy()
     eos_ids = eos_token_ids(target)
     torch.manual_seed(0)
     target.generate(**batches[0], max_new_tokens=max_new_tokens, **kwargs)
@@ -228,7 +232,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{setting:32s} {method:13s} skipped: transformers' DFlash loop runs batch 1 only", flush=True)
                 continue
             measurement, outputs = run_method(
-                method, target, drafter, batches, args.max_new_tokens, setting, pad_token_id, args.sampling
+                method, target, drafter, batches, args.max_new_tokens, setting, pad_token_id, args.sampling,
+                args.adaptive,
             )
             if method == "plain":
                 reference = outputs
@@ -254,9 +259,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _label(args: argparse.Namespace) -> str:
-    """What a setting's name adds for non-default decoding: the sampling preset and unpadded prompts."""
+    """What a setting's name adds for non-default decoding: the sampling preset, unpadded prompts, the verify policy."""
     sampling = "" if args.sampling == "greedy" else f" {args.sampling}-sampling"
-    return sampling + (" own-lengths" if args.own_lengths else "")
+    return sampling + (" own-lengths" if args.own_lengths else "") + (" adaptive" if args.adaptive else "")
 
 
 def _add_ratios(setting_results: list[Measurement]) -> None:
@@ -341,6 +346,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "top_p 0.95; llama3: temperature 0.6, top_p 0.9), every method alike")
     parser.add_argument("--own-lengths", action="store_true",
                         help="batch 1 only: each prompt at its own length, not left-padded to the longest")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="our methods run with a verify policy (dflash_adaptive), one per method for all its calls, "
+                        "as hf-dflash generate runs on a CPU")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto (default): bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")

@@ -66,11 +66,23 @@ def time_call(fn: Callable[[], Any], repeats: int = 20, warmup: int = 2) -> Timi
     return Timing.of([1000 * timed(fn)[1] for _ in range(repeats)])
 
 
-def time_graph(fn: Callable[[], Any], replays: int = 30) -> Timing:
-    """`fn` recorded once as a CUDA graph (as the fast path records its step), then `replays` replays, each timed by
-    CUDA events (GPU only)."""
-    from ..modeling.dflash_fast_path import record_cuda_graph
+def record_cuda_graph(fn: Callable[[], Any], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """`fn` recorded as a CUDA graph, after `warmup` calls on a side stream (a recording needs a warmed-up stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
+
+def time_graph(fn: Callable[[], Any], replays: int = 30) -> Timing:
+    """`fn` recorded once as a CUDA graph (as the engine records its step), then `replays` replays, each timed by
+    CUDA events (GPU only)."""
     graph = record_cuda_graph(fn)
     samples = []
     for _ in range(replays):
