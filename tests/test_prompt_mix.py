@@ -22,6 +22,7 @@ from benchmarks.gpu.prompt_mix import (
     champ_prompts,
     codeio_prompts,
     docstring_prompts,
+    fresh_prompts,
     function_prompts,
     heldout_prompts,
     scicode_prompts,
@@ -252,3 +253,11 @@ def test_heldout_turns_are_outside_the_mix_and_the_same_each_time():
     assert len(set(heldout)) == 8 and not trained & set(heldout)
     assert all(40 <= len(p) <= 1500 and p.isascii() for p in heldout)
     assert heldout == heldout_prompts(8, 30000, 1500)
+
+
+def test_fresh_turns_are_outside_the_mix_and_the_heldout_turns():
+    """Drafter 7's chat turns: none of the mix's turns nor of the 32 held-out ones, with the held-out filters."""
+    trained = {p for p, _ in sharegpt_prompts(30000, 1500)}
+    fresh = [p for p, _ in fresh_prompts(50, 30000, 1500)]
+    assert len(set(fresh)) == 50 and not (trained | set(heldout_prompts(32, 30000, 1500))) & set(fresh)
+    assert all(40 <= len(p) <= 1500 and p.isascii() for p in fresh)

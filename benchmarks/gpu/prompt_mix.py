@@ -33,6 +33,13 @@ PyPI; carry the output (gzip'd, a few MB) to the GPU machine.
 prompts the drafter never trained on (a seeded sample of the last 20,000 such turns, 40-1,500 ASCII characters):
 
     python benchmarks/gpu/prompt_mix.py --heldout 32 --out .stage/prompts/heldout32.jsonl.gz
+
+`--fresh N` writes N ShareGPT turns that the mix leaves out and that are not among the 32 held-out turns (the
+held-out filters: 40-1,500 ASCII characters), evenly spaced, through the HumanEval filter: chat turns no drafter
+trained on before version 7, which trained on 12,000 of them. The held-out turns are sampled from the same pool, so a
+held-out set other than `--heldout 32` would overlap them:
+
+    python benchmarks/gpu/prompt_mix.py --fresh 12000 --out .stage/prompts/chatfresh.jsonl.gz
 """
 
 from __future__ import annotations
@@ -111,6 +118,20 @@ def heldout_prompts(count: int, trained: int, max_chars: int) -> list[str]:
     turns = load_sharegpt_prompts(all_turns=True)
     left = [t for t in turns if t not in picked and 40 <= len(t) <= max_chars and t.isascii()]
     return random.Random(0).sample(left[-20000:], count)
+
+
+def fresh_prompts(count: int, trained: int, max_chars: int, heldout: int = 32) -> list[tuple[str, str]]:
+    """`count` user turns outside `sharegpt_prompts(trained, max_chars)` and `heldout_prompts(heldout, ...)`, with the
+    held-out filters, evenly spaced through the rest (file order)."""
+    picked = {p for p, _ in sharegpt_prompts(trained, max_chars)}
+    left = [t for t in load_sharegpt_prompts(all_turns=True)
+            if t not in picked and 40 <= len(t) <= max_chars and t.isascii()]
+    kept_out = set(heldout_prompts(heldout, trained, max_chars))
+    pool = [t for t in left if t not in kept_out]
+    if not 0 < count <= len(pool):
+        raise ValueError(f"--fresh {count}: {len(pool)} turns are left outside the mix and the held-out turns")
+    tag = f"{source_tag(SHAREGPT_WHEEL)}, user turns outside the mix and the held-out {heldout}, chat"
+    return [(pool[i * len(pool) // count], tag) for i in range(count)]
 
 
 def codeio_prompts(wheels: dict[str, Path]) -> list[tuple[str, str]]:
@@ -345,6 +366,8 @@ def main() -> None:
                              "sets of code.jsonl.gz; none when given without names)")
     parser.add_argument("--heldout", type=int, default=0,
                         help="write N ShareGPT turns the --sharegpt mix leaves out instead (benchmark prompts)")
+    parser.add_argument("--fresh", type=int, default=0,
+                        help="write N ShareGPT turns outside the --sharegpt mix and the 32 held-out turns instead")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.heldout > 0:
@@ -353,11 +376,14 @@ def main() -> None:
         return
     if args.sharegpt < 0:
         parser.error(f"--sharegpt must be 0 or more, got {args.sharegpt}")
-    if args.sharegpt == 0 and not args.sets:
+    if args.fresh > 0:
+        pairs = fresh_prompts(args.fresh, args.sharegpt, args.max_chars)
+    elif args.sharegpt == 0 and not args.sets:
         parser.error("nothing to write: give --sharegpt N or --sets")
-    pairs = sharegpt_prompts(args.sharegpt, args.max_chars) if args.sharegpt else []
-    for name in args.sets:
-        pairs += SETS[name]({})
+    else:
+        pairs = sharegpt_prompts(args.sharegpt, args.max_chars) if args.sharegpt else []
+        for name in args.sets:
+            pairs += SETS[name]({})
     kept, dropped = build_mix(pairs, HumanEvalFilter(load_humaneval_tasks()))
     write_jsonl_prompts([p for p, _ in kept], args.out, [s for _, s in kept])
     print(f"{len(kept)} prompts of {len(pairs)} -> {args.out}")

@@ -4,6 +4,7 @@
 #   chat8k.jsonl.gz       8,000 ShareGPT user turns evenly spaced through the mix of drafters 4 and 5 (30,000 turns,
 #                         code and math first, kept in .stage/full/mix.jsonl.gz: the train call carries at most 64 MiB
 #                         with the working tree and the GGUF's last part, and the whole mix would take it past that)
+#   chatfresh.jsonl.gz    12,000 ShareGPT user turns outside the mix and the 32 held-out turns (drafter 7)
 #   code.jsonl.gz         CodeI/O, SciCode and CHAMP prompts from their wheels (drafter 5)
 #   docstrings.jsonl.gz   HumanEval-shaped "signature + docstring" prompts from permissively licensed wheels
 #   humaneval.jsonl.gz    HumanEval's 164 prompts, for evaluation only (session_end.sh measures tau on the first 16)
@@ -26,6 +27,7 @@ with gzip.open(sys.argv[2], "wt") as out:
     out.write("".join(lines[i * len(lines) // count] + "\n" for i in range(count)))
 print(f"{count} of the mix's {len(lines)} turns, evenly spaced -> {sys.argv[2]}")
 PY
+mix --fresh 12000 --out "$out/chatfresh.jsonl.gz"
 mix --sharegpt 0 --out "$out/code.jsonl.gz"
 mix --sharegpt 0 --sets docstrings --out "$out/docstrings.jsonl.gz" | tail -n 3
 mix --heldout 32 --out "$out/heldout32.jsonl.gz"

@@ -65,7 +65,7 @@ set -u
 : "${SAVE_EVERY:=200}"
 : "${MAX_NEW_TOKENS:=256}"
 : "${MAX_PROMPT_TOKENS:=384}"
-: "${GEN_BATCH:=4096}"
+: "${GEN_BATCH:=2048}"  # 4096 ran out of an H100's 80 GB on the chat turns (2026-12-06); 2048 was not slower
 : "${MAX_LENGTH:=768}"
 : "${MAX_SHARD_SIZE:=13MB}"
 : "${EXTRA:=}"
@@ -100,7 +100,8 @@ train=(python3 -m hf_dflash.cli train --target "$TARGET" --target-description "$
        --prompts "${prompts[@]}" --regenerated "${regenerated[@]}" --max-new-tokens "$MAX_NEW_TOKENS"
        --max-prompt-tokens "$MAX_PROMPT_TOKENS" --gen-batch-size "$GEN_BATCH")
 echo "== regenerate $(date -u +%T) (reused when the file exists)"
-"${train[@]}" --out "$RUN/hard" --regenerate-only || exit 1
+# --init-from: the drafter's config gives the mask token (without it, hf-dflash train asks for --mask-token-id).
+"${train[@]}" --init-from "$INIT_FROM" --out "$RUN/hard" --regenerate-only || exit 1
 
 left=$(( DEADLINE - $(date +%s) ))
 if [ -n "$MS_PER_STEP" ] && [ -n "$ARCH_AB" ]; then
