@@ -1,8 +1,8 @@
 # Source on the GPU machine (README.md beside this file) from the repository root, first in every call:
 #   - installs carried wheels (.whl/, e.g. gguf) into /tmp/site, and hf-dflash itself without dependencies;
 #   - collects the SmolLM2 GGUF's parts (.stage/*/partNN, one per call: a call carries at most 64 MiB with the
-#     working tree; benchmarks/gpu/stage_smollm2.sh makes two) in ~/stage, assembles them once their sha256 is
-#     the GGUF's, and points HF_DFLASH_SMOLLM2_GGUF at the file. Until then it says how many parts it has.
+#     working tree; benchmarks/gpu/stage_smollm2.sh makes three or four) in ~/stage, assembles them once their
+#     sha256 is the GGUF's, and points HF_DFLASH_SMOLLM2_GGUF at the file. Until then it says how many parts it has.
 set -e
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The first calls of a training session on the device, each carrying one part of the SmolLM2 GGUF
-# (stage_smollm2.sh), within 30 s of each other:
+# (`PARTS=4 bash benchmarks/gpu/stage_smollm2.sh`: the prompt sets do not fit beside a third of it), within 30 s of
+# each other:
 #   call 1, carry .stage/a .whl:           bash benchmarks/gpu/session_start.sh throughput
 #       environment, then training throughput before/after at the real shape (random weights, no GGUF needed), in
 #       the foreground, alone on the GPU; the report goes to $OUT and stays on the machine;
-#   call 2, carry .stage/b:                bash benchmarks/gpu/session_start.sh stage
-#   call 3, carry .stage/c .stage/prompts: bash benchmarks/gpu/session_start.sh train SECONDS
+#   calls 2, 3, carry .stage/b, .stage/c:  bash benchmarks/gpu/session_start.sh stage
+#   call 4, carry .stage/d .stage/prompts: bash benchmarks/gpu/session_start.sh train SECONDS
 #       SmolLM2 assembled and checked, then train_session.sh detached, sized from the throughput report to stop
 #       SECONDS from now. Poll it with poll.sh; end with session_end.sh.
 set -u
@@ -23,7 +24,7 @@ stage)
     ;;
 train)
     deadline=$(( $(date +%s) + ${2:?seconds from now by which training must stop} ))
-    if [ -z "${HF_DFLASH_SMOLLM2_GGUF:-}" ]; then echo "no SmolLM2 GGUF on this machine: carry .stage/a, b, c"; exit 1; fi
+    if [ -z "${HF_DFLASH_SMOLLM2_GGUF:-}" ]; then echo "no SmolLM2 GGUF on this machine: carry .stage/a, b, c, d"; exit 1; fi
     # no throughput call this session: an earlier session's report, carried with the prompts, sizes the run
     if [ ! -f "$report" ] && [ -f .stage/prompts/training_throughput_h200.json ]; then
         cp .stage/prompts/training_throughput_h200.json "$report"
