@@ -305,7 +305,7 @@ def test_failure_after_loading_is_one_line(small_drafter, tmp_path, capsys, monk
     assert not any("Traceback" in line for line in err)
 
 
-def test_generate_streams_on_the_eager_loop_and_keeps_its_comparison(tmp_path, capsys):
+def test_generate_streams_on_a_cpu_and_keeps_its_comparison(tmp_path, capsys):
     from hf_dflash.bundled_models import load_stories260k
 
     target, _ = load_stories260k()
@@ -316,9 +316,10 @@ def test_generate_streams_on_the_eager_loop_and_keeps_its_comparison(tmp_path, c
                  "--prompt", "Once upon a time", "--max-new-tokens", "12"]) == 0
     captured = capsys.readouterr()
     assert "loading the target stories260k" in captured.err and "warming up" in captured.err
-    assert "DFlash decodes on the eager loop" in captured.err and "streams as it is committed" in captured.err
+    assert "DFlash decodes on the engine's step (eager on a CPU)" in captured.err
+    assert "streams as it is committed" in captured.err
     assert "[identical to plain greedy generate: True]" in captured.out
-    assert "DFlash on the eager loop" in captured.out and "timings exclude" in captured.out
+    assert "DFlash on the engine's step" in captured.out and "timings exclude" in captured.out
     # the streamed text is the decoded DFlash output: the words between the prompt line and the verdict
     streamed = captured.out.split("Once upon a time\n", 1)[1].split("[identical", 1)[0]
     assert streamed.strip(), "no text was streamed"
