@@ -27,8 +27,9 @@ refused with a ValueError naming the limit (`check_request`).
 How many rows a step verifies is a `VerifyPolicy`'s (dflash_policy.py) choice when `adaptive` is on (by default
 where the engine runs on a CPU, where a verify costs about in proportion to its rows): per step it decides whether to
 draft at all (a plain step verifies each anchor alone and skips the drafter's layers; the last verify's rows still
-become drafter context, at once or with the next drafted step), and after drafting how many rows (anchor + drafts) to verify, from each sequence's drafter
-confidence and recent acceptance and the verify cost it measures per batch size. Greedy tokens never change and
+become drafter context, at once or with the next drafted step), and after drafting how many rows (anchor + drafts)
+to verify, from each sequence's drafter confidence and recent acceptance and the verify cost it measures per batch
+size. Greedy tokens never change and
 sampled ones stay target-distributed: the width is chosen from the drafter's state alone (a request's drafts are
 never sampled; a bound generate call's sampled drafts give the width through `width_confidence`, which never reads
 the drafts drawn), and accepting a prefix of fewer drafts is the same acceptance rule. A plain step leaves the row it

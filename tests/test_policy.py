@@ -266,16 +266,11 @@ class Scripted(VerifyPolicy):
         return min(3, cap)
 
 
-def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same(monkeypatch):
-    """In the eager loop a plain step leaves its row in the accumulator while another verify's rows fit (`take_context(defer=True)`):
-    a run of plain steps computes its context keys/values in one pass, and the drafts after it do not change."""
+@pytest.fixture
+def context_passes(monkeypatch) -> list[int]:
+    """The rows of every pass that computes drafter context keys/values (`write_context`), in order."""
     from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
 
-    target = tiny_target("llama")
-    drafter = tiny_drafter(target, block_size=8)
-    prompt = random_prompt(6)
-    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
-    script = [True] + [False] * 12
     passes = []
     write_context = DFlashCandidateGenerator.write_context
 
@@ -284,6 +279,21 @@ def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same
         write_context(self, rows, positions, slots)
 
     monkeypatch.setattr(DFlashCandidateGenerator, "write_context", counted)
+    return passes
+
+
+def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same(monkeypatch, context_passes):
+    """In the eager loop a plain step leaves its row in the accumulator while another verify's rows fit
+    (`take_context(defer=True)`): a run of plain steps computes its context keys/values in one pass, and the drafts
+    after it do not change."""
+    from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=8)
+    prompt = random_prompt(6)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    script = [True] + [False] * 12
+    passes = context_passes
     runs = {}
     for defer in (True, False):
         if not defer:  # every plain step computes its row's keys/values at once, as a drafted step does
@@ -305,11 +315,10 @@ def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same
     torch.testing.assert_close(torch.tensor(drafted), torch.tensor(drafted_eager), rtol=1e-5, atol=0)
 
 
-def test_the_engines_plain_steps_leave_their_rows_waiting_and_the_next_drafts_are_the_same(monkeypatch):
+def test_the_engines_plain_steps_leave_their_rows_waiting_and_the_next_drafts_are_the_same(monkeypatch, context_passes):
     """On the engine a plain step captures its row behind those still waiting to become drafter context
     (`waiting_rows`), so a run of plain steps is stored in one pass by the next drafted step, and its drafts do not
     change. The reference run stores every plain step's rows at once."""
-    from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
     from hf_dflash.modeling.dflash_engine import DFlashEngine
 
     target = tiny_target("llama")
@@ -317,14 +326,7 @@ def test_the_engines_plain_steps_leave_their_rows_waiting_and_the_next_drafts_ar
     prompt = random_prompt(6, batch=2)
     plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
     script = [True] + [False] * 5
-    passes = []
-    write_context = DFlashCandidateGenerator.write_context
-
-    def counted(self, rows, positions, slots):
-        passes.append(rows.shape[1])
-        write_context(self, rows, positions, slots)
-
-    monkeypatch.setattr(DFlashCandidateGenerator, "write_context", counted)
+    passes = context_passes
     runs = {}
     for waiting in (True, False):
         if not waiting:

@@ -6,7 +6,8 @@ Methods:
   step on a GPU);
 - `native`: transformers' own DFlash loop with the same drafter (`speculation_type="dflash"`; batch 1 only, so a
   setting of a larger batch skips it and the report says so);
-- `dflash`: ours (`assistant_model=drafter`: the CUDA-graph fast path on a GPU, the eager loop elsewhere);
+- `dflash`: ours (`assistant_model=drafter`: the engine's step, a CUDA graph on a GPU and eager on a CPU; the eager
+  loop for a call the engine cannot serve);
 - `dflash-engine`, `dflash-eager`: ours with the path forced (`dflash_fast_path=True` / `False`): on a CPU the
   engine's step without a graph against the eager loop over transformers' cache (not run unless named).
 
@@ -347,8 +348,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--own-lengths", action="store_true",
                         help="batch 1 only: each prompt at its own length, not left-padded to the longest")
     parser.add_argument("--adaptive", action="store_true",
-                        help="our methods run with a verify policy (dflash_adaptive), one per method for all its calls, "
-                        "as hf-dflash generate runs on a CPU")
+                        help="our methods run with a verify policy (dflash_adaptive), one per method for all its "
+                        "calls, as hf-dflash generate runs on a CPU")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                         help="auto (default): bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
