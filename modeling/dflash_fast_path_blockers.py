@@ -2,9 +2,10 @@
 loop instead, and the warning that names them.
 
 The fast path (dflash_fast_path.py) serves greedy and sampled decoding (point-mass or rejection sampling, inside the
-step, with random numbers a graph replays afresh) under the logits processors that run on the device
-(dflash_processors.py: temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length,
-suppressed tokens, ...), eos / max-length stopping, any stopping criteria, streamers and output_scores /
+step, with random numbers a graph replays afresh) under any logits processors generate builds (dflash_processors.py:
+those that run on the device, such as temperature, top-k/p/h, min-p, typical-p, repetition penalty and min length,
+inside the step's graph; those that read the whole prefix, such as no-repeat n-grams, called on the host, which keeps
+that call's steps out of a graph), eos / max-length stopping, any stopping criteria, streamers and output_scores /
 output_logits (host hooks around the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized)
 target of the families in `FAST_PATH_FAMILIES` (sliding-window layers and gpt-oss's attention sinks included; hybrid
 Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step;
@@ -28,7 +29,6 @@ from transformers.utils import logging
 from .dflash_compat import attention_implementation, experts_implementation
 from .dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
 from .dflash_masks import FULL, LINEAR, SLIDING
-from .dflash_processors import StepProcessors
 
 logger = logging.get_logger(__name__)
 
@@ -140,7 +140,6 @@ def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | Non
 def fast_path_blocker(
     target: torch.nn.Module,
     drafter: torch.nn.Module,
-    processors: StepProcessors,
     attention_mask: torch.Tensor,
 ) -> str | None:
     """Why the fast path cannot serve this call, with the fix when there is one; None when it can."""
@@ -155,11 +154,6 @@ def fast_path_blocker(
         return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
     if text.model_type in HYBRID_FAMILIES and (hybrid := hybrid_blocker(target)) is not None:
         return hybrid
-    if processors.host_only:
-        return (
-            f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
-            "drop them for the fast path"
-        )
     windows = _window_blocker(text)
     if windows is not None:
         return windows
