@@ -64,7 +64,7 @@ from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument, dynamo_cache_size_limit
-from .dflash_fast_path_blockers import target_layer_types
+from .dflash_fast_path_blockers import bitsandbytes_quantized, target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
@@ -310,9 +310,10 @@ class DFlashEngine(DFlashStep):
             max_tokens = sequences * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         if static_shapes is None:
-            static_shapes = device.type == "cuda" and adaptive in (None, False)
+            static_shapes = device.type == "cuda" and adaptive in (None, False) and not bitsandbytes_quantized(target)
         self.static_shapes = static_shapes
-        self.use_graphs = self.static_shapes and device.type == "cuda"
+        # bitsandbytes' quantized layers run in eager steps only (`bitsandbytes_quantized`)
+        self.use_graphs = self.static_shapes and device.type == "cuda" and not bitsandbytes_quantized(target)
         # with static shapes, one page of each pool is the idle rows' scratch: never handed out, never read unmasked
         self.scratch_pages = 1 if self.static_shapes else 0
         num_pages = -(-max_tokens // PAGE_SIZE) + self.scratch_pages

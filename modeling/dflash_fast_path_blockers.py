@@ -6,11 +6,11 @@ step, with random numbers a graph replays afresh) under any logits processors ge
 those that run on the device, such as temperature, top-k/p/h, min-p, typical-p, repetition penalty and min length,
 inside the step's graph; those that read the whole prefix, such as no-repeat n-grams, called on the host, which keeps
 that call's steps out of a graph), eos / max-length stopping, any stopping criteria, streamers and output_scores /
-output_logits (host hooks around the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized)
-target of the families in `FAST_PATH_FAMILIES` (sliding-window layers and gpt-oss's attention sinks included; hybrid
-Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step;
-MoE experts on a GPU only where their dispatch can be captured) and the drafter (its own sliding layers included) on
-one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the
+output_logits (host hooks around the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized,
+or bitsandbytes-quantized, whose steps run eagerly) target of the families in `FAST_PATH_FAMILIES` (sliding-window
+layers and gpt-oss's attention sinks included; hybrid Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet
+layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU only where their dispatch can be
+captured) and the drafter (its own sliding layers included) on one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the
 same tokens (the same distribution when sampling).
 
 Each reason below is a sentence a user can act on. `takes_fast_path` turns it into the call's choice: a warning once
@@ -51,23 +51,37 @@ def target_layer_types(text: Any) -> list[str]:
     return [SLIDING if sliding else FULL] * text.num_hidden_layers
 
 
-def _quantization_blocker(target: torch.nn.Module) -> str | None:
-    """Why the target's quantization keeps it off the fast path, or None.
-
-    A GGUF checkpoint is marked quantized by transformers even when it was dequantized into plain floating-point
-    weights at load time; such a target is dense and served. Any other quantizer (bitsandbytes and the like) computes
-    through its own layers, which the fast path is not tested with.
-    """
+def quantization_method(target: torch.nn.Module) -> str | None:
+    """The method that quantized the target ("bitsandbytes", "gguf", ...), or None for a target loaded unquantized."""
     quantizer = getattr(target, "hf_quantizer", None)
     config = getattr(quantizer, "quantization_config", None) or getattr(target.config, "quantization_config", None)
     if quantizer is None and config is None and not getattr(target, "is_quantized", False):
         return None
     method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
     method = getattr(method, "value", method)  # transformers keeps it as a QuantizationMethod enum
-    dense = all(p.is_floating_point() for p in target.parameters())
-    if method == "gguf" and dense:
+    return str(method) if method else "unknown method"
+
+
+def bitsandbytes_quantized(target: torch.nn.Module) -> bool:
+    """Whether bitsandbytes quantized the target. Its quantized layers compute each row of a verify on its own (4-bit,
+    and 8-bit without outlier columns: tests/test_quantized.py), so the engine serves it, with transformers' forward
+    and the engine's paged cache; its steps run eagerly, as bitsandbytes' kernels are not tested inside a CUDA graph."""
+    return quantization_method(target) == "bitsandbytes"
+
+
+def _quantization_blocker(target: torch.nn.Module) -> str | None:
+    """Why the target's quantization keeps it off the fast path, or None.
+
+    A GGUF checkpoint is marked quantized by transformers even when it was dequantized into plain floating-point
+    weights at load time; such a target is dense and served. So is a bitsandbytes one (`bitsandbytes_quantized`).
+    Any other quantizer computes through its own layers, which the fast path is not tested with.
+    """
+    method = quantization_method(target)
+    if method is None or method == "bitsandbytes":
         return None
-    return f"the target is quantized ({method or 'unknown method'}); its quantized layers take the eager loop"
+    if method == "gguf" and all(p.is_floating_point() for p in target.parameters()):
+        return None
+    return f"the target is quantized ({method}); its quantized layers take the eager loop"
 
 
 def _window_blocker(text: Any) -> str | None:
@@ -199,6 +213,6 @@ def takes_fast_path(insist: bool | None, blocker: str | None, device: torch.devi
 
 
 __all__ = [
-    "FAST_PATH_FAMILIES", "MISTRAL_STYLE_FAMILIES", "fast_path_blocker", "grouped_mm_stays_on_device", "moe_experts",
-    "takes_fast_path", "target_layer_types",
+    "FAST_PATH_FAMILIES", "MISTRAL_STYLE_FAMILIES", "bitsandbytes_quantized", "fast_path_blocker",
+    "grouped_mm_stays_on_device", "moe_experts", "quantization_method", "takes_fast_path", "target_layer_types",
 ]

@@ -356,14 +356,20 @@ def test_a_target_loaded_from_gguf_takes_the_fast_path(tmp_path):
     assert "quantized (gguf)" in blocker_of(target, drafter)
 
 
-def test_a_bitsandbytes_target_takes_the_eager_loop_with_the_reason(tmp_path):
+def test_a_bitsandbytes_target_takes_the_engine_and_other_quantizers_the_eager_loop(tmp_path):
+    """bitsandbytes' layers compute each verify row on its own (tests/test_quantized.py checks the tokens on both
+    loops), so the engine serves them, its steps never recorded as a graph; a quantizer we have not tested is sent to
+    the eager loop with its name."""
     from tests.test_quantized import quantized_target
 
     target = quantized_target(tmp_path, "llama", "nf4")
     drafter = tiny_drafter(target)
-    assert blocker_of(target, drafter) == (
-        "the target is quantized (bitsandbytes); its quantized layers take the eager loop"
-    )
+    assert blocker_of(target, drafter) is None
+    assert dflash_fast_path_blockers.bitsandbytes_quantized(target)
+    dense = tiny_target("llama")
+    assert not dflash_fast_path_blockers.bitsandbytes_quantized(dense)
+    dense.config.quantization_config = {"quant_method": "awq"}
+    assert blocker_of(dense, tiny_drafter(dense)) == "the target is quantized (awq); its quantized layers take the eager loop"
 
 
 def test_finished_sequences_leave_the_engines_batch(monkeypatch):
