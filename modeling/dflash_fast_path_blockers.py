@@ -27,6 +27,7 @@ import torch
 from transformers.utils import logging
 
 from .dflash_compat import attention_implementation, experts_implementation
+from .dflash_devices import target_devices
 from .dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
 from .dflash_masks import FULL, LINEAR, SLIDING
 
@@ -158,10 +159,11 @@ def fast_path_blocker(
 ) -> str | None:
     """Why the fast path cannot serve this call, with the fix when there is one; None when it can."""
     text = target.config.get_text_config()
-    devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
+    # where each part computes: an offloaded part's weights sit on the meta device, and accelerate brings them in
+    devices = {*target_devices(target), *(p.device for p in drafter.parameters())}
     if len(devices) != 1:
         return (
-            f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device "
+            f"the target and drafter compute on {', '.join(sorted(map(str, devices)))}; the fast path needs one device "
             "(load both on one GPU)"
         )
     if text.model_type not in FAST_PATH_FAMILIES:
