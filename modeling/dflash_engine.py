@@ -309,11 +309,12 @@ class DFlashEngine(DFlashStep):
             sequences = min(max_batch_size, DEFAULT_MEMORY_SEQUENCES)
             max_tokens = sequences * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
+        # bitsandbytes' quantized layers are not tested inside a CUDA graph: their steps run eagerly
+        graphs_allowed = device.type == "cuda" and not bitsandbytes_quantized(target)
         if static_shapes is None:
-            static_shapes = device.type == "cuda" and adaptive in (None, False) and not bitsandbytes_quantized(target)
+            static_shapes = graphs_allowed and adaptive in (None, False)
         self.static_shapes = static_shapes
-        # bitsandbytes' quantized layers run in eager steps only (`bitsandbytes_quantized`)
-        self.use_graphs = self.static_shapes and device.type == "cuda" and not bitsandbytes_quantized(target)
+        self.use_graphs = self.static_shapes and graphs_allowed
         # with static shapes, one page of each pool is the idle rows' scratch: never handed out, never read unmasked
         self.scratch_pages = 1 if self.static_shapes else 0
         num_pages = -(-max_tokens // PAGE_SIZE) + self.scratch_pages

@@ -10,8 +10,8 @@ output_logits (host hooks around the step: dflash_host_hooks.py), left-padded ba
 or bitsandbytes-quantized, whose steps run eagerly) target of the families in `FAST_PATH_FAMILIES` (sliding-window
 layers and gpt-oss's attention sinks included; hybrid Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet
 layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU only where their dispatch can be
-captured) and the drafter (its own sliding layers included) on one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the
-same tokens (the same distribution when sampling).
+captured) and the drafter (its own sliding layers included) on one device with sdpa or eager attention. Anything
+else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same distribution when sampling).
 
 Each reason below is a sentence a user can act on. `takes_fast_path` turns it into the call's choice: a warning once
 per reason on a GPU, an error for a call that insists with `generate(..., dflash_fast_path=True)`.

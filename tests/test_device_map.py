@@ -76,7 +76,9 @@ def test_a_split_target_reports_each_part_where_it_computes():
     assert execution_device(target.lm_head) == torch.device("cuda:1")
     assert execution_device(target.model.layers[0]) == torch.device("cpu")
     blocker = fast_path_blocker(target, tiny_drafter(target), torch.ones(1, 4, dtype=torch.long))
-    assert blocker == "the target and drafter compute on cpu, cuda:1; the fast path needs one device (load both on one GPU)"
+    assert blocker == (
+        "the target and drafter compute on cpu, cuda:1; the fast path needs one device (load both on one GPU)"
+    )
 
 
 def test_drafter_on_a_device_the_target_does_not_use_is_refused():

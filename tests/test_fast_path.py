@@ -369,7 +369,9 @@ def test_a_bitsandbytes_target_takes_the_engine_and_other_quantizers_the_eager_l
     dense = tiny_target("llama")
     assert not dflash_fast_path_blockers.bitsandbytes_quantized(dense)
     dense.config.quantization_config = {"quant_method": "awq"}
-    assert blocker_of(dense, tiny_drafter(dense)) == "the target is quantized (awq); its quantized layers take the eager loop"
+    assert blocker_of(dense, tiny_drafter(dense)) == (
+        "the target is quantized (awq); its quantized layers take the eager loop"
+    )
 
 
 def test_finished_sequences_leave_the_engines_batch(monkeypatch):
