@@ -302,14 +302,16 @@ def dflash_generate(
     max_length = generation_config.max_length
     host_hooks = HostHooks(input_ids, generation_config, stopping_criteria, streamer)
     return_dict = generation_config.return_dict_in_generate
-    blocker = fast_path_blocker(target, drafter, processors, attention_mask)
+    blocker = fast_path_blocker(target, drafter, attention_mask)
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
         engine = engine_for(target, drafter, input_ids.shape[0], max_length)
-        # a width chosen per step (the policy, or the cap) is chosen on the host: those steps run without a graph
-        chosen_width = policy is not None or verify_rows < block_size
-        compile_drafter = engine.use_graphs and not chosen_width if dflash_compile is None else dflash_compile
+        # a width chosen per step (the policy, or the cap) and processors that read each row's prefix run on the
+        # host: those steps run without a graph
+        on_host = policy is not None or verify_rows < block_size or bool(processors.host_only)
+        compile_drafter = engine.use_graphs and not on_host if dflash_compile is None else dflash_compile
         engine.bind(
-            processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter, policy, verify_rows
+            processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter, policy, verify_rows,
+            host_hooks.tokens,
         )
         # as the eager loop's `returned_cache`: a batch of 1, where plain generate can continue from the cache
         returned = cache if return_dict and input_ids.shape[0] == 1 and engine.hands_back_caches else None

@@ -64,7 +64,7 @@ from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument, dynamo_cache_size_limit
-from .dflash_fast_path_blockers import target_layer_types
+from .dflash_fast_path_blockers import bitsandbytes_quantized, target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
 from .dflash_masks import LINEAR
@@ -309,10 +309,12 @@ class DFlashEngine(DFlashStep):
             sequences = min(max_batch_size, DEFAULT_MEMORY_SEQUENCES)
             max_tokens = sequences * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
+        # bitsandbytes' quantized layers are not tested inside a CUDA graph: their steps run eagerly
+        graphs_allowed = device.type == "cuda" and not bitsandbytes_quantized(target)
         if static_shapes is None:
-            static_shapes = device.type == "cuda" and adaptive in (None, False)
+            static_shapes = graphs_allowed and adaptive in (None, False)
         self.static_shapes = static_shapes
-        self.use_graphs = self.static_shapes and device.type == "cuda"
+        self.use_graphs = self.static_shapes and graphs_allowed
         # with static shapes, one page of each pool is the idle rows' scratch: never handed out, never read unmasked
         self.scratch_pages = 1 if self.static_shapes else 0
         num_pages = -(-max_tokens // PAGE_SIZE) + self.scratch_pages
@@ -359,6 +361,9 @@ class DFlashEngine(DFlashStep):
         # float32, allocated only for a call that returns them.
         self.padding = torch.zeros(b, **long)
         self.call_processors = False
+        # The call's sequences as plain generate holds them (padding included), which processors that read the whole
+        # prefix are called with (`StepProcessors`); None unless the call has such processors.
+        self.call_tokens: list[list[int]] | None = None
         self.scores: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
         self.vocab_size = vocab
@@ -511,15 +516,19 @@ class DFlashEngine(DFlashStep):
     def bind(
         self, processors: StepProcessors, rule: DecodingRule, keep_scores: bool, keep_logits: bool,
         compile_drafter: bool = False, policy: VerifyPolicy | None = None, verify_rows: int | None = None,
+        tokens: list[list[int]] | None = None,
     ) -> None:
         """Serve a `generate` call (dflash_decoding.py): its rows' tokens are chosen under the call's logits processors
         and decoding rule (the drafts sampled from the drafter under rejection sampling) instead of per-request
         settings, and the step writes the verify rows' scores / logits out when the call returns them. The call's
         `policy` (its `dflash_adaptive`) chooses each step's width, and `verify_rows` (its `dflash_verify_rows`,
-        default the block) caps it; either makes the steps run eagerly at the width chosen. A recorded graph baked
-        in what it was recorded with: the graphs are kept only for a call that computes the same."""
+        default the block) caps it; either makes the steps run eagerly at the width chosen. `tokens[i]`: call row
+        i's ids so far as plain generate holds them (the call's host hooks keep them up to date), read by the
+        processors that run on the host, whose steps run eagerly too. A recorded graph baked in what it was recorded
+        with: the graphs are kept only for a call that computes the same."""
         self.policy = policy
         self.verify_cap = verify_rows or self.block_size
+        self.call_tokens = tokens if processors.host_only else None
         kept = (self.scores is not None, self.logits is not None)
         if compile_drafter != self.compile_drafter:
             self._drop_graphs()
@@ -981,8 +990,12 @@ class DFlashEngine(DFlashStep):
         if not self.call_processors:
             return dict(logprobs=None if self.logprobs is None else self.logprobs[:n],
                         **self._sampling(slice(0, n), scoring))
+        device = self.anchor_ids.device
         return dict(
             presence=self.presence[:n] if self.processors.penalty is not None else None,
+            prefixes=None if self.call_tokens is None else [
+                torch.tensor([self.call_tokens[sequence.key]], device=device) for sequence in self.sequences[:n]
+            ],
             scores=None if self.scores is None else self.scores[:n],
             logits=None if self.logits is None else self.logits[:n],
             padding=self.padding[:n],
@@ -1082,8 +1095,9 @@ class DFlashEngine(DFlashStep):
         scoring = RowScoring.of([sequence.sampling for sequence in self.sequences])
         keys = [sequence.key for sequence in self.sequences]
         width, confidence, draft_seconds = self.block_size, None, None
-        chosen_width = self.policy is not None or self.verify_cap < self.block_size
-        if chosen_width:  # eager, at the running rows' shape: the width is chosen between draft and verify
+        # Eager, at the running rows' shape: a width chosen between draft and verify, or processors called on the host
+        on_host = self.policy is not None or self.verify_cap < self.block_size or self.call_tokens is not None
+        if on_host:
             with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
                 started = time.perf_counter()
                 rows = self._rows(n, span, scoring)
@@ -1097,7 +1111,7 @@ class DFlashEngine(DFlashStep):
             self._run_rows(n, span, scoring)
         out = self.out[:n].tolist()  # the step's host synchronization (the policy's second)
         accepted = [row[self.block_size] for row in out]
-        if chosen_width:
+        if on_host:
             if self.policy is not None:
                 self.policy.record(
                     keys, width, accepted, confidence, draft_seconds, time.perf_counter() - verify_started

@@ -2,15 +2,16 @@
 loop instead, and the warning that names them.
 
 The fast path (dflash_fast_path.py) serves greedy and sampled decoding (point-mass or rejection sampling, inside the
-step, with random numbers a graph replays afresh) under the logits processors that run on the device
-(dflash_processors.py: temperature, top-k/p/h, min-p, typical-p, epsilon/eta, repetition penalty, min length,
-suppressed tokens, ...), eos / max-length stopping, any stopping criteria, streamers and output_scores /
-output_logits (host hooks around the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized)
-target of the families in `FAST_PATH_FAMILIES` (sliding-window layers and gpt-oss's attention sinks included; hybrid
-Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step;
-MoE experts on a GPU only where their dispatch can be captured) and the drafter (its own sliding layers included) on
-one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the
-same tokens (the same distribution when sampling).
+step, with random numbers a graph replays afresh) under any logits processors generate builds (dflash_processors.py:
+those that run on the device, such as temperature, top-k/p/h, min-p, typical-p, repetition penalty and min length,
+inside the step's graph; those that read the whole prefix, such as no-repeat n-grams, called on the host, which keeps
+that call's steps out of a graph), eos / max-length stopping, any stopping criteria, streamers and output_scores /
+output_logits (host hooks around the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized,
+or bitsandbytes-quantized, whose steps run eagerly) target of the families in `FAST_PATH_FAMILIES` (sliding-window
+layers and gpt-oss's attention sinks included; hybrid Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet
+layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU only where their dispatch can be
+captured) and the drafter (its own sliding layers included) on one device with sdpa or eager attention. Anything
+else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same distribution when sampling).
 
 Each reason below is a sentence a user can act on. `takes_fast_path` turns it into the call's choice: a warning once
 per reason on a GPU, an error for a call that insists with `generate(..., dflash_fast_path=True)`.
@@ -26,9 +27,9 @@ import torch
 from transformers.utils import logging
 
 from .dflash_compat import attention_implementation, experts_implementation
+from .dflash_devices import target_devices
 from .dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
 from .dflash_masks import FULL, LINEAR, SLIDING
-from .dflash_processors import StepProcessors
 
 logger = logging.get_logger(__name__)
 
@@ -51,23 +52,37 @@ def target_layer_types(text: Any) -> list[str]:
     return [SLIDING if sliding else FULL] * text.num_hidden_layers
 
 
-def _quantization_blocker(target: torch.nn.Module) -> str | None:
-    """Why the target's quantization keeps it off the fast path, or None.
-
-    A GGUF checkpoint is marked quantized by transformers even when it was dequantized into plain floating-point
-    weights at load time; such a target is dense and served. Any other quantizer (bitsandbytes and the like) computes
-    through its own layers, which the fast path is not tested with.
-    """
+def quantization_method(target: torch.nn.Module) -> str | None:
+    """The method that quantized the target ("bitsandbytes", "gguf", ...), or None for a target loaded unquantized."""
     quantizer = getattr(target, "hf_quantizer", None)
     config = getattr(quantizer, "quantization_config", None) or getattr(target.config, "quantization_config", None)
     if quantizer is None and config is None and not getattr(target, "is_quantized", False):
         return None
     method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
     method = getattr(method, "value", method)  # transformers keeps it as a QuantizationMethod enum
-    dense = all(p.is_floating_point() for p in target.parameters())
-    if method == "gguf" and dense:
+    return str(method) if method else "unknown method"
+
+
+def bitsandbytes_quantized(target: torch.nn.Module) -> bool:
+    """Whether bitsandbytes quantized the target. Its quantized layers compute each row of a verify on its own (4-bit,
+    and 8-bit without outlier columns: tests/test_quantized.py), so the engine serves it, with transformers' forward
+    and the engine's paged cache; its steps run eagerly, as bitsandbytes' kernels are not tested inside a CUDA graph."""
+    return quantization_method(target) == "bitsandbytes"
+
+
+def _quantization_blocker(target: torch.nn.Module) -> str | None:
+    """Why the target's quantization keeps it off the fast path, or None.
+
+    A GGUF checkpoint is marked quantized by transformers even when it was dequantized into plain floating-point
+    weights at load time; such a target is dense and served. So is a bitsandbytes one (`bitsandbytes_quantized`).
+    Any other quantizer computes through its own layers, which the fast path is not tested with.
+    """
+    method = quantization_method(target)
+    if method is None or method == "bitsandbytes":
         return None
-    return f"the target is quantized ({method or 'unknown method'}); its quantized layers take the eager loop"
+    if method == "gguf" and all(p.is_floating_point() for p in target.parameters()):
+        return None
+    return f"the target is quantized ({method}); its quantized layers take the eager loop"
 
 
 def _window_blocker(text: Any) -> str | None:
@@ -140,26 +155,21 @@ def _experts_blocker(target: torch.nn.Module, device: torch.device) -> str | Non
 def fast_path_blocker(
     target: torch.nn.Module,
     drafter: torch.nn.Module,
-    processors: StepProcessors,
     attention_mask: torch.Tensor,
 ) -> str | None:
     """Why the fast path cannot serve this call, with the fix when there is one; None when it can."""
     text = target.config.get_text_config()
-    devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
+    # where each part computes: an offloaded part's weights sit on the meta device, and accelerate brings them in
+    devices = {*target_devices(target), *(p.device for p in drafter.parameters())}
     if len(devices) != 1:
         return (
-            f"the target and drafter are spread over {sorted(map(str, devices))}; the fast path needs one device "
+            f"the target and drafter compute on {', '.join(sorted(map(str, devices)))}; the fast path needs one device "
             "(load both on one GPU)"
         )
     if text.model_type not in FAST_PATH_FAMILIES:
         return f"the fast path is tested with {', '.join(FAST_PATH_FAMILIES)} targets, not {text.model_type!r}"
     if text.model_type in HYBRID_FAMILIES and (hybrid := hybrid_blocker(target)) is not None:
         return hybrid
-    if processors.host_only:
-        return (
-            f"logits processors that read the whole prefix run on the host ({', '.join(processors.host_only)}); "
-            "drop them for the fast path"
-        )
     windows = _window_blocker(text)
     if windows is not None:
         return windows
@@ -205,6 +215,6 @@ def takes_fast_path(insist: bool | None, blocker: str | None, device: torch.devi
 
 
 __all__ = [
-    "FAST_PATH_FAMILIES", "MISTRAL_STYLE_FAMILIES", "fast_path_blocker", "grouped_mm_stays_on_device", "moe_experts",
-    "takes_fast_path", "target_layer_types",
+    "FAST_PATH_FAMILIES", "MISTRAL_STYLE_FAMILIES", "bitsandbytes_quantized", "fast_path_blocker",
+    "grouped_mm_stays_on_device", "moe_experts", "quantization_method", "takes_fast_path", "target_layer_types",
 ]

@@ -19,9 +19,10 @@ the fast path's CUDA graph, for all rows together:
 The others read the whole prefix (no-repeat n-grams, multi-token sequence bias / bad words, prefix_allowed_tokens_fn,
 green-list watermarking, the exponential length penalty) or are unknown to us (a processor passed in
 `logits_processor`): they stay on the host and are called one sequence and one row at a time, in their place in the
-list, exact because they keep no state between calls; such a call takes the eager loop. Processors that keep state between calls
-or run their own forward (classifier-free guidance, SynthID watermarking) cannot see B rows in one step the way they
-saw one token per call, and are refused before any forward (`check_logits_processors`).
+list, exact because they keep no state between calls; such a call's steps run eagerly (no CUDA graph can call the
+host). Processors that keep state between calls or run their own forward (classifier-free guidance, SynthID
+watermarking) cannot see B rows in one step the way they saw one token per call, and are refused before any forward
+(`check_logits_processors`).
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """

@@ -54,6 +54,8 @@ class StepRows:
     scores: torch.Tensor | None = None  # (n, B, V) float32 the verified rows' processed scores, when kept
     logits: torch.Tensor | None = None  # (n, B, V) float32 their raw logits, when kept
     padding: torch.Tensor | None = None  # (n,) a generate call's left padding of each row (its processors count it)
+    # each row's ids so far (1, t) as plain generate holds them, for processors that run on the host (no graph)
+    prefixes: list[torch.LongTensor] | None = None
 
 
 class DFlashStep:
@@ -230,7 +232,7 @@ class DFlashStep:
         bound processors and decoding rule. logits (n, k, V), the verified drafts (n, k - 1) -> (scores (n, k, V),
         tokens (n, k), accepted (n,))."""
         if self.processors.processors or self.rule.do_sample:
-            scores = self.processors(logits, self.prefix_lengths(rows), rows.presence, drafts)  # (n, k, V)
+            scores = self.processors(logits, self.prefix_lengths(rows), rows.presence, drafts, rows.prefixes)
         else:  # greedy, nothing to process: the argmax of the logits as they are is that of their exact float32 copy,
             scores = logits  # which would cost a (n, B, V) float32 write and read (9.7 MB per sequence at Qwen3's V)
         tokens, accepted = accept(scores, drafts, self.rule.do_sample, draft_probs)

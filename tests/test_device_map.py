@@ -1,4 +1,5 @@
-"""Targets placed by `device_map` (accelerate): offloaded and split layers, the drafter's device, and its errors.
+"""Targets placed by `device_map` (accelerate): offloaded and split layers, the drafter's device, and its errors. An
+offloaded target computes on one device, so the engine serves it; a split one takes the eager loop.
 
 This machine has one device, so the split over two devices is checked by accelerate's own offloading (weights on the
 meta device, brought to the CPU by accelerate's hooks for each forward) and by hooks that name other devices; the
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_dflash import place_drafter
 from hf_dflash.modeling.dflash_devices import execution_device, target_devices
+from hf_dflash.modeling.dflash_fast_path_blockers import fast_path_blocker
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_batched import PAD, left_pad
 from tests.test_errors import refuse
@@ -53,7 +55,9 @@ def test_offloaded_target_is_lossless(tmp_path, sampling):
     plain = reference.generate(**batch, **settings)
     assert torch.equal(target.generate(**batch, **settings), plain)
     with oracle_drafts(plain, wrong_every=4):
-        out = target.generate(**batch, **settings, assistant_model=drafter, return_dict_in_generate=True)
+        out = target.generate(
+            **batch, **settings, assistant_model=drafter, return_dict_in_generate=True, dflash_fast_path=True
+        )
     assert torch.equal(out.sequences, plain)
     assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was accepted"
 
@@ -71,6 +75,10 @@ def test_a_split_target_reports_each_part_where_it_computes():
     assert target_devices(target) == [torch.device("cpu"), torch.device("cuda:1")]
     assert execution_device(target.lm_head) == torch.device("cuda:1")
     assert execution_device(target.model.layers[0]) == torch.device("cpu")
+    blocker = fast_path_blocker(target, tiny_drafter(target), torch.ones(1, 4, dtype=torch.long))
+    assert blocker == (
+        "the target and drafter compute on cpu, cuda:1; the fast path needs one device (load both on one GPU)"
+    )
 
 
 def test_drafter_on_a_device_the_target_does_not_use_is_refused():

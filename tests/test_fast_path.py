@@ -189,9 +189,11 @@ def test_the_engine_is_reused_across_calls_and_rebuilt_for_a_new_shape():
 def test_insisting_on_the_fast_path_names_what_blocks_it():
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
-    with pytest.raises(ValueError, match="dflash_fast_path=True, but .*NoRepeatNGramLogitsProcessor"):
+    prompt = random_prompt(5)
+    with pytest.raises(ValueError, match="dflash_fast_path=True, but .*not left padding"):
         target.generate(
-            random_prompt(5), max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True, no_repeat_ngram_size=2
+            prompt, attention_mask=torch.tensor([[1, 1, 0, 1, 1]]), max_new_tokens=4, assistant_model=drafter,
+            dflash_fast_path=True,
         )
 
 
@@ -292,9 +294,7 @@ def test_a_gpu_call_off_the_fast_path_says_why_once():
 
 
 def blocker_of(target, drafter):
-    return dflash_fast_path_blockers.fast_path_blocker(
-        target, drafter, dflash_decoding.StepProcessors([]), torch.ones(1, 4, dtype=torch.long),
-    )
+    return dflash_fast_path_blockers.fast_path_blocker(target, drafter, torch.ones(1, 4, dtype=torch.long))
 
 
 def write_tiny_llama_gguf(path, vocab: int = 256, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2):
@@ -356,13 +356,21 @@ def test_a_target_loaded_from_gguf_takes_the_fast_path(tmp_path):
     assert "quantized (gguf)" in blocker_of(target, drafter)
 
 
-def test_a_bitsandbytes_target_takes_the_eager_loop_with_the_reason(tmp_path):
+def test_a_bitsandbytes_target_takes_the_engine_and_other_quantizers_the_eager_loop(tmp_path):
+    """bitsandbytes' layers compute each verify row on its own (tests/test_quantized.py checks the tokens on both
+    loops), so the engine serves them, its steps never recorded as a graph; a quantizer we have not tested is sent to
+    the eager loop with its name."""
     from tests.test_quantized import quantized_target
 
     target = quantized_target(tmp_path, "llama", "nf4")
     drafter = tiny_drafter(target)
-    assert blocker_of(target, drafter) == (
-        "the target is quantized (bitsandbytes); its quantized layers take the eager loop"
+    assert blocker_of(target, drafter) is None
+    assert dflash_fast_path_blockers.bitsandbytes_quantized(target)
+    dense = tiny_target("llama")
+    assert not dflash_fast_path_blockers.bitsandbytes_quantized(dense)
+    dense.config.quantization_config = {"quant_method": "awq"}
+    assert blocker_of(dense, tiny_drafter(dense)) == (
+        "the target is quantized (awq); its quantized layers take the eager loop"
     )
 
 

@@ -3,7 +3,7 @@ refused before any forward.
 
 For each generate option: the processed scores of every verify row equal what plain generate's own processors give
 on the same prefix (row j: the prefix followed by drafts[:j]); greedy output equals plain greedy generate, in the eager
-loop and in the fast path's static step when the processors run on the device.
+loop and on the engine's step (processors that read the whole prefix called on the host by both).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hf_dflash.modeling import dflash_checks
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_processors import StepProcessors
 from tests.conftest import VOCAB, random_prompt, tiny_drafter, tiny_target
+from tests.test_fast_path import oracle_fast_path_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,13 +132,13 @@ GREEDY = {name: kwargs for name, (kwargs, _) in OPTIONS.items() if not kwargs.ge
 
 @pytest.mark.parametrize("name", sorted(GREEDY))
 def test_greedy_output_with_each_processor_equals_plain_generate(name):
-    kwargs, on_device = OPTIONS[name]
+    kwargs = GREEDY[name]
     target = tiny_target("qwen3", seed=8)
     drafter = tiny_drafter(target, block_size=4)
     ids, mask = left_padded_batch(2)
     call = dict(attention_mask=mask, do_sample=False, eos_token_id=EOS, pad_token_id=0, **{"max_new_tokens": 16, **kwargs})
     plain = target.generate(ids, **call)
-    for fast in (False, True) if on_device else (False,):
+    for fast in (False, True):  # a processor left on the host is called there by either loop
         dflash = target.generate(ids, assistant_model=drafter, dflash_fast_path=fast, **call)
         assert torch.equal(dflash, plain), f"fast path {fast}"
     release_fast_path(drafter)
@@ -149,7 +150,36 @@ def test_greedy_output_with_each_batch_bound_processor_equals_plain_generate(nam
     drafter = tiny_drafter(target, block_size=4)
     ids, mask = left_padded_batch(1)
     call = dict(do_sample=False, eos_token_id=EOS, pad_token_id=0, max_new_tokens=16, **SINGLE_SEQUENCE_OPTIONS[name])
-    assert torch.equal(target.generate(ids, assistant_model=drafter, **call), target.generate(ids, **call))
+    plain = target.generate(ids, **call)
+    for fast in (False, True):
+        assert torch.equal(target.generate(ids, assistant_model=drafter, dflash_fast_path=fast, **call), plain), fast
+    release_fast_path(drafter)
+
+
+@pytest.mark.parametrize("processor", ["no_repeat_ngram", "bad_words"])
+def test_host_processors_judge_accepted_drafts_on_the_engine(processor):
+    """Processors that read the whole prefix, on the engine's step, where drafts are accepted: the drafter proposes the
+    processed greedy output itself (wrong at every third position), so steps commit several tokens and each verified
+    row is judged with its own prefix. The processor changes plain generate's output here (the bad word is a pair of
+    tokens plain greedy emits), so an engine that skipped it, or called it with another row's prefix, would part from
+    the reference."""
+    target = tiny_target("qwen3", seed=8)
+    drafter = tiny_drafter(target, block_size=5)
+    ids, mask = left_padded_batch(2)
+    call = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=24)
+    plain = target.generate(ids, **call)
+    kwargs = dict(no_repeat_ngram_size=2) if processor == "no_repeat_ngram" else dict(
+        bad_words_ids=[plain[0, PROMPT_LEN + 4 : PROMPT_LEN + 6].tolist()]
+    )
+    reference = target.generate(ids, **call, **kwargs)
+    assert not torch.equal(reference, plain), "the processor must change the output"
+    with oracle_fast_path_drafts(reference, wrong_every=3, vocab=target.config.vocab_size):
+        out = target.generate(
+            ids, **call, **kwargs, assistant_model=drafter, dflash_fast_path=True, return_dict_in_generate=True
+        )
+    assert torch.equal(out.sequences, reference)
+    assert max(max(lengths) for lengths in out.acceptance_lengths) > 2
+    release_fast_path(drafter)
 
 
 @pytest.mark.parametrize(

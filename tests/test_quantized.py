@@ -1,5 +1,5 @@
 """bitsandbytes targets (4-bit nf4 / fp4, 8-bit) on CPU: capture reads the quantized layers, and greedy DFlash output
-equals the same quantized target's own greedy generate, with drafts accepted."""
+equals the same quantized target's own greedy generate, with drafts accepted, on the engine and on the eager loop."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ def quantized_target(tmp_path, family: str, quantization: str) -> torch.nn.Modul
     return AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, device_map="cpu").eval()
 
 
+@pytest.mark.parametrize("fast_path", [False, True], ids=["eager loop", "engine"])
 @pytest.mark.parametrize(
     "family, quantization, drafter_dtype",
     [("llama", "nf4", torch.bfloat16), ("qwen3", "fp4", torch.float32), ("llama", "int8", torch.bfloat16)],
 )
-def test_quantized_target_is_lossless(tmp_path, family, quantization, drafter_dtype):
+def test_quantized_target_is_lossless(tmp_path, family, quantization, drafter_dtype, fast_path):
     target = quantized_target(tmp_path, family, quantization)
     assert isinstance(target.model.layers[0].mlp.up_proj, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
     drafter = tiny_drafter(target, block_size=5).to(drafter_dtype)
@@ -47,7 +48,7 @@ def test_quantized_target_is_lossless(tmp_path, family, quantization, drafter_dt
     with oracle_drafts(plain, wrong_every=3):
         out = target.generate(
             **batch, max_new_tokens=16, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
-            return_dict_in_generate=True,
+            return_dict_in_generate=True, dflash_fast_path=fast_path,
         )
     assert torch.equal(out.sequences, plain)
     assert max(max(lengths) for lengths in out.acceptance_lengths) > 1, "no draft was accepted"

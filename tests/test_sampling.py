@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-    TopPLogitsWarper,
+    GenerationConfig, LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
 from hf_dflash.modeling.dflash_acceptance import DecodingRule, exponential_race_sample, inverse_cdf_sample, sample
@@ -57,7 +57,17 @@ SETTINGS = {
         dict(temperature=TEMPERATURE, top_k=6, top_p=0.8),
         LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(6), TopPLogitsWarper(0.8)]),
     ),
+    # a processor that reads the whole prefix, called on the host for each verified row (`PROMPTS`: on a prompt where
+    # it moves 14% of the second token's probability)
+    "no_repeat_ngram": (
+        dict(temperature=TEMPERATURE, top_k=TOP_K, no_repeat_ngram_size=2),
+        LogitsProcessorList(
+            [NoRepeatNGramLogitsProcessor(2), TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)]
+        ),
+    ),
 }
+# The prompt of each setting: [3, 7, 1, 4] unless named here.
+PROMPTS = {"no_repeat_ngram": [4, 6, 4, 6]}
 
 
 def pair_probabilities(target: torch.nn.Module, prompt: torch.LongTensor, setting: str = "top_k") -> torch.Tensor:
@@ -155,7 +165,7 @@ def test_the_static_step_samples_the_target_distribution(rule, setting):
     argmax under point mass, samples of their softmax at the temperature under rejection sampling."""
     target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
-    prompt = torch.tensor([[3, 7, 1, 4]])
+    prompt = torch.tensor([PROMPTS.get(setting, [3, 7, 1, 4])])
     pair = pair_probabilities(target, prompt, setting)
     settings = {**SAMPLED, **({"top_k": None, **SETTINGS[setting][0]} if setting in SETTINGS else {})}
     greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
