@@ -1,17 +1,18 @@
 """oneDNN matrix products with prepacked weights, for a CPU forward of a few rows (a verify of drafts, a drafter pass).
 
 On a CPU, a float32 `nn.Linear` runs MKL's sgemm, which is fast for one row (a matrix-vector product) and for many,
-but slow from 2 to about 16 rows: on the AMD EPYC this project measures on, a 16-row verify of SmolLM2-135M costs
-about 1.9 plain one-row steps, and 2 rows cost as much as 4. oneDNN's product over a weight reordered once into its
-own blocked layout costs far less there (benchmarks/step-cost.md has the figures). `PackedLinears` keeps that layout
-for every plain float32 `nn.Linear` of a model and, inside `active()`, routes their forwards through it.
+but slow from 2 to about 16 rows, the rows of a verify of drafts and of a drafter's pass; oneDNN's product over a
+weight reordered once into its own blocked layout costs far less there (benchmarks/step-cost.md has the figures).
+`OneDNNLinears` keeps that layout for every plain float32 `nn.Linear` of a model and, inside `active()`, routes their
+forwards through it.
 
 What it changes and what not:
 - Only forwards inside `active()`, and only on the thread that entered it: the engine enters it for the verify of a
   drafted step (two or more rows per sequence) and for the drafter's pass. A plain one-row step, a prefill and every
   forward outside the engine run the model's own `nn.Linear`, so plain decoding is what transformers runs.
-- The packed copy is a second copy of the weights (`nbytes`). `packed_linears` builds one only where it pays and fits
-  (a CPU, float32, oneDNN present, at most a quarter of the machine's memory) and otherwise says why not.
+- The packed copy is a second copy of the weights (`nbytes`). The engine builds one only where it pays and fits (a
+  CPU, float32, oneDNN present, at most a quarter of the machine's memory: `onednn_linears_blocker`) and otherwise
+  says why not.
 - A weight replaced or changed in place after packing (an optimizer step between calls, `load_state_dict`) is packed
   again at the next `active()`: each one's identity and version counter are checked on entry. A change made through
   `weight.data` bumps no counter and is not seen: make a new engine (or `release_fast_path`) after one.
@@ -33,6 +34,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .dflash_compat import onednn_linear, onednn_pack_linear_weight, tensor_version
+
 # The row count the weights are packed for: a drafter block. oneDNN serves other row counts from the same layout.
 PACK_ROWS = 16
 # The packed copies of a model may take at most this share of the machine's memory.
@@ -45,11 +48,6 @@ def _inside() -> bool:
     return getattr(_ACTIVE_HERE, "depth", 0) > 0
 
 
-def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) times a weight packed by `_reorder_linear_weight`, plus bias: (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 @functools.cache
 def _onednn_ops_present() -> bool:
     """Whether this torch build has oneDNN's packed linear (a tiny product is tried: some builds list the op and
@@ -57,8 +55,8 @@ def _onednn_ops_present() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8), PACK_ROWS)
-        out = _packed_product(torch.ones(2, 8), weight, None)
+        weight = onednn_pack_linear_weight(torch.ones(8, 8), PACK_ROWS)
+        out = onednn_linear(torch.ones(2, 8), weight, None)
     except (AttributeError, RuntimeError):
         return False
     return bool(torch.equal(out, torch.full((2, 8), 8.0)))
@@ -81,7 +79,7 @@ def _machine_memory() -> int | None:
         return None
 
 
-class PackedLinears:
+class OneDNNLinears:
     """The packed weights of a model's plain float32 linear layers, and the switch that routes their forwards there.
 
     Args:
@@ -105,8 +103,8 @@ class PackedLinears:
 
     def _pack(self, module: nn.Module) -> None:
         weight = module.weight
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-        self.packed[module] = (weight, weight._version, packed)
+        packed = onednn_pack_linear_weight(weight.detach(), PACK_ROWS)
+        self.packed[module] = (weight, tensor_version(weight), packed)
 
     def _forward(self, module: nn.Module):
         own = module.forward  # the class's forward, bound: other threads' forwards take it
@@ -114,7 +112,7 @@ class PackedLinears:
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not _inside():
                 return own(x)
-            return _packed_product(x, self.packed[module][2], module.bias)
+            return onednn_linear(x, self.packed[module][2], module.bias)
 
         return forward
 
@@ -124,7 +122,7 @@ class PackedLinears:
         every module's own forward is back on exit, also on an exception."""
         for module in self.modules:
             weight, version, _ = self.packed[module]
-            if module.weight is not weight or module.weight._version != version:
+            if module.weight is not weight or tensor_version(module.weight) != version:
                 self._pack(module)
         if self.entered == 0:
             for module, forward in self.forwards.items():
@@ -141,7 +139,7 @@ class PackedLinears:
                     del module.forward
 
 
-def packed_linears_blocker(model: nn.Module) -> str | None:
+def onednn_linears_blocker(model: nn.Module) -> str | None:
     """Why `model`'s linear layers are not packed here, or None when they are worth packing."""
     linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
     packable = [module for module in linears if _packable(module)]
@@ -157,9 +155,4 @@ def packed_linears_blocker(model: nn.Module) -> str | None:
     return None
 
 
-def packed_linears(model: nn.Module) -> PackedLinears | None:
-    """A `PackedLinears` of `model` where packing pays and fits (see `packed_linears_blocker`), else None."""
-    return None if packed_linears_blocker(model) is not None else PackedLinears(model)
-
-
-__all__ = ["MEMORY_SHARE", "PACK_ROWS", "PackedLinears", "packed_linears", "packed_linears_blocker"]
+__all__ = ["MEMORY_SHARE", "PACK_ROWS", "OneDNNLinears", "onednn_linears_blocker"]

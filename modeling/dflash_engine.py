@@ -64,7 +64,7 @@ from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument, dynamo_cache_size_limit
-from .dflash_cpu_linears import PackedLinears, packed_linears, packed_linears_blocker
+from .dflash_cpu_linears import OneDNNLinears, onednn_linears_blocker
 from .dflash_fast_path_blockers import bitsandbytes_quantized, target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
@@ -255,7 +255,7 @@ class DFlashEngine(DFlashStep):
         return_logprobs: whether each committed token's log-probability is kept (`take_logprobs`): under the
             scores its token was chosen from (the raw logits of a greedy row, a sampled row's processed ones), as
             transformers' manager reports them with `return_logprobs`.
-        packed_linears: whether, on a CPU, the drafter's pass and the verify of drafts run the models' float32 linear
+        onednn_linears: whether, on a CPU, the drafter's pass and the verify of drafts run the models' float32 linear
             layers over weights prepacked for oneDNN (dflash_cpu_linears.py: a second copy of those weights, much
             faster products of 2 to 16 rows). None (the default): where it pays and fits, with a warning where a
             float32 CPU engine goes without; False: never; True: required (an error says why it cannot be).
@@ -278,7 +278,7 @@ class DFlashEngine(DFlashStep):
         adaptive: bool | VerifyPolicy | None = None,
         return_logprobs: bool = False,
         contiguous_rows: bool = False,
-        packed_linears: bool | None = None,
+        onednn_linears: bool | None = None,
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
@@ -328,8 +328,8 @@ class DFlashEngine(DFlashStep):
             drafter, target, max_batch_size, self.max_sequence_length, max_rows=0, pending_rows=0, num_pages=num_pages
         )
         super().__init__(target, drafter, generator, cache_argument(target))
-        if packed_linears is not False and device.type == "cpu":
-            self.pack_linears(required=packed_linears is True)
+        if onednn_linears is not False and device.type == "cpu":
+            self.use_onednn_linears(required=onednn_linears is True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         linear = linear_attention_modules(target) if self.hybrid else {}
         self.target_pool = PagedDrafterCache(
@@ -416,19 +416,20 @@ class DFlashEngine(DFlashStep):
         self.context_rows = 1
         self.waiting_rows: int | None = 0
 
-    # -- room ---------------------------------------------------------------------------------------------------
-
-    def pack_linears(self, required: bool) -> None:
-        """Prepack the target's and the drafter's linear weights for oneDNN (`packed_linears`), or say why not."""
-        blocker = packed_linears_blocker(self.target)
+    def use_onednn_linears(self, required: bool) -> None:
+        """Prepack the target's and the drafter's linear weights for oneDNN (`onednn_linears`), or say why not."""
+        blocker = onednn_linears_blocker(self.target)
         if blocker is None:
-            self.target_linears, self.drafter_linears = PackedLinears(self.target), packed_linears(self.drafter)
+            self.target_linears = OneDNNLinears(self.target)
+            self.drafter_linears = None if onednn_linears_blocker(self.drafter) else OneDNNLinears(self.drafter)
             return
         message = f"the CPU verify runs without prepacked oneDNN weights (slower from 2 to 16 rows): {blocker}"
         if required:
             raise ValueError(message)
         if self.target.dtype == torch.float32:  # a bfloat16 model on a CPU is no float32 engine to warn about
             logger.warning_once(message)
+
+    # -- room ---------------------------------------------------------------------------------------------------
 
     def pages_for(self, prompt_length: int, max_new_tokens: int) -> int:
         """Pages a request reserves in each pool: its prompt, its new tokens and the block after its last anchor."""

@@ -25,7 +25,7 @@ import torch
 from .dflash_acceptance import DecodingRule, Proposal, accept
 from .dflash_attention import grouped_attention
 from .dflash_compat import attention_implementation
-from .dflash_cpu_linears import PackedLinears
+from .dflash_cpu_linears import OneDNNLinears
 from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES
 from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
@@ -33,7 +33,7 @@ from .dflash_processors import StepProcessors
 from .dflash_paged_cache import page_slots
 
 
-def _active(linears: PackedLinears | None) -> contextlib.AbstractContextManager:
+def _active(linears: OneDNNLinears | None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if linears is None else linears.active()
 
 
@@ -87,8 +87,8 @@ class DFlashStep:
         self.drafter_passes: dict[int, Any] = {}
         # On a CPU, the models' linear layers over prepacked oneDNN weights (dflash_cpu_linears.py), for the drafter's
         # pass and the verify of drafts (the engine sets them where they pay); None: the models' own forwards.
-        self.target_linears: PackedLinears | None = None
-        self.drafter_linears: PackedLinears | None = None
+        self.target_linears: OneDNNLinears | None = None
+        self.drafter_linears: OneDNNLinears | None = None
 
     def target_masks(
         self,

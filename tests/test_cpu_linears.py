@@ -11,14 +11,14 @@ import torch
 from transformers import GenerationConfig
 
 import hf_dflash.modeling.dflash_cpu_linears as cpu_linears
-from hf_dflash.modeling.dflash_cpu_linears import PackedLinears, packed_linears_blocker
+from hf_dflash.modeling.dflash_cpu_linears import OneDNNLinears, onednn_linears_blocker
 from hf_dflash.modeling.dflash_engine import DFlashEngine
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_policy import VerifyPolicy
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(
-    packed_linears_blocker(torch.nn.Linear(8, 8)) is not None, reason="this torch build has no oneDNN packed linear"
+    onednn_linears_blocker(torch.nn.Linear(8, 8)) is not None, reason="this torch build has no oneDNN packed linear"
 )
 
 
@@ -26,14 +26,14 @@ pytestmark = pytest.mark.skipif(
 def products(monkeypatch):
     """Counts the packed products, per thread name."""
     counts: dict[str, int] = {}
-    product = cpu_linears._packed_product
+    product = cpu_linears.onednn_linear
 
     def counted(*args):
         name = threading.current_thread().name
         counts[name] = counts.get(name, 0) + 1
         return product(*args)
 
-    monkeypatch.setattr(cpu_linears, "_packed_product", counted)
+    monkeypatch.setattr(cpu_linears, "onednn_linear", counted)
     return counts
 
 
@@ -42,7 +42,7 @@ def test_forwards_inside_the_block_use_the_packed_weights_and_get_their_own_back
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16, bias=False))
     x = torch.randn(3, 5, 32)
     expected = model(x)
-    packed = PackedLinears(model)
+    packed = OneDNNLinears(model)
     assert len(packed.modules) == 2 and packed.nbytes >= (32 * 64 + 64 * 16) * 4
     with packed.active():
         inside = model(x)
@@ -55,7 +55,7 @@ def test_forwards_inside_the_block_use_the_packed_weights_and_get_their_own_back
 
 def test_another_threads_forward_keeps_the_models_own(products):
     model = torch.nn.Linear(16, 16)
-    packed = PackedLinears(model)
+    packed = OneDNNLinears(model)
     other = threading.Thread(target=lambda: model(torch.randn(2, 16)), name="other")
     with packed.active():
         other.start()
@@ -66,7 +66,7 @@ def test_another_threads_forward_keeps_the_models_own(products):
 
 def test_the_forwards_come_back_after_an_exception():
     model = torch.nn.Linear(16, 16)
-    packed = PackedLinears(model)
+    packed = OneDNNLinears(model)
     with pytest.raises(RuntimeError, match="inside"):
         with packed.active():
             raise RuntimeError("inside")
@@ -77,7 +77,7 @@ def test_the_forwards_come_back_after_an_exception():
 def test_a_changed_weight_is_packed_again(change):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)
-    packed = PackedLinears(model)
+    packed = OneDNNLinears(model)
     x = torch.randn(4, 16)
     if change == "in place":  # as an optimizer step or load_state_dict changes it
         with torch.no_grad():
@@ -90,15 +90,15 @@ def test_a_changed_weight_is_packed_again(change):
 
 
 def test_what_is_not_packed_and_why(monkeypatch):
-    assert packed_linears_blocker(torch.nn.Linear(8, 8).to(torch.bfloat16)) == (
+    assert onednn_linears_blocker(torch.nn.Linear(8, 8).to(torch.bfloat16)) == (
         "no float32 nn.Linear layer computes on the CPU"
     )
     monkeypatch.setattr(cpu_linears, "_machine_memory", lambda: 2**20)
-    message = packed_linears_blocker(torch.nn.Linear(1024, 1024))
+    message = onednn_linears_blocker(torch.nn.Linear(1024, 1024))
     assert message.startswith("a packed copy of its linear weights (0.0 GiB) would take more than 25%")
     target = tiny_target()
     with pytest.raises(ValueError, match="without prepacked oneDNN weights .*: a packed copy"):
-        DFlashEngine(target, tiny_drafter(target), max_batch_size=1, packed_linears=True)
+        DFlashEngine(target, tiny_drafter(target), max_batch_size=1, onednn_linears=True)
     engine = DFlashEngine(target, tiny_drafter(target), max_batch_size=1)
     assert engine.target_linears is None
 
