@@ -80,22 +80,24 @@ def _machine_memory() -> int | None:
 
 
 class OneDNNLinears:
-    """The packed weights of a model's plain float32 linear layers, and the switch that routes their forwards there.
+    """The packed weights of some models' plain float32 linear layers, and the switch that routes their forwards there.
 
     Args:
-        model: the model whose `nn.Linear` layers are packed (others, and subclasses such as quantized layers, keep
-            their own forward).
+        models: the modules whose `nn.Linear` layers are packed (other layers, and subclasses such as quantized
+            layers, keep their own forward).
     """
 
-    def __init__(self, model: nn.Module):
-        self.modules = [module for module in model.modules() if _packable(module)]
+    def __init__(self, *models: nn.Module):
+        linears = (module for model in models for module in model.modules() if _packable(module))
+        self.modules = list(dict.fromkeys(linears))  # a layer two models share, once
         # per module: (the weight packed, its version counter then, the packed copy)
         self.packed: dict[nn.Module, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.forwards = {}  # per module: the forward `active()` puts in place of its own
         for module in self.modules:
             self._pack(module)
             self.forwards[module] = self._forward(module)
-        self.entered = 0  # how deep this thread is in this object's `active()` (the engine's call lock keeps others out)
+        # how deep this thread is in this object's `active()` (the engine's call lock keeps other threads out)
+        self.entered = 0
 
     @property
     def nbytes(self) -> int:
@@ -141,8 +143,7 @@ class OneDNNLinears:
 
 def onednn_linears_blocker(model: nn.Module) -> str | None:
     """Why `model`'s linear layers are not packed here, or None when they are worth packing."""
-    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
-    packable = [module for module in linears if _packable(module)]
+    packable = [module for module in model.modules() if _packable(module)]
     if not packable:
         return "no float32 nn.Linear layer computes on the CPU"
     if not _onednn_ops_present():

@@ -417,11 +417,14 @@ class DFlashEngine(DFlashStep):
         self.waiting_rows: int | None = 0
 
     def use_onednn_linears(self, required: bool) -> None:
-        """Prepack the target's and the drafter's linear weights for oneDNN (`onednn_linears`), or say why not."""
+        """Prepack the target's and the drafter's linear weights for oneDNN (`onednn_linears`), the draft
+        vocabulary's head among the drafter's, or say why not."""
         blocker = onednn_linears_blocker(self.target)
         if blocker is None:
             self.target_linears = OneDNNLinears(self.target)
-            self.drafter_linears = None if onednn_linears_blocker(self.drafter) else OneDNNLinears(self.drafter)
+            draft_head = self.generator.draft_head
+            kept = [draft_head.kept] if draft_head is not None and draft_head.kept is not None else []
+            self.drafter_linears = OneDNNLinears(self.drafter, *kept)
             return
         message = f"the CPU verify runs without prepacked oneDNN weights (slower from 2 to 16 rows): {blocker}"
         if required:

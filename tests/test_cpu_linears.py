@@ -15,6 +15,7 @@ from hf_dflash.modeling.dflash_cpu_linears import OneDNNLinears, onednn_linears_
 from hf_dflash.modeling.dflash_engine import DFlashEngine
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_policy import VerifyPolicy
+from hf_dflash.modeling.dflash_row_sampling import SamplingSettings
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(
@@ -24,17 +25,22 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def products(monkeypatch):
-    """Counts the packed products, per thread name."""
+    """Counts the packed products, per thread name; `weights_seen` keeps the packed weights they read."""
     counts: dict[str, int] = {}
     product = cpu_linears.onednn_linear
 
-    def counted(*args):
+    def counted(x, packed, bias):
         name = threading.current_thread().name
         counts[name] = counts.get(name, 0) + 1
-        return product(*args)
+        weights_seen.append(packed)
+        return product(x, packed, bias)
 
     monkeypatch.setattr(cpu_linears, "onednn_linear", counted)
+    weights_seen.clear()
     return counts
+
+
+weights_seen: list[torch.Tensor] = []
 
 
 def test_forwards_inside_the_block_use_the_packed_weights_and_get_their_own_back(products):
@@ -130,3 +136,16 @@ def test_generate_packs_drafted_steps_only_and_stays_plain_greedy(products, poli
     else:
         assert counted == 0
     assert all("forward" not in module.__dict__ for module in [*target.modules(), *drafter.modules()])
+
+
+def test_the_draft_vocabularys_head_runs_on_the_packed_weights_too(products):
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=8)
+    drafter.set_draft_vocabulary(torch.arange(0, 200, 2))
+    engine = DFlashEngine(target, drafter, max_batch_size=1, adaptive=False)
+    kept = engine.generator.draft_head.kept
+    assert kept in engine.drafter_linears.modules
+    engine.admit("a", random_prompt(10)[0].tolist(), 8, SamplingSettings())
+    engine.run_step()
+    assert any(seen is engine.drafter_linears.packed[kept][2] for seen in weights_seen)
+    assert "forward" not in kept.__dict__
