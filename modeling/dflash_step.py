@@ -126,11 +126,14 @@ class DFlashStep:
         distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None, and the
         drafter's `confidence` in each draft) and the draft rows' logits (n, B - 1, V). `context_rows`: see
         `store_context` (default: all B rows, as the fast path's recorded or compiled pass stores them)."""
-        drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
-        # grouped_attention: no copy of every key/value head per layer (dflash_attention.py); the target's linears
-        # for its lm_head, which gives a drafter without a draft vocabulary its logits
-        with grouped_attention(self.drafter), _active(self.drafter_linears), _active(self.target_linears):
-            hidden, draft_logits = drafter_pass(rows) if context_rows is None else self.draft(rows, context_rows)
+        drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft) if context_rows is None else None
+        # An eager pass runs the oneDNN products (the target's for its lm_head, which gives a drafter without a draft
+        # vocabulary its logits); a compiled one is inductor's own code.
+        eager = drafter_pass is None or drafter_pass == self.draft
+        linears = (self.drafter_linears, self.target_linears) if eager else (None, None)
+        # grouped_attention: no copy of every key/value head per layer (dflash_attention.py)
+        with grouped_attention(self.drafter), _active(linears[0]), _active(linears[1]):
+            hidden, draft_logits = self.draft(rows, context_rows) if drafter_pass is None else drafter_pass(rows)
         proposal = self.generator.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
         rows.drafts.copy_(proposal.drafts)
         return proposal, draft_logits
