@@ -25,6 +25,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import threading
@@ -98,6 +99,11 @@ class OneDNNLinears:
             self.forwards[module] = self._forward(module)
         # how deep this thread is in this object's `active()` (the engine's call lock keeps other threads out)
         self.entered = 0
+
+    def __deepcopy__(self, memo: dict) -> "OneDNNLinears":
+        # oneDNN's packed tensors have no storage to copy (a deep copy of a drafter copies the engine it holds): the
+        # copy packs its own copies of the layers
+        return OneDNNLinears(*copy.deepcopy(self.modules, memo))
 
     @property
     def nbytes(self) -> int:

@@ -4,6 +4,7 @@ identical to plain greedy."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -149,3 +150,15 @@ def test_the_draft_vocabularys_head_runs_on_the_packed_weights_too(products):
     engine.run_step()
     assert any(seen is engine.drafter_linears.packed[kept][2] for seen in weights_seen)
     assert "forward" not in kept.__dict__
+
+
+def test_a_deep_copy_packs_its_own_copies():
+    """A deep copy of a drafter copies the engine it holds (training copies drafters): oneDNN's packed tensors have
+    no storage to copy, so the copy packs its own."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    packed = OneDNNLinears(model)
+    copied_model, copied = copy.deepcopy((model, packed))
+    assert copied.modules == list(copied_model) and copied.packed[copied_model[0]][0] is copied_model[0].weight
+    x = torch.randn(2, 16)
+    with copied.active():
+        torch.testing.assert_close(copied_model(x), model(x), rtol=1e-5, atol=1e-5)
