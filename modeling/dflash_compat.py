@@ -354,13 +354,26 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
+def onednn_pack_linear_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` (out, in) reordered into oneDNN's blocked layout for products of about `rows` rows
+    (`torch.ops.mkldnn._reorder_linear_weight`, the op inductor's CPU freezing packs float32 linears with; all the
+    torch versions this project supports have it, and dflash_cpu_linears.py tries it before relying on it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) times a weight packed by `onednn_pack_linear_weight`, plus `bias`: (..., out)
+    (`torch.ops.mkldnn._linear_pointwise` with no fused activation)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 __all__ = [
     "CACHE_ARGUMENTS", "CHUNK_RULE", "LinearAttentionCacheMethods", "LinearLayerView", "accelerate_hook",
     "attention_implementation", "cache_argument", "cache_from_kwargs", "chunk_rule_reachable",
     "default_generation_params", "distribution_checks_default", "drop_front_slots", "dynamo_cache_size_limit",
     "experts_implementation", "forward_hook_count", "full_history_layer",
     "has_attention_implementation", "is_dynamic_layer", "is_linear_cache_layer", "linear_states",
-    "linear_token_count", "model_from_config", "pad_token_tensor", "recording_chunk_rule", "register_attention",
+    "linear_token_count", "model_from_config", "onednn_linear", "onednn_pack_linear_weight", "pad_token_tensor", "recording_chunk_rule", "register_attention",
     "sdpa_backend_choice", "sdpa_backends_enabled", "set_attention_implementation", "set_linear_states",
     "set_linear_token_count", "tensor_version", "upload_folder",
 ]

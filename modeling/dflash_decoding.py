@@ -258,6 +258,7 @@ def dflash_generate(
     dflash_fast_path: bool | None = None,
     dflash_compile: bool | None = None,
     dflash_adaptive: bool | VerifyPolicy = False,
+    dflash_onednn_linears: bool | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | DFlashGenerateOutput:
     """Speculative decoding of `model` (the target) with a DFlash `drafter`; a `custom_generate` for generate.
@@ -286,6 +287,10 @@ def dflash_generate(
     instance is used as given, and its cost fit carries over from call to call. With a policy or a
     `dflash_verify_rows` cap the engine's steps run without a graph (the width is chosen on the host), and at small
     batches a GPU verifies 16 rows in about the time of one.
+    `dflash_onednn_linears` (a generate keyword): on a CPU, whether the engine runs the drafter's pass and the verify
+    of drafts over float32 linear weights prepacked for oneDNN (dflash_cpu_linears.py; a second copy of them, held
+    with the engine until `release_fast_path(drafter)`). None (the default): where it pays and fits; False: never;
+    True: required. Plain one-row steps always run the target's own layers.
     """
     target = model
     rule = DecodingRule.for_call(generation_config, dflash_sampling)
@@ -304,7 +309,7 @@ def dflash_generate(
     return_dict = generation_config.return_dict_in_generate
     blocker = fast_path_blocker(target, drafter, attention_mask)
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
-        engine = engine_for(target, drafter, input_ids.shape[0], max_length)
+        engine = engine_for(target, drafter, input_ids.shape[0], max_length, dflash_onednn_linears)
         # a width chosen per step (the policy, or the cap) and processors that read each row's prefix run on the
         # host: those steps run without a graph
         on_host = policy is not None or verify_rows < block_size or bool(processors.host_only)

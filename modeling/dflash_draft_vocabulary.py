@@ -102,12 +102,18 @@ class DraftVocabularyHead:
         self.lm_head = lm_head
         self.vocab_size = vocab_size
         self.token_ids = token_ids.to(device)  # (K,) sorted target ids
-        self.weight = self.bias = self.outside = None
+        # the kept rows as a linear layer of their own (H -> K), so that a CPU engine's oneDNN products take it too
+        self.kept: torch.nn.Linear | None = None
+        self.outside = None
         if sliceable_head(lm_head):
             rows = self.token_ids.to(lm_head.weight.device)
-            self.weight = lm_head.weight.detach()[rows].to(device).contiguous()  # (K, H)
+            weight = lm_head.weight.detach()[rows].to(device).contiguous()  # (K, H)
+            self.kept = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=lm_head.bias is not None, device="meta")
+            self.kept.weight = torch.nn.Parameter(weight, requires_grad=False)
             if lm_head.bias is not None:
-                self.bias = lm_head.bias.detach()[rows].to(device).contiguous()  # (K,)
+                self.kept.bias = torch.nn.Parameter(
+                    lm_head.bias.detach()[rows].to(device).contiguous(), requires_grad=False  # (K,)
+                )
         else:
             self.outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
             self.outside[self.token_ids] = False
@@ -131,9 +137,9 @@ class DraftVocabularyHead:
         return drafter._dflash_draft_head[1]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
+        if self.kept is None:
             return self.lm_head(hidden).masked_fill(self.outside, float("-inf"))
-        kept = torch.nn.functional.linear(hidden, self.weight, self.bias)  # (b, n, K)
+        kept = self.kept(hidden)  # (b, n, K)
         logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # (b, n, V)
         return logits.index_copy_(-1, self.token_ids, kept)
 

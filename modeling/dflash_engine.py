@@ -64,6 +64,7 @@ from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument, dynamo_cache_size_limit
+from .dflash_cpu_linears import OneDNNLinears, onednn_linears_blocker
 from .dflash_fast_path_blockers import bitsandbytes_quantized, target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES, LinearStates, hybrid_blocker, linear_attention_modules
 from .dflash_linear_state import linear_state_buffers
@@ -254,6 +255,10 @@ class DFlashEngine(DFlashStep):
         return_logprobs: whether each committed token's log-probability is kept (`take_logprobs`): under the
             scores its token was chosen from (the raw logits of a greedy row, a sampled row's processed ones), as
             transformers' manager reports them with `return_logprobs`.
+        onednn_linears: whether, on a CPU, the drafter's pass and the verify of drafts run the models' float32 linear
+            layers over weights prepacked for oneDNN (dflash_cpu_linears.py: a second copy of those weights, much
+            faster products of 2 to 16 rows). None (the default): where it pays and fits, with a warning where a
+            float32 CPU engine goes without; False: never; True: required (an error says why it cannot be).
         contiguous_rows: whether each row owns one fixed stretch of each pool, a sequence's whole length (the
             pools then hold `max_batch_size` of them, whatever `max_tokens` says): the step's layers read every row's
             keys/values as a view of the pool, not a gather per layer, and a row that moves when another retires
@@ -273,6 +278,7 @@ class DFlashEngine(DFlashStep):
         adaptive: bool | VerifyPolicy | None = None,
         return_logprobs: bool = False,
         contiguous_rows: bool = False,
+        onednn_linears: bool | None = None,
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
@@ -322,6 +328,8 @@ class DFlashEngine(DFlashStep):
             drafter, target, max_batch_size, self.max_sequence_length, max_rows=0, pending_rows=0, num_pages=num_pages
         )
         super().__init__(target, drafter, generator, cache_argument(target))
+        if onednn_linears is not False and device.type == "cpu":
+            self.use_onednn_linears(required=onednn_linears is True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         linear = linear_attention_modules(target) if self.hybrid else {}
         self.target_pool = PagedDrafterCache(
@@ -407,6 +415,22 @@ class DFlashEngine(DFlashStep):
         # was prefilled).
         self.context_rows = 1
         self.waiting_rows: int | None = 0
+
+    def use_onednn_linears(self, required: bool) -> None:
+        """Prepack the target's and the drafter's linear weights for oneDNN (`onednn_linears`), the draft
+        vocabulary's head among the drafter's, or say why not."""
+        blocker = onednn_linears_blocker(self.target)
+        if blocker is None:
+            self.target_linears = OneDNNLinears(self.target)
+            draft_head = self.generator.draft_head
+            kept = [draft_head.kept] if draft_head is not None and draft_head.kept is not None else []
+            self.drafter_linears = OneDNNLinears(self.drafter, *kept)
+            return
+        message = f"the CPU verify runs without prepacked oneDNN weights (slower from 2 to 16 rows): {blocker}"
+        if required:
+            raise ValueError(message)
+        if self.target.dtype == torch.float32:  # a bfloat16 model on a CPU is no float32 engine to warn about
+            logger.warning_once(message)
 
     # -- room ---------------------------------------------------------------------------------------------------
 

@@ -41,13 +41,17 @@ from .dflash_processors import StepProcessors
 CALL_LENGTH_BUCKET = 256
 
 
-def engine_for(target: torch.nn.Module, drafter: torch.nn.Module, batch_size: int, max_length: int) -> DFlashEngine:
-    """The engine that serves fast-path calls of this target and batch size, built once and kept on the drafter, one
-    at a time, to bound the memory it holds (a call holds the drafter's lock while it uses it). A held engine serves
-    any call whose `max_length` (padding included) it holds, up to four times over (its pools hold every row at its
-    full length), while the drafter keeps the draft vocabulary it was built for."""
+def engine_for(
+    target: torch.nn.Module, drafter: torch.nn.Module, batch_size: int, max_length: int,
+    onednn_linears: bool | None = None,
+) -> DFlashEngine:
+    """The engine that serves fast-path calls of this target, batch size and `onednn_linears` (the engine's argument),
+    built once and kept on the drafter, one at a time, to bound the memory it holds (a call holds the drafter's lock
+    while it uses it). A held engine serves any call whose `max_length` (padding included) it holds, up to four times
+    over (its pools hold every row at its full length), while the drafter keeps the draft vocabulary it was built
+    for."""
     length = -(-max_length // CALL_LENGTH_BUCKET) * CALL_LENGTH_BUCKET
-    key = (id(target), batch_size, target.dtype)
+    key = (id(target), batch_size, target.dtype, onednn_linears)
     held = getattr(drafter, "_dflash_engine", None)
     if (
         held is None
@@ -58,7 +62,7 @@ def engine_for(target: torch.nn.Module, drafter: torch.nn.Module, batch_size: in
         drafter._dflash_engine = None  # let the old buffers go before allocating new ones
         engine = DFlashEngine(
             target, drafter, max_batch_size=batch_size, max_sequence_length=length, adaptive=False,
-            contiguous_rows=True,
+            contiguous_rows=True, onednn_linears=onednn_linears,
         )
         drafter._dflash_engine = (key, engine)
     return drafter._dflash_engine[1]

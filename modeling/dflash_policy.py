@@ -263,6 +263,10 @@ class VerifyPolicy:
         costs = self.cost.curve(len(live), math.ceil(widest))
         if costs is None:
             return True
+        if self.cost.fixed is None and 1 not in self.cost.widths_seen(len(live)):
+            # Time a plain step once: drafting is judged against it, and no verify of drafts shows what one row costs
+            # (on a CPU two rows cost nearly twice one, on a GPU about the same).
+            return False
         verify, draft = costs
         plain = verify[0]  # a plain step verifies the anchor alone
         drafted_rate = 0.0  # the batch's tokens per second on drafted steps, summed over its sequences

@@ -25,11 +25,16 @@ import torch
 from .dflash_acceptance import DecodingRule, Proposal, accept
 from .dflash_attention import grouped_attention
 from .dflash_compat import attention_implementation
+from .dflash_cpu_linears import OneDNNLinears
 from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES
 from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
 from .dflash_processors import StepProcessors
 from .dflash_paged_cache import page_slots
+
+
+def _active(linears: OneDNNLinears | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if linears is None else linears.active()
 
 
 @dataclass
@@ -80,6 +85,10 @@ class DFlashStep:
         self.processors = StepProcessors([])
         # The drafter's pass per batch size (the fast path may compile it); the eager one by default.
         self.drafter_passes: dict[int, Any] = {}
+        # On a CPU, the models' linear layers over prepacked oneDNN weights (dflash_cpu_linears.py), for the drafter's
+        # pass and the verify of drafts (the engine sets them where they pay); None: the models' own forwards.
+        self.target_linears: OneDNNLinears | None = None
+        self.drafter_linears: OneDNNLinears | None = None
 
     def target_masks(
         self,
@@ -117,9 +126,14 @@ class DFlashStep:
         distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None, and the
         drafter's `confidence` in each draft) and the draft rows' logits (n, B - 1, V). `context_rows`: see
         `store_context` (default: all B rows, as the fast path's recorded or compiled pass stores them)."""
-        drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft)
-        with grouped_attention(self.drafter):  # no copy of every key/value head per layer (dflash_attention.py)
-            hidden, draft_logits = drafter_pass(rows) if context_rows is None else self.draft(rows, context_rows)
+        drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft) if context_rows is None else None
+        # An eager pass runs the oneDNN products (the target's for its lm_head, which gives a drafter without a draft
+        # vocabulary its logits); a compiled one is inductor's own code.
+        eager = drafter_pass is None or drafter_pass == self.draft
+        linears = (self.drafter_linears, self.target_linears) if eager else (None, None)
+        # grouped_attention: no copy of every key/value head per layer (dflash_attention.py)
+        with grouped_attention(self.drafter), _active(linears[0]), _active(linears[1]):
+            hidden, draft_logits = self.draft(rows, context_rows) if drafter_pass is None else drafter_pass(rows)
         proposal = self.generator.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
         rows.drafts.copy_(proposal.drafts)
         return proposal, draft_logits
@@ -188,7 +202,8 @@ class DFlashStep:
         self.generator.capture.destination = rows.verify_rows[:, first : first + width]
         # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
         with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
-            with grouped_attention(self.target):  # no copy of every key/value head per layer (dflash_attention.py)
+            # a plain step (one row per sequence) keeps the target's own linear layers: it is plain decoding's step
+            with grouped_attention(self.target), _active(self.target_linears if width > 1 else None):
                 logits = self.target(
                     input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
                     position_ids=positions,

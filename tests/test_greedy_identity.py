@@ -318,7 +318,7 @@ def test_the_draft_vocabulary_head_equals_the_full_head_on_its_tokens_sliced_or_
     wrapped.load_state_dict(lm_head.state_dict())
     for head, sliced in ((lm_head, True), (wrapped, False)):
         draft_head = DraftVocabularyHead(head, token_ids, 40, torch.device("cpu"))
-        assert (draft_head.weight is not None) == sliced
+        assert (draft_head.kept is not None) == sliced
         logits = draft_head(hidden)
         assert logits.shape == full.shape
         torch.testing.assert_close(logits[..., token_ids], full[..., token_ids])
@@ -339,7 +339,7 @@ def test_the_draft_vocabulary_head_is_copied_once_per_vocabulary_and_lm_head_wei
     with torch.no_grad():
         lm_head.weight.mul_(2.0)  # an in-place change of the target's weights
     second = DraftVocabularyHead.for_drafter(drafter, lm_head, cpu)
-    assert second is not first and torch.equal(second.weight, lm_head.weight[torch.arange(0, 200, 2)])
+    assert second is not first and torch.equal(second.kept.weight, lm_head.weight[torch.arange(0, 200, 2)])
     drafter.set_draft_vocabulary(torch.arange(1, 200, 2))
     third = DraftVocabularyHead.for_drafter(drafter, lm_head, cpu)
     assert third is not second and torch.equal(third.token_ids, torch.arange(1, 200, 2))

@@ -150,6 +150,25 @@ def learned_cost(seconds: dict[int, float], draft: float, repeats: int = 3) -> V
     return cost
 
 
+def test_a_plain_step_is_timed_before_drafting_is_judged_against_it():
+    """Drafted steps time widths of two rows and more only. Until one plain step has been timed, the policy would take
+    its cost from the narrowest width's (on a CPU nearly twice a plain step): it takes one plain step first, and then
+    stops drafting where drafting commits fewer tokens per second."""
+    cost = learned_cost({2: 1.9, BLOCK: 2.0}, draft=0.5)
+    policy = VerifyPolicy(cost, explore_every=1000)
+    policy.start(1)
+    policy.record([0], BLOCK, [1], [[0.5] * (BLOCK - 1)], 0.5, 2.0)  # 2 tokens for 2.5 s
+    assert cost.curve(1, BLOCK)[0][0] > 1.5  # a plain step's cost as the curve extrapolates it: drafting would pay
+    assert policy.should_draft([0]) is False  # a plain step, to time one
+    policy.record([0], 1, [0], None, None, 1.0)
+    policy.stats[0].plain_run = 0
+    assert policy.should_draft([0]) is False  # 2 tokens per 2.5 s drafted, against 1 per 1.0 s plain
+    fixed = VerifyPolicy(VerifyCost(fixed=(1.0, 0.1, 0.5)), explore_every=1000)
+    fixed.start(1)
+    fixed.record([0], BLOCK, [10], [[0.9] * (BLOCK - 1)], 0.5, 2.5)
+    assert fixed.should_draft([0]) is True  # an injected cost is never timed
+
+
 def test_a_stepwise_verify_cost_picks_the_cheap_width_that_the_line_fit_misses():
     """On a CPU a verify's matrix products change kernels at some row count (SmolLM2 on 2 cores: 4 rows cost a third
     more than 3). Each width's own timing shows the step; the line fitted through them all does not."""

@@ -9,7 +9,9 @@ Methods:
 - `dflash`: ours (`assistant_model=drafter`: the engine's step, a CUDA graph on a GPU and eager on a CPU; the eager
   loop for a call the engine cannot serve);
 - `dflash-engine`, `dflash-eager`: ours with the path forced (`dflash_fast_path=True` / `False`): on a CPU the
-  engine's step without a graph against the eager loop over transformers' cache (not run unless named).
+  engine's step without a graph against the eager loop over transformers' cache (not run unless named);
+- `dflash-no-onednn`: ours on the engine without prepacked oneDNN weights (`dflash_onednn_linears=False`): on a CPU,
+  what those products give the drafted steps (not run unless named).
 
 Reported per method: tau, tokens/s, ms per verify step (per token for plain methods), time to first token, peak GPU
 memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights SHAPE` the target and drafter are
@@ -50,7 +52,7 @@ from ..modeling.dflash_policy import VerifyPolicy
 from . import harness, step_cost
 from .published import RANDOM_SHAPES, SAMPLING, random_pair, shape_record
 
-METHODS = ("plain", "plain-static", "native", "dflash", "dflash-engine", "dflash-eager")
+METHODS = ("plain", "plain-static", "native", "dflash", "dflash-engine", "dflash-eager", "dflash-no-onednn")
 DEFAULT_METHODS = METHODS[:4]
 # A prompt-set run's target, prompts and their number when left out (`cli_checks.check_bench` reads them too).
 DEFAULT_TARGET, DEFAULT_PROMPTS, DEFAULT_LIMIT = "smollm2", "humaneval", 8
@@ -113,6 +115,10 @@ def _method_kwargs(method: str, drafter: torch.nn.Module) -> dict[str, Any]:
         "dflash": {"assistant_model": drafter, "return_dict_in_generate": True},
         "dflash-engine": {"assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": True},
         "dflash-eager": {"assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": False},
+        "dflash-no-onednn": {
+            "assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": True,
+            "dflash_onednn_linears": False,
+        },
     }[method]
 
 
