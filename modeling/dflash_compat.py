@@ -373,7 +373,7 @@ __all__ = [
     "default_generation_params", "distribution_checks_default", "drop_front_slots", "dynamo_cache_size_limit",
     "experts_implementation", "forward_hook_count", "full_history_layer",
     "has_attention_implementation", "is_dynamic_layer", "is_linear_cache_layer", "linear_states",
-    "linear_token_count", "model_from_config", "onednn_linear", "onednn_pack_linear_weight", "pad_token_tensor", "recording_chunk_rule", "register_attention",
-    "sdpa_backend_choice", "sdpa_backends_enabled", "set_attention_implementation", "set_linear_states",
-    "set_linear_token_count", "tensor_version", "upload_folder",
+    "linear_token_count", "model_from_config", "onednn_linear", "onednn_pack_linear_weight", "pad_token_tensor",
+    "recording_chunk_rule", "register_attention", "sdpa_backend_choice", "sdpa_backends_enabled",
+    "set_attention_implementation", "set_linear_states", "set_linear_token_count", "tensor_version", "upload_folder",
 ]

@@ -130,7 +130,8 @@ class DFlashStep:
         # An eager pass runs the oneDNN products (the target's for its lm_head, which gives a drafter without a draft
         # vocabulary its logits); a compiled one is inductor's own code.
         eager = drafter_pass is None or drafter_pass == self.draft
-        linears = (self.drafter_linears, self.target_linears) if eager else (None, None)
+        head = self.target_linears if self.generator.draft_head is None else None
+        linears = (self.drafter_linears, head) if eager else (None, None)
         # grouped_attention: no copy of every key/value head per layer (dflash_attention.py)
         with grouped_attention(self.drafter), _active(linears[0]), _active(linears[1]):
             hidden, draft_logits = self.draft(rows, context_rows) if drafter_pass is None else drafter_pass(rows)
