@@ -308,6 +308,9 @@ def dflash_generate(
     host_hooks = HostHooks(input_ids, generation_config, stopping_criteria, streamer)
     return_dict = generation_config.return_dict_in_generate
     blocker = fast_path_blocker(target, drafter, attention_mask)
+    if dflash_onednn_linears and (dflash_fast_path is False or blocker is not None):
+        why = f"it cannot serve this call: {blocker}" if blocker else "dflash_fast_path=False asks for the eager loop"
+        raise ValueError(f"dflash_onednn_linears=True runs on the engine's step, but {why}")
     if takes_fast_path(dflash_fast_path, blocker, input_ids.device):
         engine = engine_for(target, drafter, input_ids.shape[0], max_length, dflash_onednn_linears)
         # a width chosen per step (the policy, or the cap) and processors that read each row's prefix run on the

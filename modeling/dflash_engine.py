@@ -328,6 +328,8 @@ class DFlashEngine(DFlashStep):
             drafter, target, max_batch_size, self.max_sequence_length, max_rows=0, pending_rows=0, num_pages=num_pages
         )
         super().__init__(target, drafter, generator, cache_argument(target))
+        if onednn_linears and device.type != "cpu":
+            raise ValueError(f"onednn_linears=True asks for oneDNN's CPU products, but this engine runs on {device}")
         if onednn_linears is not False and device.type == "cpu":
             self.use_onednn_linears(required=onednn_linears is True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads

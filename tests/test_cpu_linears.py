@@ -162,3 +162,17 @@ def test_a_deep_copy_packs_its_own_copies():
     x = torch.randn(2, 16)
     with copied.active():
         torch.testing.assert_close(copied_model(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_insisting_on_onednn_where_the_engine_does_not_run_is_an_error():
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=4)
+    input_ids = random_prompt(8)
+    with pytest.raises(ValueError, match="dflash_onednn_linears=True runs on the engine's step, but dflash_fast_path"):
+        target.generate(input_ids, max_new_tokens=4, assistant_model=drafter, dflash_onednn_linears=True,
+                        dflash_fast_path=False)
+    right_padded = torch.ones_like(input_ids)
+    right_padded[0, -2:] = 0
+    with pytest.raises(ValueError, match="dflash_onednn_linears=True runs on the engine's step, but it cannot serve"):
+        target.generate(input_ids, attention_mask=right_padded, max_new_tokens=4, assistant_model=drafter,
+                        dflash_onednn_linears=True)
