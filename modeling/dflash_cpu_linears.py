@@ -7,9 +7,10 @@ weight reordered once into its own blocked layout costs far less there (benchmar
 forwards through it.
 
 What it changes and what not:
-- Only forwards inside `active()`, and only on the thread that entered it: the engine enters it for the verify of a
-  drafted step (two or more rows per sequence) and for the drafter's pass. A plain one-row step, a prefill and every
-  forward outside the engine run the model's own `nn.Linear`, so plain decoding is what transformers runs.
+- Only forwards inside `active()`, and only on the thread that entered it: the engine enters it for every verify of
+  two rows or more (a drafted step's, or a batch's plain step of one row per sequence) and for the drafter's pass. A
+  step of one row in all (one sequence, nothing drafted), a prefill and every forward outside the engine run the
+  model's own `nn.Linear`, so one sequence's plain decoding is what transformers runs.
 - The packed copy is a second copy of the weights (`nbytes`). The engine builds one only where it pays and fits (a
   CPU, float32, oneDNN present, at most a quarter of the machine's memory: `onednn_linears_blocker`) and otherwise
   says why not.

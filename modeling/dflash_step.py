@@ -86,7 +86,7 @@ class DFlashStep:
         # The drafter's pass per batch size (the fast path may compile it); the eager one by default.
         self.drafter_passes: dict[int, Any] = {}
         # On a CPU, the models' linear layers over prepacked oneDNN weights (dflash_cpu_linears.py), for the drafter's
-        # pass and the verify of drafts (the engine sets them where they pay); None: the models' own forwards.
+        # pass and every verify of two rows or more (the engine sets them where they pay); None: the models' own.
         self.target_linears: OneDNNLinears | None = None
         self.drafter_linears: OneDNNLinears | None = None
 
@@ -126,15 +126,14 @@ class DFlashStep:
         distribution the drafts were sampled from (n, B - 1, V) under rejection sampling, else None, and the
         drafter's `confidence` in each draft) and the draft rows' logits (n, B - 1, V). `context_rows`: see
         `store_context` (default: all B rows, as the fast path's recorded or compiled pass stores them)."""
-        drafter_pass = self.drafter_passes.get(rows.anchor_ids.shape[0], self.draft) if context_rows is None else None
-        # An eager pass runs the oneDNN products (the target's for its lm_head, which gives a drafter without a draft
-        # vocabulary its logits); a compiled one is inductor's own code.
-        eager = drafter_pass is None or drafter_pass == self.draft
-        head = self.target_linears if self.generator.draft_head is None else None
-        linears = (self.drafter_linears, head) if eager else (None, None)
+        compiled = self.drafter_passes.get(rows.anchor_ids.shape[0]) if context_rows is None else None
+        # A compiled pass is inductor's own code. The eager one runs the oneDNN products: the drafter's, and the
+        # target's lm_head's, which gives a drafter without a draft vocabulary its logits.
+        drafter_linears = None if compiled else self.drafter_linears
+        head_linears = None if compiled or self.generator.draft_head is not None else self.target_linears
         # grouped_attention: no copy of every key/value head per layer (dflash_attention.py)
-        with grouped_attention(self.drafter), _active(linears[0]), _active(linears[1]):
-            hidden, draft_logits = self.draft(rows, context_rows) if drafter_pass is None else drafter_pass(rows)
+        with grouped_attention(self.drafter), _active(drafter_linears), _active(head_linears):
+            hidden, draft_logits = compiled(rows) if compiled else self.draft(rows, context_rows)
         proposal = self.generator.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
         rows.drafts.copy_(proposal.drafts)
         return proposal, draft_logits
@@ -203,8 +202,10 @@ class DFlashStep:
         self.generator.capture.destination = rows.verify_rows[:, first : first + width]
         # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
         with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
-            # a plain step (one row per sequence) keeps the target's own linear layers: it is plain decoding's step
-            with grouped_attention(self.target), _active(self.target_linears if width > 1 else None):
+            # A forward of one row in all (one sequence, nothing drafted) keeps the target's own linear layers, plain
+            # decoding's matrix-vector products; two rows or more (drafts, or a batch's plain step) run the packed ones.
+            one_row = rows.anchor_ids.shape[0] * width == 1
+            with grouped_attention(self.target), _active(None if one_row else self.target_linears):
                 logits = self.target(
                     input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
                     position_ids=positions,

@@ -1,6 +1,6 @@
 """Prepacked oneDNN linear layers on a CPU (dflash_cpu_linears.py): which forwards use them, that they are put back,
-that a changed weight is packed again, and that DFlash on the engine uses them for drafted steps only and stays
-identical to plain greedy."""
+that a changed weight is packed again, and that DFlash on the engine uses them for every forward of several rows
+(none for one sequence's plain steps) and stays identical to plain greedy."""
 
 from __future__ import annotations
 
@@ -115,13 +115,14 @@ class _NeverDrafts(VerifyPolicy):
         return False
 
 
-@pytest.mark.parametrize("policy", [None, "never drafts"])
-def test_generate_packs_drafted_steps_only_and_stays_plain_greedy(products, policy):
-    """Full-width steps run the target's verify and the drafter's pass on the packed weights; a call whose every step
-    is plain (one row, no drafter) runs none of them, as plain decoding would."""
+@pytest.mark.parametrize("policy, batch", [(None, 2), ("never drafts", 1), ("never drafts", 2)])
+def test_generate_packs_forwards_of_several_rows_and_stays_plain_greedy(products, policy, batch):
+    """Full-width steps run the target's verify and the drafter's pass on the packed weights, and so do a batch's
+    plain steps (one row per sequence, several sequences); a call of one sequence whose every step is plain (one row
+    in all, no drafter) runs none of them, as plain decoding would."""
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=8)
-    input_ids = random_prompt(12, batch=2)
+    input_ids = random_prompt(12, batch=batch)
     config = GenerationConfig(max_new_tokens=24, do_sample=False)
     plain = target.generate(input_ids, generation_config=config)
     settings = {} if policy is None else {"dflash_adaptive": _NeverDrafts()}
@@ -132,8 +133,8 @@ def test_generate_packs_drafted_steps_only_and_stays_plain_greedy(products, poli
     assert torch.equal(out, plain)
     counted = sum(products.values())
     linears = sum(isinstance(module, torch.nn.Linear) for module in target.modules())
-    if policy is None:
-        assert counted >= linears  # at least one verify of drafts went through them
+    if batch > 1:
+        assert counted >= linears  # at least one forward of several rows went through them
     else:
         assert counted == 0
     assert all("forward" not in module.__dict__ for module in [*target.modules(), *drafter.modules()])
