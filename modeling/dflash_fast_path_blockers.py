@@ -34,12 +34,19 @@ from .dflash_masks import FULL, LINEAR, SLIDING
 logger = logging.get_logger(__name__)
 
 # Target families whose forward the fast path is tested with (4D masks, one per layer type, and the engine's paged
-# cache go straight through their attention); others take the eager loop rather than risk a forward that reads the
-# cache differently.
-FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES)
-# Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
-# Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
-MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe")
+# cache go straight through their attention: tests/test_families.py, greedy identical to plain generate); others take
+# the eager loop rather than risk a forward that reads the cache differently. Beyond the families of published
+# drafters: those users train drafters for, whose attention reads only the cache's `update` and windows only through
+# the mask (per-layer RoPE, NoPE layers, softcapping and scaled embeddings stay inside their own forward).
+FAST_PATH_FAMILIES = (
+    "llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES,
+    "qwen2", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", "granite", "smollm3", "cohere", "cohere2", "stablelm",
+    "starcoder2", "glm4",
+)
+# Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style;
+# StarCoder2's checkpoints set one). Llama's masks ignore a `sliding_window` set on its config (only transformers'
+# cache would apply it).
+MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe", "starcoder2")
 
 
 def target_layer_types(text: Any) -> list[str]:
