@@ -8,10 +8,11 @@ inside the step's graph; those that read the whole prefix, such as no-repeat n-g
 that call's steps out of a graph), eos / max-length stopping, any stopping criteria, streamers and output_scores /
 output_logits (host hooks around the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized,
 or bitsandbytes-quantized, whose steps run eagerly) target of the families in `FAST_PATH_FAMILIES` (sliding-window
-layers and gpt-oss's attention sinks included; hybrid Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet
-layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU only where their dispatch can be
-captured) and the drafter (its own sliding layers included) on one device with sdpa or eager attention. Anything
-else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same distribution when sampling).
+layers included, and under eager attention gpt-oss's attention sinks and Gemma 2's attention softcapping; hybrid
+Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step;
+MoE experts on a GPU only where their dispatch can be captured) and the drafter (its own sliding layers included) on
+one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same
+tokens (the same distribution when sampling).
 
 Each reason below is a sentence a user can act on. `takes_fast_path` turns it into the call's choice: a warning once
 per reason on a GPU, an error for a call that insists with `generate(..., dflash_fast_path=True)`.
@@ -193,6 +194,13 @@ def fast_path_blocker(
         return (
             f"the target has attention sinks, which {attention_implementation(text)!r} attention drops (load it with "
             "attn_implementation='eager')"
+        )
+    if attention_implementation(text) != "eager" and getattr(text, "attn_logit_softcapping", None) is not None:
+        # Gemma 2 passes it to the attention function as `softcap`; transformers' sdpa function ignores it (from
+        # transformers 5.25 Gemma 2 refuses to load with sdpa; 5.17 loads it and drops the softcapping)
+        return (
+            f"the target softcaps its attention logits, which {attention_implementation(text)!r} attention drops "
+            "(load it with attn_implementation='eager')"
         )
     experts = _experts_blocker(target, next(iter(devices)))
     if experts is not None:

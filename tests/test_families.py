@@ -420,6 +420,20 @@ def test_fast_path_refuses_attention_that_drops_the_sinks():
     )
 
 
+def test_fast_path_refuses_attention_that_drops_the_softcapping():
+    """Gemma 2 passes its attention logit softcapping to the attention function as `softcap`: eager attention applies
+    it, transformers' sdpa function ignores it (transformers 5.17 loads Gemma 2 with sdpa; a config switched
+    afterwards is caught here on every version)."""
+    target = family_target("gemma2")
+    drafter = tiny_drafter(target, block_size=4)
+    assert blocker_of(target, drafter) is None
+    target.config._attn_implementation = "sdpa"
+    assert blocker_of(target, drafter) == (
+        "the target softcaps its attention logits, which 'sdpa' attention drops (load it with "
+        "attn_implementation='eager')"
+    )
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_next"])
 def test_moe_experts_in_a_cuda_graph(family, monkeypatch):
     """On CUDA, MoE targets, hybrid ones included, take the fast path only with an experts implementation that stays
