@@ -510,7 +510,7 @@ class DFlashConfig(PreTrainedConfig):
             hidden_act=getattr(text, "hidden_act", "silu"),
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
             max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-            rope_parameters=dict(text.rope_parameters) if getattr(text, "rope_parameters", None) else None,
+            rope_parameters=target_rope(text),
             vocab_size=vocab_size,
             target_hidden_size=text.hidden_size,
             num_target_layers=num_target_layers,
@@ -522,6 +522,18 @@ class DFlashConfig(PreTrainedConfig):
         )
         fields.update(overrides)
         return cls(**fields)
+
+
+def target_rope(text: PreTrainedConfig) -> dict[str, Any] | None:
+    """The RoPE a drafter for this target copies: the target's `rope_parameters`, or where it keeps one per layer type
+    (Gemma 3, OLMo 3: {"sliding_attention": {...}, "full_attention": {...}}) its full-attention layers' one, as a
+    drafter's layers are full attention unless it names sliding ones, and applies one RoPE to all of them."""
+    rope = getattr(text, "rope_parameters", None)
+    if not rope:
+        return None
+    if all(isinstance(value, Mapping) for value in rope.values()):
+        return dict(rope["full_attention"])
+    return dict(rope)
 
 
 # save_pretrained copies this bundle next to the weights and writes `auto_map`, so AutoConfig/AutoModel find it.

@@ -8,10 +8,11 @@ inside the step's graph; those that read the whole prefix, such as no-repeat n-g
 that call's steps out of a graph), eos / max-length stopping, any stopping criteria, streamers and output_scores /
 output_logits (host hooks around the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized,
 or bitsandbytes-quantized, whose steps run eagerly) target of the families in `FAST_PATH_FAMILIES` (sliding-window
-layers and gpt-oss's attention sinks included; hybrid Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet
-layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU only where their dispatch can be
-captured) and the drafter (its own sliding layers included) on one device with sdpa or eager attention. Anything
-else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same distribution when sampling).
+layers included, and under eager attention gpt-oss's attention sinks and Gemma 2's attention softcapping; hybrid
+Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step;
+MoE experts on a GPU only where their dispatch can be captured) and the drafter (its own sliding layers included) on
+one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same
+tokens (the same distribution when sampling).
 
 Each reason below is a sentence a user can act on. `takes_fast_path` turns it into the call's choice: a warning once
 per reason on a GPU, an error for a call that insists with `generate(..., dflash_fast_path=True)`.
@@ -34,12 +35,19 @@ from .dflash_masks import FULL, LINEAR, SLIDING
 logger = logging.get_logger(__name__)
 
 # Target families whose forward the fast path is tested with (4D masks, one per layer type, and the engine's paged
-# cache go straight through their attention); others take the eager loop rather than risk a forward that reads the
-# cache differently.
-FAST_PATH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES)
-# Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style).
-# Llama's masks ignore a `sliding_window` set on its config (only transformers' cache would apply it).
-MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe")
+# cache go straight through their attention: tests/test_families.py, greedy identical to plain generate); others take
+# the eager loop rather than risk a forward that reads the cache differently. Beyond the families of published
+# drafters: those users train drafters for, whose attention reads only the cache's `update` and windows only through
+# the mask (per-layer RoPE, NoPE layers, softcapping and scaled embeddings stay inside their own forward).
+FAST_PATH_FAMILIES = (
+    "llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES,
+    "qwen2", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", "granite", "smollm3", "cohere", "cohere2", "stablelm",
+    "starcoder2", "glm4",
+)
+# Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style;
+# StarCoder2's checkpoints set one). Llama's masks ignore a `sliding_window` set on its config (only transformers'
+# cache would apply it).
+MISTRAL_STYLE_FAMILIES = ("mistral", "qwen3_moe", "starcoder2")
 
 
 def target_layer_types(text: Any) -> list[str]:
@@ -186,6 +194,13 @@ def fast_path_blocker(
         return (
             f"the target has attention sinks, which {attention_implementation(text)!r} attention drops (load it with "
             "attn_implementation='eager')"
+        )
+    if attention_implementation(text) != "eager" and getattr(text, "attn_logit_softcapping", None) is not None:
+        # Gemma 2 passes it to the attention function as `softcap`; transformers' sdpa function ignores it (from
+        # transformers 5.25 Gemma 2 refuses to load with sdpa; 5.17 loads it and drops the softcapping)
+        return (
+            f"the target softcaps its attention logits, which {attention_implementation(text)!r} attention drops "
+            "(load it with attn_implementation='eager')"
         )
     experts = _experts_blocker(target, next(iter(devices)))
     if experts is not None:

@@ -150,6 +150,19 @@ def test_for_target_copies_the_target_shape():
     assert config.num_target_layers == 12 and config.vocab_size == 1000
 
 
+def test_for_target_takes_the_full_attention_rope_of_a_per_layer_type_one():
+    """Gemma 3 and OLMo 3 keep one RoPE per layer type (Gemma 3's sliding layers a base of 10,000, its full ones
+    1,000,000); a drafter applies one RoPE to its layers, which are full attention, so it copies the full layers'."""
+    target = AutoConfig.for_model(
+        "gemma3_text", vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    assert target.rope_parameters["sliding_attention"] != target.rope_parameters["full_attention"]
+    config = DFlashConfig.for_target(target, mask_token_id=3)
+    assert config.rope_parameters == target.rope_parameters["full_attention"]
+    DFlashDraftModel(config)  # builds its rotary tables from it
+
+
 def test_for_target_asks_for_a_mask_token_when_none_is_free():
     target = LlamaConfig(vocab_size=500, hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
     with pytest.raises(ValueError, match="mask_token_id"):

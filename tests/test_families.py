@@ -39,6 +39,9 @@ LINEAR = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
     linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
 )
+SLIDING_AND_FULL = ["sliding_attention", "full_attention"] * 2
+# Gemma 3's SigLIP vision tower in small (text-only prompts never run it)
+SIGLIP = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4)
 VISION = dict(
     depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
     temporal_patch_size=1, num_position_embeddings=16,
@@ -65,16 +68,66 @@ FAMILIES = {
     "qwen3_5_moe": ("qwen3_5_moe", dict(text_config=dict(MOE, **LINEAR, shared_expert_intermediate_size=32), vision_config=VISION), True),
     # Mistral-style: `sliding_window` on every layer, no `layer_types`
     "mistral": ("mistral", dict(sliding_window=WINDOW), False),
+    # Families users train drafters for, no published drafter. Each in the layout of its checkpoints where that
+    # layout is what could break the engine: windows, per-layer RoPE, NoPE layers, softcapping, scaled embeddings.
+    "qwen2": ("qwen2", {}, False),
+    # Qwen2's own sliding layers (from `max_window_layers` on, when `use_sliding_window`)
+    "qwen2_windowed": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), False),
+    # Gemma 3: sliding layers with their own RoPE base beside full ones, scaled embeddings, q/k norms
+    "gemma3_text": ("gemma3_text", dict(sliding_window=WINDOW, layer_types=SLIDING_AND_FULL), False),
+    "gemma3": (
+        "gemma3",
+        dict(text_config=dict(sliding_window=WINDOW, layer_types=SLIDING_AND_FULL), vision_config=SIGLIP),
+        True,
+    ),
+    # Gemma 2: sliding and full layers, attention and final logit softcapping; loaded with eager attention, the only
+    # one that applies the attention softcapping (transformers 5.17 loads it with sdpa, which drops it)
+    "gemma2": (
+        "gemma2", dict(sliding_window=WINDOW, layer_types=SLIDING_AND_FULL, attn_implementation="eager"), False
+    ),
+    "gemma": ("gemma", {}, False),
+    "olmo2": ("olmo2", {}, False),
+    "olmo3": ("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_AND_FULL), False),
+    # Granite: scaled embeddings, residuals, attention and logits
+    "granite": (
+        "granite",
+        dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
+        False,
+    ),
+    # SmolLM3: every fourth layer without RoPE (NoPE), as in its checkpoints (its default pad_token_id, like GLM-4's,
+    # lies past the tiny vocabulary)
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 1, 1, 0], pad_token_id=None), False),
+    # Cohere: parallel attention and MLP, LayerNorm, scaled logits; Cohere2: sliding layers and NoPE full ones
+    "cohere": ("cohere", {}, False),
+    "cohere2": ("cohere2", dict(sliding_window=WINDOW, layer_types=SLIDING_AND_FULL), False),
+    "stablelm": ("stablelm", {}, False),  # partial RoPE (a quarter of each head), LayerNorm
+    # StarCoder2: Mistral-style window, biases, LayerNorm
+    "starcoder2": ("starcoder2", dict(sliding_window=WINDOW), False),
+    "glm4": ("glm4", dict(pad_token_id=None), False),  # partial RoPE (half of each head), four norms a layer
 }
-WINDOWED = ("gpt_oss", "mistral")
-# What the fast path serves (on a CPU without a graph, as here): every family above; gpt-oss loads with eager
-# attention only, and the hybrid families (tests/test_hybrid_fast_path.py covers their rollback in depth) run here
-# under sdpa.
+WINDOWED = (
+    "gpt_oss", "mistral", "qwen2_windowed", "gemma3_text", "gemma3", "gemma2", "olmo3", "cohere2", "starcoder2",
+)
+# What the fast path serves (on a CPU without a graph, as here): every family above; gpt-oss and Gemma 2 run with
+# eager attention only (sdpa drops gpt-oss's sinks and Gemma 2's softcapping: gpt-oss and, from transformers 5.25,
+# Gemma 2 refuse to load with it), and the hybrid families (tests/test_hybrid_fast_path.py covers their rollback in
+# depth) run here under sdpa.
 HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe")
+EAGER_ONLY = ("gpt_oss", "gemma2")
 FAST = tuple(FAMILIES)
 FAST_ATTENTION = [(family, "eager") for family in FAST if family not in HYBRID] + [
-    (family, "sdpa") for family in FAST if family != "gpt_oss"
+    (family, "sdpa") for family in FAST if family not in EAGER_ONLY
 ]
+
+# The weight scale at which a tiny random target of the family depends strongly on its context, for the tests whose
+# teeth need it (a window one off, a cache rolled back wrong, must change the output): ten times the default, except
+# for Gemma, whose embeddings are scaled by sqrt(hidden_size) already and which at ten times decodes one token over
+# and over, whatever the window.
+GEMMA = ("gemma3_text", "gemma3", "gemma2")
+
+
+def context_scale(family: str) -> float:
+    return 0.02 if family in GEMMA else 0.2
 
 
 def family_target(name: str, seed: int = 0, vocab_size: int = VOCAB, **overrides) -> torch.nn.Module:
@@ -200,24 +253,32 @@ def test_inputs_that_would_not_reach_the_target_are_refused():
 def test_the_window_binds(family):
     """The windowed families' outputs above depend on the window: the same weights without it decode otherwise."""
     prompt = random_prompt(4, seed=0)
-    windowed = family_target(family, seed=0).generate(prompt, max_new_tokens=20, do_sample=False)
-    unwindowed = family_target(family, seed=0, sliding_window=10_000).generate(prompt, max_new_tokens=20, do_sample=False)
+    scale = context_scale(family)
+    windowed = family_target(family, seed=0, initializer_range=scale).generate(
+        prompt, max_new_tokens=20, do_sample=False
+    )
+    unwindowed = family_target(family, seed=0, initializer_range=scale, sliding_window=10_000).generate(
+        prompt, max_new_tokens=20, do_sample=False
+    )
     assert not torch.equal(windowed, unwindowed)
 
 
 @pytest.mark.parametrize(
     "family, fast",
     [(family, False) for family in ("llama", "gpt_oss", "qwen3_next", "qwen3_5", "mistral")]
-    + [(family, True) for family in ("gpt_oss", "mistral", "qwen3_moe", "qwen3_next", "qwen3_5")],
+    + [
+        (family, True)
+        for family in ("gpt_oss", "mistral", "qwen3_moe", "qwen3_next", "qwen3_5", "gemma3_text", "gemma2")
+    ],
 )
 def test_sampling_follows_the_target_distribution(family, fast):
     """Three sampled tokens after the prompt, with rejection sampling: the third often comes after a verify whose
     drafts were partly rejected, i.e. from the rolled-back cache (the eager loop), or from slots the fast path's masks
     hide and the linear-attention states its step rolled back."""
     vocab, samples = 12, 2000
-    # Weights ten times the default scale: a tiny random model then depends strongly on its context, so a cache
-    # rolled back wrong changes the distribution of the third token (default-scale models barely look back).
-    target = family_target(family, seed=21, vocab_size=vocab, initializer_range=0.2)
+    # Weights at `context_scale`: a tiny random model then depends strongly on its context, so a cache rolled back
+    # wrong changes the distribution of the third token (default-scale models barely look back).
+    target = family_target(family, seed=21, vocab_size=vocab, initializer_range=context_scale(family))
     target.generation_config.eos_token_id = None  # every token of the small vocabulary is a sample, none ends it
     drafter = tiny_drafter(target, block_size=4, mask_token_id=vocab - 1)
     prompt = torch.tensor([[3, 7, 1, 4, 9, 2, 5]])  # longer than the window
@@ -280,7 +341,7 @@ def test_fast_path_equals_plain_greedy(family, attention):
 def test_fast_path_window_is_not_off_by_one(family):
     """The tests above have teeth on the window's edge: the fast path with a window one longer (query at p seeing
     p - W .. p) decodes otherwise, and so does one a position shorter."""
-    target = family_target(family, seed=4, initializer_range=0.2)
+    target = family_target(family, seed=4, initializer_range=context_scale(family))
     drafter = tiny_drafter(target, block_size=4)
     batch = left_pad([random_prompt(n, seed=n) for n in (4, 9, 2)])
     plain = target.generate(**batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
@@ -359,6 +420,20 @@ def test_fast_path_refuses_attention_that_drops_the_sinks():
     )
 
 
+def test_fast_path_refuses_attention_that_drops_the_softcapping():
+    """Gemma 2 passes its attention logit softcapping to the attention function as `softcap`: eager attention applies
+    it, transformers' sdpa function ignores it (transformers 5.17 loads Gemma 2 with sdpa; a config switched
+    afterwards is caught here on every version)."""
+    target = family_target("gemma2")
+    drafter = tiny_drafter(target, block_size=4)
+    assert blocker_of(target, drafter) is None
+    target.config._attn_implementation = "sdpa"
+    assert blocker_of(target, drafter) == (
+        "the target softcaps its attention logits, which 'sdpa' attention drops (load it with "
+        "attn_implementation='eager')"
+    )
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_next"])
 def test_moe_experts_in_a_cuda_graph(family, monkeypatch):
     """On CUDA, MoE targets, hybrid ones included, take the fast path only with an experts implementation that stays
@@ -386,7 +461,7 @@ def test_moe_experts_in_a_cuda_graph(family, monkeypatch):
     assert blocker(family_target("llama"), cuda) is None
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "gemma3"])
 def test_multimodal_wrapper_serves_its_text_model(family):
     """A ...ForConditionalGeneration target: the drafter's layers, embedding and lm_head are the text model's."""
     target = family_target(family)
@@ -408,7 +483,8 @@ def test_sliding_layers_keep_about_a_window(family):
         prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter, dflash_fast_path=False,
         **{_cache_argument(target): cache},
     )
-    kinds = getattr(target.config, "layer_types", None) or ["sliding_attention"] * len(cache.layers)  # Mistral-style
+    text = target.config.get_text_config()
+    kinds = getattr(text, "layer_types", None) or ["sliding_attention"] * len(cache.layers)  # Mistral-style
     for kind, layer in zip(kinds, cache.layers):
         slots = layer.keys.shape[2]
         if kind == "sliding_attention":

@@ -221,9 +221,9 @@ def test_the_engine_verifies_at_most_dflash_verify_rows_and_equals_plain_greedy(
 
 
 def test_an_untested_target_family_is_not_served_by_the_fast_path():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import PhiConfig, PhiForCausalLM
 
-    target = Qwen2ForCausalLM(Qwen2Config(
+    target = PhiForCausalLM(PhiConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2,
     )).eval()
@@ -231,7 +231,7 @@ def test_an_untested_target_family_is_not_served_by_the_fast_path():
     ids = random_prompt(6)
     forwards = []
     handle = target.register_forward_pre_hook(lambda *args: forwards.append(1))
-    with pytest.raises(ValueError, match="the fast path is tested with llama, .* targets, not 'qwen2'"):
+    with pytest.raises(ValueError, match="the fast path is tested with llama, .* targets, not 'phi'"):
         target.generate(ids, max_new_tokens=4, assistant_model=drafter, dflash_fast_path=True)
     handle.remove()
     assert not forwards, "the refusal came after a forward"
