@@ -408,29 +408,21 @@ def test_fast_path_refuses_a_window_the_model_does_not_apply():
         )
 
 
-def test_fast_path_refuses_attention_that_drops_the_sinks():
-    """gpt-oss passes its sinks to the attention function as `s_aux`: eager attention adds them, transformers' sdpa
-    function ignores them (gpt-oss refuses to load with sdpa; a config switched afterwards is caught here)."""
-    target = family_target("gpt_oss")
+@pytest.mark.parametrize("family, dropped", [
+    # gpt-oss passes its sinks to the attention function as `s_aux` (it refuses to load with sdpa)
+    ("gpt_oss", "the target has attention sinks"),
+    # Gemma 2 passes its attention logit softcapping as `softcap` (transformers 5.17 loads it with sdpa, 5.25 refuses)
+    ("gemma2", "the target softcaps its attention logits"),
+])
+def test_fast_path_refuses_sdpa_where_it_drops_what_eager_attention_applies(family, dropped):
+    """Eager attention applies gpt-oss's sinks and Gemma 2's softcapping; transformers' sdpa function ignores them, so
+    a config switched to sdpa after loading is refused, naming the fix."""
+    target = family_target(family)
     drafter = tiny_drafter(target, block_size=4)
     assert blocker_of(target, drafter) is None
     target.config._attn_implementation = "sdpa"
     assert blocker_of(target, drafter) == (
-        "the target has attention sinks, which 'sdpa' attention drops (load it with attn_implementation='eager')"
-    )
-
-
-def test_fast_path_refuses_attention_that_drops_the_softcapping():
-    """Gemma 2 passes its attention logit softcapping to the attention function as `softcap`: eager attention applies
-    it, transformers' sdpa function ignores it (transformers 5.17 loads Gemma 2 with sdpa; a config switched
-    afterwards is caught here on every version)."""
-    target = family_target("gemma2")
-    drafter = tiny_drafter(target, block_size=4)
-    assert blocker_of(target, drafter) is None
-    target.config._attn_implementation = "sdpa"
-    assert blocker_of(target, drafter) == (
-        "the target softcaps its attention logits, which 'sdpa' attention drops (load it with "
-        "attn_implementation='eager')"
+        f"{dropped}, which 'sdpa' attention drops (load it with attn_implementation='eager')"
     )
 
 
