@@ -257,8 +257,9 @@ class DFlashEngine(DFlashStep):
             transformers' manager reports them with `return_logprobs`.
         onednn_linears: whether, on a CPU, the drafter's pass and every verify of two rows or more (drafts, or a
             batch's plain step) run the models' float32 linear layers over weights prepacked for oneDNN
-            (dflash_cpu_linears.py: a second copy of those weights, much faster products of 2 to 64 rows). None (the default): where it pays and fits, with a warning where a
-            float32 CPU engine goes without; False: never; True: required (an error says why it cannot be).
+            (dflash_cpu_linears.py: a second copy of those weights, much faster products of 2 to 64 rows). None
+            (the default): where it pays and fits, with a warning where a float32 CPU engine goes without; False:
+            never; True: required (an error says why it cannot be).
         contiguous_rows: whether each row owns one fixed stretch of each pool, a sequence's whole length (the
             pools then hold `max_batch_size` of them, whatever `max_tokens` says): the step's layers read every row's
             keys/values as a view of the pool, not a gather per layer, and a row that moves when another retires
