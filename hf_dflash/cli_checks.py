@@ -474,6 +474,7 @@ def check_generate(args: argparse.Namespace) -> None:
     from .generate_cli import DEFAULT_PROMPTS
 
     at_least("--max-new-tokens", args.max_new_tokens, 1)
+    at_least("--threads", args.threads, 1)
     for prompt in args.prompt or []:
         if not prompt.strip():
             raise BadArgument("--prompt is empty; pass some text")

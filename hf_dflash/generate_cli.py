@@ -141,6 +141,9 @@ def identity_verdict(plain: torch.Tensor, dflash: torch.Tensor, dtype: torch.dty
 def run(args: argparse.Namespace) -> int:
     """The arguments were checked by `cli_checks.check_generate` before this runs."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[args.dtype]
     dtype_name = str(dtype).replace("torch.", "")
@@ -193,8 +196,11 @@ def run(args: argparse.Namespace) -> int:
     tau = sum(committed) / max(len(committed), 1)
     plain_rate, dflash_rate = plain_tokens / plain_seconds, dflash_tokens / dflash_seconds
     excluded = f" (timings exclude {printing_seconds:.2f} s of printing)" if live else ""
+    machine = f"{device} {dtype_name}"
+    if device == "cpu":  # the figures depend on it: see --threads
+        machine += f", {threads} thread" + ("s" if threads > 1 else "")
     print(
-        f"\ntarget {args.target} | drafter {drafter_name} | {device} {dtype_name} | DFlash on the {path}\n"
+        f"\ntarget {args.target} | drafter {drafter_name} | {machine} | DFlash on the {path}\n"
         f"tau (tokens per verify step): {tau:.2f}\n"
         f"plain generate: {plain_rate:.1f} tok/s | DFlash: {dflash_rate:.1f} tok/s | "
         f"speedup {dflash_rate / plain_rate:.2f}x{excluded}"
@@ -220,4 +226,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", default=None, help="cuda when available, else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads torch computes with (default: torch's, one per core); on a machine other "
+                        "jobs share, 1 keeps torch's threads from waiting on a busy core (docs/install.md)")
     parser.set_defaults(func=run)

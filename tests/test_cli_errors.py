@@ -78,6 +78,7 @@ def refused(argv, capsys) -> str:
         (["generate", "--max-new-tokens", "-5"], "--max-new-tokens must be at least 1, got -5"),
         (["generate", "--verify-rows", "0"], "--verify-rows must be at least 1"),
         (["generate", "--prompt", "  "], "--prompt is empty"),
+        (["generate", "--threads", "0"], "--threads must be at least 1, got 0"),
         (["generate", "--device", "tpu9"], "is not a device; pass cpu, cuda or cuda:N"),
         (["generate", "--dtype", "fp8"], "invalid choice: 'fp8'"),
         (["generate", "--max-new-tokens", "many"], "invalid int value: 'many'"),
@@ -324,6 +325,27 @@ def test_generate_streams_on_a_cpu_and_keeps_its_comparison(tmp_path, capsys):
     # the streamed text is the decoded DFlash output: the words between the prompt line and the verdict
     streamed = captured.out.split("Once upon a time\n", 1)[1].split("[identical", 1)[0]
     assert streamed.strip(), "no text was streamed"
+
+
+def test_generate_computes_with_the_threads_asked(tmp_path, capsys, monkeypatch):
+    from hf_dflash.bundled_models import load_stories260k
+
+    target, _ = load_stories260k()
+    config = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=0)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    threads = torch.get_num_threads()
+    seen = []
+    # the decoding itself runs with the threads asked for, not only the summary line
+    monkeypatch.setattr(hf_dflash.generate_cli, "encode", lambda *args, _encode=hf_dflash.generate_cli.encode: (
+        seen.append(torch.get_num_threads()), _encode(*args))[1])
+    try:
+        assert main(["generate", "--target", "stories260k", "--drafter", str(tmp_path / "drafter"),
+                     "--prompt", "Once upon a time", "--max-new-tokens", "4", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert seen and set(seen) == {1}
+    assert "| cpu float32, 1 thread | DFlash on the engine's step" in out
 
 
 def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
