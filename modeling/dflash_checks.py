@@ -1,19 +1,24 @@
 """What DFlash refuses, before any forward: a drafter that does not fit the target, and generate options or inputs it
 cannot honour. Each refusal is one ValueError naming the fix. The checks that belong to one part stay with it and are
 called from here: `check_logits_processors` (dflash_processors.py) and `rollback_problem` (dflash_target_cache.py).
+One call is served but warned about: a target whose RoPE changes with the sequence's length (`rope_switch_problem`).
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from .dflash_compat import CACHE_ARGUMENTS, cache_from_kwargs, default_generation_params
 from .dflash_processors import check_logits_processors
 from .dflash_target_cache import rollback_problem
+
+logger = logging.get_logger(__name__)
 
 
 def fit_problems(
@@ -180,6 +185,9 @@ def check_call(
                 "position_ids other than each sequence's count of its real tokens (what generate derives from the "
                 "attention mask) would not reach the target on the DFlash path: drop position_ids"
             )
+    rope_switch = rope_switch_problem(target.config.get_text_config(), input_ids.shape[1], max_length, block_size)
+    if rope_switch is not None:
+        logger.warning_once(f"DFlash: {rope_switch}")
     cache = cache_from_kwargs(model_kwargs)
     cache_refusal = rollback_problem(target, cache)
     if cache_refusal is not None:
@@ -193,4 +201,40 @@ def check_call(
         )
 
 
-__all__ = ["MODEL_INPUTS_DFLASH_BUILDS", "check_call", "check_drafter_fits", "check_generation_mode", "fit_problems"]
+def rope_switch_problem(text: Any, prompt_length: int, max_length: int, block_size: int) -> str | None:
+    """Why this call's tokens may part from plain generate's, or None.
+
+    transformers' `longrope` RoPE (Phi-3's long-context checkpoints) takes its long factors for a whole forward once it
+    reaches past `original_max_position_embeddings`, and `dynamic` RoPE rescales its frequencies for good once a
+    forward reaches past `max_position_embeddings`. A verify block reaches up to a block further than plain decoding's
+    one-token step (its rows past max_length included, which commit nothing but still rotate), so from a block
+    before that length the target's queries and keys may rotate otherwise than in plain decoding. A longrope prompt
+    already past it took the long factors in both."""
+    rope = getattr(text, "rope_parameters", None) or {}
+    kinds = list(rope.values()) if rope and all(isinstance(value, Mapping) for value in rope.values()) else [rope]
+    for parameters in kinds:
+        kind = parameters.get("rope_type", "default")
+        if kind == "longrope":
+            switch = parameters.get("original_max_position_embeddings") or getattr(
+                text, "original_max_position_embeddings", None
+            )
+            if switch is None or prompt_length > switch:
+                continue
+        elif "dynamic" in kind:
+            switch = text.max_position_embeddings
+        else:
+            continue
+        if max_length + block_size <= switch:
+            continue
+        return (
+            f"the target's {kind} RoPE changes its frequencies once a forward passes {switch} positions, which a "
+            f"verify block of {block_size} reaches before plain decoding does: this call's tokens may then differ "
+            f"from plain generate's (a max_length of at most {switch - block_size} keeps them identical)"
+        )
+    return None
+
+
+__all__ = [
+    "MODEL_INPUTS_DFLASH_BUILDS", "check_call", "check_drafter_fits", "check_generation_mode", "fit_problems",
+    "rope_switch_problem",
+]

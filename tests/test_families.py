@@ -558,3 +558,38 @@ def test_published_layout_runs_on_its_target_family(repo_id):
         )
     assert torch.equal(out.sequences, plain)
     assert drafter.config.layer_types == published.layer_types
+
+
+def test_a_rope_that_changes_with_length_is_warned_about():
+    """`dynamic` and `longrope` RoPE rotate a forward otherwise once it reaches a length, which a verify block reaches
+    before plain decoding does: a call that can get there is warned about (the call still runs), one that stays a block
+    short of it is not."""
+    from types import SimpleNamespace
+
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_dflash.modeling import dflash_checks
+
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    target = family_target("llama", max_position_embeddings=64, rope_parameters=dynamic)
+    drafter = tiny_drafter(target, block_size=4, max_position_embeddings=128)  # room past the target's 64
+    prompt = random_prompt(8)
+    with CaptureLogger(dflash_checks.logger) as captured:  # 52 + a block of 4 stays below 64
+        target.generate(prompt, max_new_tokens=44, do_sample=False, assistant_model=drafter)
+    assert "RoPE" not in captured.out
+    with CaptureLogger(dflash_checks.logger) as captured:
+        target.generate(prompt, max_new_tokens=56, do_sample=False, assistant_model=drafter)
+    assert "dynamic RoPE changes its frequencies once a forward passes 64 positions" in captured.out
+    assert "a max_length of at most 60 keeps them identical" in captured.out
+
+    longrope = SimpleNamespace(
+        rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 32}, max_position_embeddings=128
+    )
+    assert dflash_checks.rope_switch_problem(longrope, 10, 20, 16) is not None  # 20 + 16 passes 32
+    assert dflash_checks.rope_switch_problem(longrope, 10, 16, 16) is None
+    assert dflash_checks.rope_switch_problem(longrope, 40, 60, 16) is None  # the prompt took the long factors already
+    per_layer_type = SimpleNamespace(
+        rope_parameters={"full_attention": dynamic, "sliding_attention": {"rope_type": "default"}},
+        max_position_embeddings=64,
+    )
+    assert "dynamic" in dflash_checks.rope_switch_problem(per_layer_type, 10, 60, 16)
