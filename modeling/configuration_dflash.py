@@ -524,16 +524,20 @@ class DFlashConfig(PreTrainedConfig):
         return cls(**fields)
 
 
+def rope_per_layer_type(rope: Mapping[str, Any]) -> bool:
+    """Whether `rope_parameters` holds one RoPE per layer type (Gemma 3, OLMo 3:
+    {"sliding_attention": {...}, "full_attention": {...}}) rather than one for every layer."""
+    return bool(rope) and all(isinstance(value, Mapping) for value in rope.values())
+
+
 def target_rope(text: PreTrainedConfig) -> dict[str, Any] | None:
     """The RoPE a drafter for this target copies: the target's `rope_parameters`, or where it keeps one per layer type
-    (Gemma 3, OLMo 3: {"sliding_attention": {...}, "full_attention": {...}}) its full-attention layers' one, as a
-    drafter's layers are full attention unless it names sliding ones, and applies one RoPE to all of them."""
+    its full-attention layers' one, as a drafter's layers are full attention unless it names sliding ones, and
+    applies one RoPE to all of them."""
     rope = getattr(text, "rope_parameters", None)
     if not rope:
         return None
-    if all(isinstance(value, Mapping) for value in rope.values()):
-        return dict(rope["full_attention"])
-    return dict(rope)
+    return dict(rope["full_attention"]) if rope_per_layer_type(rope) else dict(rope)
 
 
 # save_pretrained copies this bundle next to the weights and writes `auto_map`, so AutoConfig/AutoModel find it.

@@ -8,12 +8,12 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers.utils import logging
 
+from .configuration_dflash import rope_per_layer_type
 from .dflash_compat import CACHE_ARGUMENTS, cache_from_kwargs, default_generation_params
 from .dflash_processors import check_logits_processors
 from .dflash_target_cache import rollback_problem
@@ -211,7 +211,7 @@ def rope_switch_problem(text: Any, prompt_length: int, max_length: int, block_si
     before that length the target's queries and keys may rotate otherwise than in plain decoding. A longrope prompt
     already past it took the long factors in both."""
     rope = getattr(text, "rope_parameters", None) or {}
-    kinds = list(rope.values()) if rope and all(isinstance(value, Mapping) for value in rope.values()) else [rope]
+    kinds = list(rope.values()) if rope_per_layer_type(rope) else [rope]
     for parameters in kinds:
         kind = parameters.get("rope_type", "default")
         if kind == "longrope":
