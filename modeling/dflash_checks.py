@@ -1,7 +1,8 @@
 """What DFlash refuses, before any forward: a drafter that does not fit the target, and generate options or inputs it
 cannot honour. Each refusal is one ValueError naming the fix. The checks that belong to one part stay with it and are
 called from here: `check_logits_processors` (dflash_processors.py) and `rollback_problem` (dflash_target_cache.py).
-One call is served but warned about: a target whose RoPE changes with the sequence's length (`rope_switch_problem`).
+One call is served but warned about: a target whose RoPE changes with the sequence's length (`rope_switch_problem`;
+`rope_switch` also serves the continuous-batching manager's requests).
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -201,8 +202,9 @@ def check_call(
         )
 
 
-def rope_switch_problem(text: Any, prompt_length: int, max_length: int, block_size: int) -> str | None:
-    """Why this call's tokens may part from plain generate's, or None.
+def rope_switch(text: Any, prompt_length: int, max_length: int, block_size: int) -> tuple[str, int] | None:
+    """(the RoPE kind, the position where it switches) when a sequence of `prompt_length` tokens decoded to
+    `max_length` can rotate otherwise under DFlash than under plain decoding, or None.
 
     transformers' `longrope` RoPE (Phi-3's long-context checkpoints) takes its long factors for a whole forward once it
     reaches past `original_max_position_embeddings`, and `dynamic` RoPE rescales its frequencies for good once a
@@ -224,17 +226,25 @@ def rope_switch_problem(text: Any, prompt_length: int, max_length: int, block_si
             switch = text.max_position_embeddings
         else:
             continue
-        if max_length + block_size <= switch:
-            continue
-        return (
-            f"the target's {kind} RoPE changes its frequencies once a forward passes {switch} positions, which a "
-            f"verify block of {block_size} reaches before plain decoding does: this call's tokens may then differ "
-            f"from plain generate's (a max_length of at most {switch - block_size} keeps them identical)"
-        )
+        if max_length + block_size > switch:
+            return kind, switch
     return None
+
+
+def rope_switch_problem(text: Any, prompt_length: int, max_length: int, block_size: int) -> str | None:
+    """Why a generate call's tokens may part from plain generate's (`rope_switch`), or None."""
+    found = rope_switch(text, prompt_length, max_length, block_size)
+    if found is None:
+        return None
+    kind, switch = found
+    return (
+        f"the target's {kind} RoPE changes its frequencies once a forward passes {switch} positions, which a "
+        f"verify block of {block_size} reaches before plain decoding does: this call's tokens may then differ "
+        f"from plain generate's (a max_length of at most {switch - block_size} keeps them identical)"
+    )
 
 
 __all__ = [
     "MODEL_INPUTS_DFLASH_BUILDS", "check_call", "check_drafter_fits", "check_generation_mode", "fit_problems",
-    "rope_switch_problem",
+    "rope_switch", "rope_switch_problem",
 ]

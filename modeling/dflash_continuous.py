@@ -40,6 +40,7 @@ import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 from transformers.utils import logging
 
+from .dflash_checks import rope_switch
 from .dflash_engine import PREFILL_CHUNK, DFlashEngine
 from .dflash_policy import VerifyPolicy
 from .dflash_row_sampling import PER_REQUEST, SamplingSettings
@@ -370,6 +371,7 @@ class DFlashContinuousBatchingManager:
         if max_new_tokens is None:  # as generate: max_length counts the prompt
             max_new_tokens = self.generation_config.max_length - len(prompt)
         self.engine.check_request(len(prompt), max_new_tokens)
+        self._warn_of_rope_switch(len(prompt), max_new_tokens)
         if request_id is None:
             with self._counter_lock:
                 request_id = f"req_{self._request_counter}"
@@ -384,6 +386,21 @@ class DFlashContinuousBatchingManager:
             timestamps=[] if record_timestamps else None,
             logprobs=[] if self.engine.return_logprobs else None,
         )
+
+    def _warn_of_rope_switch(self, prompt_length: int, max_new_tokens: int) -> None:
+        """Warn (once) of a request that can carry a target's length-dependent RoPE past its switch: a verify block
+        reaches a block further than plain decoding, and a batch's forward rotates every row it holds alike, so the
+        requests sharing its steps may be affected too."""
+        block = self.engine.block_size
+        found = rope_switch(self.model.config.get_text_config(), prompt_length, prompt_length + max_new_tokens, block)
+        if found is not None:
+            kind, switch = found
+            logger.warning_once(
+                f"DFlash: the target's {kind} RoPE changes its frequencies once a forward passes {switch} positions. "
+                f"A request whose prompt and max_new_tokens come to more than {switch - block} tokens can get there "
+                "within a verify block, and then its tokens, and those of the requests sharing its steps, may differ "
+                f"from their own plain generate's; keep prompt + max_new_tokens at or below {switch - block}"
+            )
 
     def queue(self, request: Request) -> None:
         """Queue a request from `make_request`, waiting while `max_queue_size` requests wait to be taken."""

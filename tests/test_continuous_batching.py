@@ -876,6 +876,23 @@ def test_a_burst_of_short_requests_with_cancellations_leaves_both_pools_whole(fa
             target, random_prompt(1 + i % 6, seed=i)[0].tolist(), 1 + i % 5)
 
 
+def test_a_request_that_can_carry_a_length_dependent_rope_past_its_switch_is_warned_about():
+    """As generate warns of a call (tests/test_families.py), the manager warns of a request whose verify blocks can
+    reach a dynamic RoPE's switch before plain decoding does; a request a block short of it is queued silently."""
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    target = family_target("llama", max_position_embeddings=64, rope_parameters=dynamic)
+    drafter = tiny_drafter(target, block_size=4, max_position_embeddings=128)
+    manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter)
+    prompt = random_prompt(8)[0].tolist()
+    with CaptureLogger(dflash_continuous.logger) as captured:  # 8 + 52 tokens, and a block of 4, stay within 64
+        manager.add_request(prompt, max_new_tokens=52)
+    assert "RoPE" not in captured.out
+    with CaptureLogger(dflash_continuous.logger) as captured:
+        manager.add_request(prompt, max_new_tokens=56)
+    assert "dynamic RoPE changes its frequencies once a forward passes 64 positions" in captured.out
+    assert "keep prompt + max_new_tokens at or below 60" in captured.out
+
+
 def test_the_engine_refuses_what_it_can_never_hold():
     target, drafter = pair("llama")
     engine = DFlashEngine(target, drafter, max_batch_size=2, max_tokens=64)
