@@ -14,6 +14,8 @@ import os
 import sys
 from typing import NoReturn
 
+import torch
+
 from . import bench, generate_cli, hub_cli, serve_cli
 from .cli_checks import BadArgument, check_arguments, describe_failure
 from .training import cli as training_cli
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         prog = f"hf-dflash {args.command}"
         check_arguments(args)
+        if getattr(args, "threads", None):
+            torch.set_num_threads(args.threads)
         return args.func(args) or 0
     except KeyboardInterrupt:  # at any moment: while checking (a tokenizer loading), loading or generating
         if debug:

@@ -54,6 +54,13 @@ def at_least(option: str, value: float | None, minimum: float, what: str = "") -
         raise BadArgument(f"{option} must be at least {minimum:g}{what}, got {value:g}")
 
 
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """`--threads N`, for every command that computes: `cli.main` applies it before the command runs."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads torch computes with (default: torch's, one per core); on a machine other "
+                        "jobs share, 1 keeps torch's threads from waiting on a busy core (docs/install.md)")
+
+
 def above(option: str, value: float | None, bound: float) -> None:
     if value is not None and not value > bound:
         raise BadArgument(f"{option} must be greater than {bound:g}, got {value:g}")
@@ -474,7 +481,6 @@ def check_generate(args: argparse.Namespace) -> None:
     from .generate_cli import DEFAULT_PROMPTS
 
     at_least("--max-new-tokens", args.max_new_tokens, 1)
-    at_least("--threads", args.threads, 1)
     for prompt in args.prompt or []:
         if not prompt.strip():
             raise BadArgument("--prompt is empty; pass some text")
@@ -790,6 +796,7 @@ CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Run the checks of `args.command`; raises `BadArgument`."""
+    at_least("--threads", getattr(args, "threads", None), 1)
     CHECKS[args.command](args)
 
 
@@ -806,4 +813,4 @@ def describe_failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}"
 
 
-__all__ = ["BadArgument", "CHECKS", "check_arguments", "describe_failure", "looks_like_hub_id"]
+__all__ = ["BadArgument", "CHECKS", "add_threads_option", "check_arguments", "describe_failure", "looks_like_hub_id"]

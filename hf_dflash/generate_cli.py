@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
+from .cli_checks import add_threads_option
 from .modeling import DFlashDraftModel
 from .modeling.dflash_policy import VerifyPolicy
 from .training.data import encode_prompt
@@ -141,9 +142,7 @@ def identity_verdict(plain: torch.Tensor, dflash: torch.Tensor, dtype: torch.dty
 def run(args: argparse.Namespace) -> int:
     """The arguments were checked by `cli_checks.check_generate` before this runs."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads()  # `--threads`, which cli.main applied
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[args.dtype]
     dtype_name = str(dtype).replace("torch.", "")
@@ -226,7 +225,5 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", default=None, help="cuda when available, else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads torch computes with (default: torch's, one per core); on a machine other "
-                        "jobs share, 1 keeps torch's threads from waiting on a busy core (docs/install.md)")
+    add_threads_option(parser)
     parser.set_defaults(func=run)

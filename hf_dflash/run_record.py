@@ -45,8 +45,8 @@ def device_name(device: torch.device | str) -> str:
 
 
 def run_environment(device: torch.device | str, **more_versions: str) -> dict[str, Any]:
-    """The date (UTC, to the second), the machine (`device_name`) and the versions of the libraries a result depends
-    on; `more_versions` adds others (e.g. bitsandbytes="0.50.2")."""
+    """The date (UTC, to the second), the machine (`device_name`), the CPU threads torch computes with (`--threads`)
+    and the versions of the libraries a result depends on; `more_versions` adds others (e.g. bitsandbytes="0.50.2")."""
     import transformers
 
     from . import __version__
@@ -54,7 +54,7 @@ def run_environment(device: torch.device | str, **more_versions: str) -> dict[st
     versions = {"torch": torch.__version__, "transformers": transformers.__version__, "hf_dflash": __version__,
                 "python": platform.python_version(), **more_versions}
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": device_name(device),
-            "versions": versions}
+            "threads": torch.get_num_threads(), "versions": versions}
 
 
 __all__ = ["device_name", "portable_command", "portable_path", "run_environment", "shell_line"]

@@ -20,7 +20,7 @@ import enum
 import sys
 from typing import Any
 
-from .cli_checks import BadArgument, above, check_bundled_target, check_drafter, check_model
+from .cli_checks import BadArgument, above, add_threads_option, check_bundled_target, check_drafter, check_model
 from .generate_cli import DEFAULT_DRAFTER
 from .serve import BUNDLED_TARGET, ServedTarget, serve_until_stopped
 from .serve_transformers import ServeOption, serve_options
@@ -137,6 +137,7 @@ def register(subparsers: Any) -> None:
                              "plain decoding (default: on where the target runs on a CPU, off on a GPU)")
     parser.add_argument("--graceful-shutdown-seconds", type=float, default=30,
                         help="on SIGTERM, how long answers in flight may take to finish before they are cancelled")
+    add_threads_option(parser)
     group = parser.add_argument_group("transformers serve's options (passed on as they are)")
     for option in serve_options():
         add_serve_option(group, option)

@@ -38,7 +38,7 @@ def run_scenario(name: str, tmp_path, *options: str, code: int = 0) -> dict:
     out = tmp_path / f"{name}.json"
     assert main(["bench", name, *options, "--out", str(out)]) == code
     report = json.loads(out.read_text())
-    assert report["scenario"] == name and {"date", "machine", "versions", "command"} <= report.keys()
+    assert report["scenario"] == name and {"date", "machine", "threads", "versions", "command"} <= report.keys()
     assert report["command"].startswith(f"hf-dflash bench {name} ")
     return report
 
@@ -165,7 +165,12 @@ def test_step_cost_names_the_gated_delta_rule_of_a_hybrid_target(tmp_path):
 
 
 def test_top_k_top_p_agrees_with_transformers_and_times_both(tmp_path):
-    report = run_scenario("top-k-top-p", tmp_path, "--shapes", "8x256", "--repeats", "2")
+    threads = torch.get_num_threads()
+    try:  # every scenario takes --threads, and its report records what it ran with
+        report = run_scenario("top-k-top-p", tmp_path, "--shapes", "8x256", "--repeats", "2", "--threads", "2")
+    finally:
+        torch.set_num_threads(threads)
+    assert report["threads"] == 2
     for result in report["shapes"]["8 x 256"].values():
         assert result["float32"]["rows_differing_from_transformers"] == 0
         assert result["bf16_rounded"]["rows_differing_from_stable_sort_pair"] == 0

@@ -79,6 +79,8 @@ def refused(argv, capsys) -> str:
         (["generate", "--verify-rows", "0"], "--verify-rows must be at least 1"),
         (["generate", "--prompt", "  "], "--prompt is empty"),
         (["generate", "--threads", "0"], "--threads must be at least 1, got 0"),
+        (["bench", "top-k-top-p", "--threads", "0"], "--threads must be at least 1, got 0"),
+        (["serve", "--threads", "0"], "--threads must be at least 1, got 0"),
         (["generate", "--device", "tpu9"], "is not a device; pass cpu, cuda or cuda:N"),
         (["generate", "--dtype", "fp8"], "invalid choice: 'fp8'"),
         (["generate", "--max-new-tokens", "many"], "invalid int value: 'many'"),

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..cli_checks import add_threads_option
 from .harness import RESULTS
 
 # name -> module. One line per scenario.
@@ -76,6 +77,7 @@ def register(subparsers: Any) -> None:
         module = scenario_module(name)
         sub = scenarios.add_parser(name, help=summary(module), description=module.__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_threads_option(sub)
         module.add_arguments(sub)
         sub.add_argument("--out", default=default_out(name),
                          help="the JSON report, in a folder that exists (a .png plot is written beside it); default: "

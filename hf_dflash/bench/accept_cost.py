@@ -49,14 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the two versions, alternated")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per version and round")
-    parser.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's)")
 
 
 def check(args: argparse.Namespace) -> None:
     from ..cli_checks import BadArgument, at_least, check_device
 
     check_device("--device", args.device)
-    for option in ("rounds", "repeats", "threads"):
+    for option in ("rounds", "repeats"):
         at_least("--" + option, getattr(args, option), 1)
     for text in args.shapes:
         try:
@@ -74,8 +73,6 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..modeling import dflash_acceptance
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     report = harness.header(args, args.device)
     baseline = module_at(args.baseline)
     generator = torch.Generator().manual_seed(0)
@@ -93,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         }, args.rounds)
         rows[f"{b} x {n} x {vocab}"] = {f"{name}_ms": values for name, values in rounds.items()}
         print(f"{b} x {n} x {vocab}: {args.baseline} {rounds['baseline']} ms, now {rounds['now']} ms", flush=True)
-    report.update(baseline=args.baseline, threads=torch.get_num_threads(),
+    report.update(baseline=args.baseline,
                   statistic=f"median of {args.repeats} calls per round, {args.rounds} rounds alternated", shapes=rows)
     harness.write_report(args.out, report, plot)
     return 0

@@ -36,13 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=256, help="context positions before the block")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the two drafters, alternated")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per part and round")
-    parser.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's)")
 
 
 def check(args: argparse.Namespace) -> None:
     from ..cli_checks import at_least
 
-    for option in ("batch", "context", "rounds", "repeats", "threads"):
+    for option in ("batch", "context", "rounds", "repeats"):
         at_least("--" + option, getattr(args, option), 1)
     at_least("--block-size", args.block_size, 2, " (the anchor and one draft)")
 
@@ -104,8 +103,6 @@ def part_timers(drafter: torch.nn.Module, args: argparse.Namespace) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     report = harness.header(args, "cpu")
     timers = {name: part_timers(drafter, args) for name, drafter in drafters(args).items()}
     parts: dict[str, dict[str, list[float]]] = {}
@@ -121,7 +118,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{part:>13}: " + ", ".join(f"{name} {min(values):.2f} ms" for name, values in by_drafter.items()),
               flush=True)
     report.update(shape=args.shape, batch=args.batch, block_size=args.block_size, context=args.context,
-                  threads=torch.get_num_threads(),
                   statistic=f"median of {args.repeats} calls per round, {args.rounds} rounds alternated",
                   parts_ms=parts)
     harness.write_report(args.out, report, plot)

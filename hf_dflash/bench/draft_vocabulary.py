@@ -113,14 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=6, help="number of prompts")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of full and reduced vocabulary, alternated")
-    parser.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
 
 
 def check(args: argparse.Namespace) -> None:
     from ..cli_checks import BadArgument, at_least, check_device, check_drafter, check_model, check_prompts
 
-    for option in ("vocab", "hidden", "rows", "limit", "max_new_tokens", "rounds", "threads"):
+    for option in ("vocab", "hidden", "rows", "limit", "max_new_tokens", "rounds"):
         at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
     for size in args.sizes:
         if not 1 <= size <= args.vocab:
@@ -136,11 +135,9 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = args.device or harness.default_device()
     report = harness.header(args, device)
-    report.update(threads=torch.get_num_threads(), head=head_costs(args, device))
+    report.update(head=head_costs(args, device))
     print(f"head: {report['head']}", flush=True)
     if args.regenerated is not None:
         report["calls"] = whole_calls(args, device)

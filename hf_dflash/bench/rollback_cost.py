@@ -184,7 +184,6 @@ def fast_path_ways(model_type: str, overrides: dict, batch: int, time: Any) -> d
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="published shapes")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per way (median)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's)")
     parser.add_argument("--hidden-size", type=int, default=None,
                         help="override every shape's width (a smaller layer for a quick run; not a published shape)")
 
@@ -193,13 +192,10 @@ def check(args: argparse.Namespace) -> None:
     from ..cli_checks import at_least
 
     at_least("--repeats", args.repeats, 1)
-    at_least("--threads", args.threads, 1)
     at_least("--hidden-size", args.hidden_size, 1)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     report = harness.header(args, "cpu")
 
     def time(fn: Any) -> float:
@@ -214,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         for batch in KEPT:
             results[name][f"fast path, batch {batch}"] = fast_path_ways(model_type, overrides, batch, time)
         print(f"{name}: {results[name]}", flush=True)
-    report.update(block=BLOCK, threads=torch.get_num_threads(), statistic=f"median of {args.repeats}", shapes=results)
+    report.update(block=BLOCK, statistic=f"median of {args.repeats}", shapes=results)
     harness.write_report(args.out, report, plot)
     return 0
 

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     release_fast_path(drafter)
     greedy = decode_ms(target, drafter, prompts, args.max_new_tokens, do_sample=False, **pad)
     plain = decode_ms(target, None, prompts, args.max_new_tokens, **sampled)
-    report.update(threads=torch.get_num_threads(), target=args.target,
+    report.update(target=args.target,
                   drafter=Path(str(args.drafter or DEFAULT_DRAFTER)).name, dtype=str(dtype).replace("torch.", ""),
                   prompts=args.prompts, limit=len(prompts), max_new_tokens=args.max_new_tokens,
                   sampling=SAMPLING["llama3"], rule_alone_ms=alone, sampled_step=whole, greedy_step=greedy,

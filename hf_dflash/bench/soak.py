@@ -209,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=50, help="calls before memory is compared")
     parser.add_argument("--every", type=int, default=50, help="calls between memory samples")
-    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (small models: 1 is fastest)")
+    parser.set_defaults(threads=1)  # small models: one thread is fastest
     parser.add_argument("--max-rss-growth-mb", type=float, default=16.0,
                         help="resident memory growth after the warm-up that counts as a problem")
 
@@ -217,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     from ..cli_checks import above, at_least, check_device
 
-    for option in ("calls", "warmup", "every", "threads"):
+    for option in ("calls", "warmup", "every"):
         at_least("--" + option, getattr(args, option), 1)
     above("--max-rss-growth-mb", args.max_rss_growth_mb, 0)
     check_device("--device", args.device)
@@ -228,7 +228,6 @@ def run(args: argparse.Namespace) -> int:
 
     device = args.device or harness.default_device()
     report = harness.header(args, device)
-    torch.set_num_threads(args.threads)
     target, drafter = small_pair(device, args.seed)
     rss_before = rss_mb()
     result = run_soak(target, drafter, args.calls, args.seed, args.warmup, args.every)
@@ -236,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         result["problems"].append(
             f"resident memory grew {result['rss_growth_mb']} MB after warm-up (limit {args.max_rss_growth_mb})"
         )
-    report.update(cpu_cores=psutil.cpu_count(), threads=args.threads, rss_mb_before_first_call=round(rss_before, 1),
+    report.update(cpu_cores=psutil.cpu_count(), rss_mb_before_first_call=round(rss_before, 1),
                   **result)
     print({k: v for k, v in report.items() if k != "samples"})
     harness.write_report(args.out, report, plot)

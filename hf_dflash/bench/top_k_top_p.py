@@ -97,7 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows x vocabulary sizes to measure, e.g. 64x49152 (default: 256x49152 on a CPU, and "
                         "16x151936 too on a GPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls each (default: 5 on a CPU, 50 on a GPU)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's)")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -105,7 +104,6 @@ def check(args: argparse.Namespace) -> None:
 
     check_device("--device", args.device)
     at_least("--repeats", args.repeats, 1)
-    at_least("--threads", args.threads, 1)
     for text in args.shapes or []:
         try:
             rows, vocab = parse_shape(text)
@@ -116,8 +114,6 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     repeats = args.repeats or (50 if args.device == "cuda" else 5)
     report = harness.header(args, args.device)
     shapes = {}
@@ -128,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         for name, result in shapes[f"{rows} x {vocab}"].items():
             print(f"{rows} x {vocab}, {name}: pair {result['ms']['transformers_pair']:.2f} ms, merged "
                   f"{result['ms']['merged_step']:.2f} ms", flush=True)
-    report.update(temperature=TEMPERATURE, logits="random normal, std 3", threads=torch.get_num_threads(),
+    report.update(temperature=TEMPERATURE, logits="random normal, std 3",
                   statistic=f"median of {repeats} synchronized calls", shapes=shapes)
     harness.write_report(args.out, report, plot)
     return 0
