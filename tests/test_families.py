@@ -104,9 +104,31 @@ FAMILIES = {
     # StarCoder2: Mistral-style window, biases, LayerNorm
     "starcoder2": ("starcoder2", dict(sliding_window=WINDOW), False),
     "glm4": ("glm4", dict(pad_token_id=None), False),  # partial RoPE (half of each head), four norms a layer
+    "glm": ("glm", dict(pad_token_id=None), False),  # GLM-4's first release: partial RoPE, two norms a layer
+    "helium": ("helium", {}, False),
+    "olmo": ("olmo", {}, False),  # LayerNorm without weights
+    # EXAONE 4: three sliding layers with RoPE, then a full one without (NoPE), as its checkpoints' "LLLG" pattern
+    "exaone4": ("exaone4", dict(sliding_window=WINDOW), False),
+    "ernie4_5": ("ernie4_5", {}, False),  # interleaved RoPE, tied embeddings
+    "seed_oss": ("seed_oss", {}, False),  # biases on queries, keys and values
+    "arcee": ("arcee", {}, False),  # ReLU-squared MLP without a gate
+    # Apertus: Llama 3 RoPE scaling as its checkpoints (original length shrunk), xIELU MLP, q/k norms
+    "apertus": (
+        "apertus",
+        dict(rope_parameters=dict(
+            rope_type="llama3", rope_theta=12000000.0, factor=8.0, original_max_position_embeddings=256,
+            low_freq_factor=1.0, high_freq_factor=4.0,
+        )),
+        False,
+    ),
+    # Ministral: sliding layers beside full ones
+    "ministral": ("ministral", dict(sliding_window=WINDOW, layer_types=SLIDING_AND_FULL), False),
+    "phi": ("phi", {}, False),  # partial RoPE, parallel attention and MLP, LayerNorm, biases
+    "nemotron": ("nemotron", {}, False),  # partial RoPE, LayerNorm with a 1 + weight, ReLU-squared MLP
 }
 WINDOWED = (
     "gpt_oss", "mistral", "qwen2_windowed", "gemma3_text", "gemma3", "gemma2", "olmo3", "cohere2", "starcoder2",
+    "exaone4", "ministral",
 )
 # What the fast path serves (on a CPU without a graph, as here): every family above; gpt-oss and Gemma 2 run with
 # eager attention only (sdpa drops gpt-oss's sinks and Gemma 2's softcapping: gpt-oss and, from transformers 5.25,
@@ -268,7 +290,7 @@ def test_the_window_binds(family):
     [(family, False) for family in ("llama", "gpt_oss", "qwen3_next", "qwen3_5", "mistral")]
     + [
         (family, True)
-        for family in ("gpt_oss", "mistral", "qwen3_moe", "qwen3_next", "qwen3_5", "gemma3_text", "gemma2")
+        for family in ("gpt_oss", "mistral", "qwen3_moe", "qwen3_next", "qwen3_5", "gemma3_text", "gemma2", "exaone4")
     ],
 )
 def test_sampling_follows_the_target_distribution(family, fast):
