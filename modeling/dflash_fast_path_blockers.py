@@ -42,7 +42,8 @@ logger = logging.get_logger(__name__)
 FAST_PATH_FAMILIES = (
     "llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES,
     "qwen2", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", "granite", "smollm3", "cohere", "cohere2", "stablelm",
-    "starcoder2", "glm4",
+    "starcoder2", "glm4", "glm", "helium", "olmo", "exaone4", "ernie4_5", "seed_oss", "arcee", "apertus", "ministral",
+    "phi", "nemotron", "qwen2_moe", "olmoe", "granitemoe", "ernie4_5_moe", "glm4_moe", "dots1",
 )
 # Families whose models window every layer when the config sets `sliding_window` without `layer_types` (Mistral-style;
 # StarCoder2's checkpoints set one). Llama's masks ignore a `sliding_window` set on its config (only transformers'

@@ -104,9 +104,64 @@ FAMILIES = {
     # StarCoder2: Mistral-style window, biases, LayerNorm
     "starcoder2": ("starcoder2", dict(sliding_window=WINDOW), False),
     "glm4": ("glm4", dict(pad_token_id=None), False),  # partial RoPE (half of each head), four norms a layer
+    "glm": ("glm", dict(pad_token_id=None), False),  # GLM-4's first release: partial RoPE, two norms a layer
+    "helium": ("helium", {}, False),
+    "olmo": ("olmo", {}, False),  # LayerNorm without weights
+    # EXAONE 4: three sliding layers with RoPE, then a full one without (NoPE), as its checkpoints' "LLLG" pattern
+    "exaone4": ("exaone4", dict(sliding_window=WINDOW), False),
+    "ernie4_5": ("ernie4_5", {}, False),  # interleaved RoPE, tied embeddings
+    "seed_oss": ("seed_oss", {}, False),  # biases on queries, keys and values
+    "arcee": ("arcee", {}, False),  # ReLU-squared MLP without a gate
+    # Apertus: Llama 3 RoPE scaling as its checkpoints (original length shrunk), xIELU MLP, q/k norms
+    "apertus": (
+        "apertus",
+        dict(rope_parameters=dict(
+            rope_type="llama3", rope_theta=12000000.0, factor=8.0, original_max_position_embeddings=256,
+            low_freq_factor=1.0, high_freq_factor=4.0,
+        )),
+        False,
+    ),
+    # Ministral: sliding layers beside full ones
+    "ministral": ("ministral", dict(sliding_window=WINDOW, layer_types=SLIDING_AND_FULL), False),
+    "phi": ("phi", {}, False),  # partial RoPE, parallel attention and MLP, LayerNorm, biases
+    "nemotron": ("nemotron", {}, False),  # partial RoPE, LayerNorm with a 1 + weight, ReLU-squared MLP
+    # MoE families (on a CPU, as here, any experts implementation is served)
+    "qwen2_moe": ("qwen2_moe", dict(MOE, shared_expert_intermediate_size=32), False),  # gated shared expert
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2), False),  # q/k norms over all heads
+    # GraniteMoE: Granite's scaled embeddings, residuals, attention and logits
+    "granitemoe": (
+        "granitemoe",
+        dict(
+            num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=2.0,
+        ),
+        False,
+    ),
+    # ERNIE 4.5 MoE: a dense first layer, shared experts
+    "ernie4_5_moe": (
+        "ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1), False
+    ),
+    # GLM-4.5 (glm4_moe) and dots.llm1 (dots1): a dense first layer, a shared expert, grouped routing
+    "glm4_moe": (
+        "glm4_moe",
+        dict(
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1, use_qk_norm=True,
+        ),
+        False,
+    ),
+    "dots1": (
+        "dots1",
+        dict(
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1,
+        ),
+        False,
+    ),
 }
 WINDOWED = (
     "gpt_oss", "mistral", "qwen2_windowed", "gemma3_text", "gemma3", "gemma2", "olmo3", "cohere2", "starcoder2",
+    "exaone4", "ministral",
 )
 # What the fast path serves (on a CPU without a graph, as here): every family above; gpt-oss and Gemma 2 run with
 # eager attention only (sdpa drops gpt-oss's sinks and Gemma 2's softcapping: gpt-oss and, from transformers 5.25,
@@ -268,7 +323,7 @@ def test_the_window_binds(family):
     [(family, False) for family in ("llama", "gpt_oss", "qwen3_next", "qwen3_5", "mistral")]
     + [
         (family, True)
-        for family in ("gpt_oss", "mistral", "qwen3_moe", "qwen3_next", "qwen3_5", "gemma3_text", "gemma2")
+        for family in ("gpt_oss", "mistral", "qwen3_moe", "qwen3_next", "qwen3_5", "gemma3_text", "gemma2", "exaone4")
     ],
 )
 def test_sampling_follows_the_target_distribution(family, fast):
@@ -426,7 +481,10 @@ def test_fast_path_refuses_sdpa_where_it_drops_what_eager_attention_applies(fami
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3_moe", "gpt_oss", "qwen3_next", "qwen2_moe", "olmoe", "granitemoe", "ernie4_5_moe", "glm4_moe", "dots1"],
+)
 def test_moe_experts_in_a_cuda_graph(family, monkeypatch):
     """On CUDA, MoE targets, hybrid ones included, take the fast path only with an experts implementation that stays
     on the device: eager (host-side `nonzero` per layer) is refused, batched_mm served, grouped_mm served in bfloat16
