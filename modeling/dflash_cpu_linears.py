@@ -1,16 +1,15 @@
 """oneDNN matrix products with prepacked weights, for a CPU forward of a few rows (a verify of drafts, a drafter pass).
 
-On a CPU, a float32 `nn.Linear` runs MKL's sgemm, which is fast for one row (a matrix-vector product) and for many,
-but slow from 2 to about 16 rows, the rows of a verify of drafts and of a drafter's pass; oneDNN's product over a
-weight reordered once into its own blocked layout costs far less there (benchmarks/step-cost.md has the figures).
+On a CPU, a float32 `nn.Linear` runs MKL's sgemm, which is fast for many rows but slow from 2 to about 64, the rows
+of a verify of drafts, of a drafter's pass and of a batch's plain step; oneDNN's product over a weight reordered once
+into its own blocked layout costs far less there, and no more for one row (benchmarks/step-cost.md has the figures).
 `OneDNNLinears` keeps that layout for every plain float32 `nn.Linear` of a model and, inside `active()`, routes their
 forwards through it.
 
 What it changes and what not:
-- Only forwards inside `active()`, and only on the thread that entered it: the engine enters it for every verify of
-  two rows or more (a drafted step's, or a batch's plain step of one row per sequence) and for the drafter's pass. A
-  step of one row in all (one sequence, nothing drafted), a prefill and every forward outside the engine run the
-  model's own `nn.Linear`, so one sequence's plain decoding is what transformers runs.
+- Only forwards inside `active()`, and only on the thread that entered it: the engine enters it for every verify (a
+  drafted step's, or a plain step's of one row per sequence) and for the drafter's pass. A prefill (a prompt's many
+  rows, where MKL is as fast or faster) and every forward outside the engine run the model's own `nn.Linear`.
 - The packed copy is a second copy of the weights (`nbytes`). The engine builds one only where it pays and fits (a
   CPU, float32, oneDNN present, at most a quarter of the machine's memory: `onednn_linears_blocker`) and otherwise
   says why not.

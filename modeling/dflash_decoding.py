@@ -288,10 +288,9 @@ def dflash_generate(
     `dflash_verify_rows` cap the engine's steps run without a graph (the width is chosen on the host), and at small
     batches a GPU verifies 16 rows in about the time of one.
     `dflash_onednn_linears` (a generate keyword): on a CPU, whether the engine runs the drafter's pass and every
-    verify of two rows or more (drafts, or a batch's plain step) over float32 linear weights prepacked for oneDNN
-    (dflash_cpu_linears.py; a second copy of them, held with the engine until `release_fast_path(drafter)`). None
-    (the default): where it pays and fits; False: never; True: required. A plain step of one sequence always runs
-    the target's own layers.
+    verify (drafts, or a plain step) over float32 linear weights prepacked for oneDNN (dflash_cpu_linears.py; a
+    second copy of them, held with the engine until `release_fast_path(drafter)`). None (the default): where it pays
+    and fits; False: never; True: required. The prompt's forward always runs the target's own layers.
     """
     target = model
     rule = DecodingRule.for_call(generation_config, dflash_sampling)

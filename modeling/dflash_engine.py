@@ -255,9 +255,9 @@ class DFlashEngine(DFlashStep):
         return_logprobs: whether each committed token's log-probability is kept (`take_logprobs`): under the
             scores its token was chosen from (the raw logits of a greedy row, a sampled row's processed ones), as
             transformers' manager reports them with `return_logprobs`.
-        onednn_linears: whether, on a CPU, the drafter's pass and every verify of two rows or more (drafts, or a
-            batch's plain step) run the models' float32 linear layers over weights prepacked for oneDNN
-            (dflash_cpu_linears.py: a second copy of those weights, much faster products of 2 to 64 rows). None
+        onednn_linears: whether, on a CPU, the drafter's pass and every verify (drafts, or a plain step) run the
+            models' float32 linear layers over weights prepacked for oneDNN (dflash_cpu_linears.py: a second copy
+            of those weights, much faster products of 2 to 64 rows, and no slower for one). None
             (the default): where it pays and fits, with a warning where a float32 CPU engine goes without; False:
             never; True: required (an error says why it cannot be).
         contiguous_rows: whether each row owns one fixed stretch of each pool, a sequence's whole length (the

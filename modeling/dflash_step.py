@@ -86,7 +86,7 @@ class DFlashStep:
         # The drafter's pass per batch size (the fast path may compile it); the eager one by default.
         self.drafter_passes: dict[int, Any] = {}
         # On a CPU, the models' linear layers over prepacked oneDNN weights (dflash_cpu_linears.py), for the drafter's
-        # pass and every verify of two rows or more (the engine sets them where they pay); None: the models' own.
+        # pass and every verify (the engine sets them where they pay); None: the models' own.
         self.target_linears: OneDNNLinears | None = None
         self.drafter_linears: OneDNNLinears | None = None
 
@@ -202,10 +202,7 @@ class DFlashStep:
         self.generator.capture.destination = rows.verify_rows[:, first : first + width]
         # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
         with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
-            # A forward of one row in all (one sequence, nothing drafted) keeps the target's own linear layers, plain
-            # decoding's matrix-vector products; two rows or more (drafts, or a batch's plain step) run the packed ones.
-            one_row = rows.anchor_ids.shape[0] * width == 1
-            with grouped_attention(self.target), _active(None if one_row else self.target_linears):
+            with grouped_attention(self.target), _active(self.target_linears):
                 logits = self.target(
                     input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
                     position_ids=positions,
