@@ -2,16 +2,17 @@
 
 A scenario is one module (its docstring is its `--help`, the first line its one-line summary) with
 `add_arguments(parser)`, `run(args)` and, optionally, `check(args)`, registered by one line in SCENARIOS below. The
-CLI adds `--out` to every scenario (default benchmarks/results/NAME.json; the plot goes beside it as .png), checks
-`--out` and then the scenario's own `check` before anything loads, and calls `run`. Every scenario times through
-`harness.py` (synchronized calls, warm-up, medians, variants alternated in one process, CUDA graphs where the fast
-path replays its step) and records through it (`harness.header` for scenario, command, date, machine and versions;
+CLI adds `--out` to every scenario (default benchmarks/results/NAME.json; the plot goes beside it as .png) and
+`--threads` (applied before `run`; a scenario may change its default with `parser.set_defaults`), checks `--out` and
+then the scenario's own `check` before anything loads, and calls `run`. Every scenario times through `harness.py`
+(synchronized calls, warm-up, medians, variants alternated in one process, CUDA graphs where the fast path replays
+its step) and records through it (`harness.header` for scenario, command, date, machine, threads and versions;
 `harness.write_report` for the JSON and the plot).
 
 To add a scenario:
 1. Write the module: a docstring that says what it measures and how; `add_arguments(parser)` with its options
-   (not `--out`, which the CLI adds); `check(args)` raising `hf_dflash.cli_checks.BadArgument` with the fix for a
-   bad value (it runs before any model loads); `run(args)` that measures, then calls
+   (not `--out` or `--threads`, which the CLI adds); `check(args)` raising `hf_dflash.cli_checks.BadArgument` with
+   the fix for a bad value (it runs before any model loads); `run(args)` that measures, then calls
    `harness.write_report(args.out, {**harness.header(args, device), ...results}, plot)` and returns 0. Import heavy
    or optional packages inside `run`: the CLI imports every scenario module to build its help.
 2. Add its line to SCENARIOS: `"name": "package.module"` (any importable module, e.g. `hf_dflash.serve_load`).
