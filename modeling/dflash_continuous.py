@@ -42,6 +42,7 @@ from transformers.utils import logging
 
 from .dflash_checks import rope_switch
 from .dflash_engine import PREFILL_CHUNK, DFlashEngine
+from .dflash_openmp import release_openmp_threads
 from .dflash_policy import VerifyPolicy
 from .dflash_row_sampling import PER_REQUEST, SamplingSettings
 
@@ -263,13 +264,20 @@ class DFlashContinuousBatchingManager:
         return self._generation_thread is not None and self._generation_thread.is_alive()
 
     def start(self) -> None:
-        """Start the worker thread."""
+        """Start the worker thread. On a CPU, first free the calling thread's OpenMP threads (dflash_openmp.py): with
+        them waiting beside the worker's own, the worker's steps run slower; the caller's next parallel torch op
+        builds them again."""
         if self.is_running():
             logger.warning("Manager thread is already running.")
             return
         self._stop_mode = None
         self.background_thread_status = WorkerStatus()
         inference = torch.is_inference_mode_enabled()
+        if self.engine.anchor_ids.device.type == "cpu" and not release_openmp_threads():
+            logger.info_once(
+                "DFlash continuous batching: torch does not run on GNU OpenMP here, so the calling thread's intra-op "
+                "threads stay; if they are many, the worker thread's steps may run slower than in the calling thread"
+            )
         self._generation_thread = threading.Thread(
             target=self._run, kwargs={"inference": inference}, name="dflash-continuous-batching", daemon=True
         )

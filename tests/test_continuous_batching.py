@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import threading
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ from hf_dflash import DFlashDraftModel
 from hf_dflash.modeling import dflash_continuous, dflash_linear_state
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager, DFlashScheduler
 from hf_dflash.modeling.dflash_engine import RECORD_SPAN_LIMIT, STATIC_SPAN_BUCKET, DFlashEngine, bucket_size
+from hf_dflash.modeling.dflash_openmp import release_openmp_threads
 from hf_dflash.modeling.dflash_row_sampling import SamplingSettings, penalize, warp
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_families import HYBRID, family_target
@@ -750,6 +752,53 @@ def test_two_managers_on_one_drafter_keep_their_own_buffers():
     for i, request_ids in enumerate(ids):
         for request_id, prompt in zip(request_ids, prompts[i::2]):
             assert answers[i][request_id].generated_tokens == plain_greedy(target, prompt, 14)
+
+
+def os_threads() -> set[int]:
+    """The ids of this process's threads, OpenMP's among them (Python's `threading` knows only its own)."""
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def openmp_pool_of_this_thread() -> set[int]:
+    """The threads the calling thread's next parallel op starts: its OpenMP pool, freed first, then built again."""
+    assert release_openmp_threads()
+    before = os_threads()
+    torch.randn(1 << 20).exp_()  # one parallel region over both intra-op threads
+    return os_threads() - before
+
+
+def gone(threads: set[int], seconds: float = 5) -> bool:
+    deadline = time.monotonic() + seconds
+    while threads & os_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not threads & os_threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_releasing_the_openmp_threads_ends_the_calling_threads_pool_and_the_next_parallel_op_builds_it_again():
+    torch.set_num_threads(2)  # the module's fixture puts it back to one
+    pool = openmp_pool_of_this_thread()
+    assert len(pool) == 1  # torch's second intra-op thread
+    assert release_openmp_threads() and gone(pool)
+    assert openmp_pool_of_this_thread()  # parallel work goes on, on a new pool
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_start_frees_the_calling_threads_openmp_pool_on_a_cpu_and_the_worker_stays_exact():
+    """A worker thread steps slower beside the caller's waiting OpenMP threads (dflash_openmp.py): `start` ends them."""
+    target, drafter = pair("llama")
+    torch.set_num_threads(2)
+    pool = openmp_pool_of_this_thread()
+    manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter)
+    manager.start()
+    try:
+        assert gone(pool), "the caller's OpenMP threads outlived start()"
+        prompt = random_prompt(9, seed=3)[0].tolist()
+        request_id = manager.add_request(prompt, max_new_tokens=12)
+        answer = finished_results(manager, 1)[request_id].generated_tokens
+    finally:
+        manager.stop()
+    assert answer == plain_greedy(target, prompt, 12)
 
 
 def finished_results(manager: DFlashContinuousBatchingManager, count: int, seconds: float = 60) -> dict:
