@@ -1,7 +1,8 @@
 """Continuous batching on a CPU: the same manager serving in the calling thread and in a worker thread, side by side.
 
 With torch's OpenMP backend every thread that runs parallel ops keeps its own pool of intra-op threads; once the
-calling thread has one, ops in a second thread run slower (their waiting threads sleep instead of spinning). The
+calling thread has one, ops in a second thread run slower (their waiting threads sleep instead of spinning), unless
+the calling thread's pool is freed first, as the manager's `start` does on a CPU (modeling/dflash_openmp.py). The
 caller's thread runs one target forward first, as any caller's has (loading a model does). Then, in alternated
 rounds, for each `--batches` count of prompts decoded greedily together:
 - `calling thread`: `target.generate_batch(prompts, assistant_model=drafter)`, which runs the manager's loop in the
@@ -9,9 +10,9 @@ rounds, for each `--batches` count of prompts decoded greedily together:
 - `worker thread`: `continuous_batching_context_manager(assistant_model=drafter)`, its requests added and their
   results read from the calling thread while the manager's worker thread steps, as a server runs it.
 Reported per count: tokens/s of each round and their medians, the ratio, and whether every round's tokens are the
-same. Also one `--forward-tokens`-token target forward, timed in the calling thread and in a worker thread (mean of
-`--forwards`), which shows the cost without the manager. Meant for a CPU; a GPU run measures the thread handoff
-only.
+same. Also one `--forward-tokens`-token target forward (mean of `--forwards`), timed in the calling thread, in a
+worker thread, and in a worker thread after the calling thread's pool was freed, which shows the cost and the fix
+without the manager. Meant for a CPU; a GPU run measures the thread handoff only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from . import harness
 
 MODES = ("calling thread", "worker thread")
+FREED = "worker thread, caller's pool freed"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from ..batching import left_pad_token_id
     from ..generate_cli import DEFAULT_DRAFTER, load_target
     from ..modeling import DFlashDraftModel
+    from ..modeling.dflash_openmp import release_openmp_threads
     from ..training.data import encode_prompt, load_prompts
 
     report = harness.header(args, args.device)
@@ -94,8 +97,11 @@ def run(args: argparse.Namespace) -> int:
     ids = torch.tensor([prompts[0][: args.forward_tokens]], device=args.device)
     forward = {"calling thread": forward_ms(target, ids, args.forwards)}  # the caller's thread has run ops now
     forward["worker thread"] = in_a_worker_thread(lambda: forward_ms(target, ids, args.forwards))
+    release_openmp_threads()
+    forward[FREED] = in_a_worker_thread(lambda: forward_ms(target, ids, args.forwards))
     print(f"one {ids.shape[1]}-token forward: {forward['calling thread']:.1f} ms in the calling thread, "
-          f"{forward['worker thread']:.1f} ms in a worker thread", flush=True)
+          f"{forward['worker thread']:.1f} ms in a worker thread, {forward[FREED]:.1f} ms in a worker thread after "
+          "the calling thread's OpenMP threads were freed", flush=True)
 
     def calling_thread(batch: list[list[int]]) -> list[list[int]]:
         out = target.generate_batch(batch, generation_config=config, assistant_model=drafter)

@@ -1,4 +1,4 @@
-"""Continuous batching: requests arriving at a rate or all at once, served three ways in one process, same prompts.
+"""Continuous batching: requests arriving at a rate or all at once, served up to four ways in one process, same prompts.
 
 Arms, each run at every `--concurrency` (the most requests in flight at once; a request that arrives when that many
 are in flight waits for one to end):
@@ -7,6 +7,9 @@ are in flight waits for one to end):
   the step it is sent and leaves it the step it ends;
 - `cb-drafter`: the same manager API with `assistant_model=drafter`, where `init_continuous_batching` takes one
   (the report says why not where it does not: the arm is then not run);
+- `cb-freed`: `cb` with the calling thread's OpenMP threads freed before `start`, as our manager's `start` does on a
+  CPU (modeling/dflash_openmp.py): it separates what the drafter gains from what the worker thread's faster steps
+  gain;
 - `generate-batches`: our `generate(assistant_model=drafter)` in fixed batches (`generate_in_batches`): whenever
   the previous batch has returned, up to `--concurrency` requests that have arrived decode together as one batch,
   which no request joins once it started.
@@ -55,9 +58,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import harness
 
-ARMS = ("cb", "cb-drafter", "generate-batches")
+ARMS = ("cb", "cb-freed", "cb-drafter", "generate-batches")
 ARM_LABELS = {
     "cb": "transformers continuous batching",
+    "cb-freed": "transformers continuous batching, caller's OpenMP threads freed",
     "cb-drafter": "transformers continuous batching + drafter",
     "generate-batches": "our generate, fixed batches",
 }
@@ -105,10 +109,11 @@ def cache_pages(concurrency: int, request_tokens: int, page_size: int) -> int:
 def continuous_run(
     target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int,
     args: argparse.Namespace,
-    pad_token_id: int, request_tokens: int, drafter: torch.nn.Module | None,
+    pad_token_id: int, request_tokens: int, drafter: torch.nn.Module | None, free_caller_threads: bool = False,
 ) -> tuple[float, dict[str, Any] | None]:
     """Serve `requests` through a continuous-batching manager (with `assistant_model=drafter` when given), filling
     each request's record. `request_tokens`: what one request may hold in the cache (the default cache's size).
+    `free_caller_threads`: free this thread's OpenMP threads before `start` (our manager does it itself).
     Returns the seconds the manager's `warmup` took, and with a drafter its engine's rows and what it did over the
     timed run (`engine_steps`), else None."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -130,6 +135,10 @@ def continuous_run(
     manager.warmup()  # as generate_batch and continuous_batching_context_manager do by default: graphs recorded
     harness.synchronize(next(target.parameters()).device)
     warmup_s = time.perf_counter() - started
+    if free_caller_threads:
+        from ..modeling.dflash_openmp import release_openmp_threads
+
+        release_openmp_threads()
     manager.start()
     try:
         warm_up = manager.add_request(prompts[0], request_id="warm-up", max_new_tokens=2)
@@ -380,7 +389,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 fixed_batches_run(target, prompts, requests, concurrency, args, pad_token_id, drafter)
             else:
                 warmup_s, engine = continuous_run(target, prompts, requests, concurrency, args, pad_token_id,
-                                                  request_tokens, drafter if arm == "cb-drafter" else None)
+                                                  request_tokens, drafter if arm == "cb-drafter" else None,
+                                                  free_caller_threads=arm == "cb-freed")
             run = {"arm": arm, "concurrency": concurrency, **figures(requests), "identical_to_plain":
                    identity(requests, plain)}
             if warmup_s is not None:  # the manager's warmup, before the timed run
