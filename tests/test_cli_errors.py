@@ -81,6 +81,8 @@ def refused(argv, capsys) -> str:
         (["generate", "--threads", "0"], "--threads must be at least 1, got 0"),
         (["bench", "top-k-top-p", "--threads", "0"], "--threads must be at least 1, got 0"),
         (["serve", "--threads", "0"], "--threads must be at least 1, got 0"),
+        (["train", "--target", "smollm2", "--out", "o", "--threads", "0"], "--threads must be at least 1, got 0"),
+        (["eval", "--target", "smollm2", "--drafter", "d", "--threads", "0"], "--threads must be at least 1, got 0"),
         (["generate", "--device", "tpu9"], "is not a device; pass cpu, cuda or cuda:N"),
         (["generate", "--dtype", "fp8"], "invalid choice: 'fp8'"),
         (["generate", "--max-new-tokens", "many"], "invalid int value: 'many'"),

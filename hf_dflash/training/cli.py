@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import generate_cli
-from ..cli_checks import BUNDLED_TARGETS
+from ..cli_checks import BUNDLED_TARGETS, add_threads_option
 from ..modeling import DFlashConfig, DFlashDraftModel
 from ..run_record import device_name, portable_command, portable_path
 from .data import AnswersOrigin, RegeneratedData, load_prompts, prompt_sources, regenerate, write_jsonl_prompts
@@ -389,6 +389,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-prompts", help="after training, measure tau on these prompts (same forms as --prompts)")
     p.add_argument("--eval-limit", type=int, default=20, help="how many eval prompts")
     p.add_argument("--eval-max-new-tokens", type=int, default=256, help="tokens generated per eval prompt")
+    add_threads_option(p)
     p.set_defaults(func=run)
 
     e = subparsers.add_parser("eval", help="measure a drafter's acceptance length tau", description=run_eval.__doc__)
@@ -399,6 +400,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
     e.add_argument("--record", action="store_true",
                    help="add the measurement to the drafter's training_args.json (its last run's tau)")
+    add_threads_option(e)
     e.set_defaults(func=run_eval)
 
 
