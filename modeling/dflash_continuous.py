@@ -518,10 +518,9 @@ class DFlashContinuousBatchingManager:
     def run_until_done(self, after_turn: Callable[[], None] | None = None) -> None:
         """Serve, in the calling thread and with no worker thread, every request queued until none is left, calling
         `after_turn()` after each turn of the loop (it may queue more); the outputs wait for `get_result`, as the
-        worker's do. `generate_batch` serves its batch this way: its caller waits anyway, and on a CPU the step runs
-        slower in a second thread once the caller's thread has run torch's intra-op threads (OpenMP keeps a pool
-        per calling thread, and with two pools on the cores its waiting threads sleep instead of spinning; measured
-        in docs/continuous-batching.md)."""
+        worker's do. `generate_batch` serves its batch this way: its caller waits anyway, so a worker thread would
+        only add a hand-off per step, and on a CPU its steps would run slower whenever the caller's thread holds
+        OpenMP threads again (`start`, dflash_openmp.py)."""
         if self.is_running():
             raise RuntimeError("the manager's worker thread is running: it serves the requests; stop it first")
         self._run(torch.is_inference_mode_enabled(), after_turn, until_done=True)

@@ -187,7 +187,7 @@ def _dflash_generate_batch(
     dflash_adaptive: Any = None, **unknown: Any,
 ) -> dict[str, Any]:
     """`generate_batch` with a drafter: every prompt through the manager, served in the calling thread
-    (`run_until_done`: the call waits anyway, and a worker thread would step slower on a CPU); {request id:
+    (`run_until_done`: the call waits anyway, so a worker thread would only add a hand-off per step); {request id:
     GenerationOutput} in the order of `inputs` (a failed request's output carries its error), with transformers'
     progress bar when `progress_bar`."""
     if unknown:
