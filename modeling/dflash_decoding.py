@@ -321,8 +321,10 @@ def dflash_generate(
             processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter, policy, verify_rows,
             host_hooks.tokens,
         )
-        # as the eager loop's `returned_cache`: a batch of 1, where plain generate can continue from the cache
-        returned = cache if return_dict and input_ids.shape[0] == 1 and engine.hands_back_caches else None
+        # as the eager loop's `returned_cache`: a batch of 1, where plain generate can continue from the cache. Not
+        # where the mask holds padding: plain generate's cache holds a slot for each pad, the engine none
+        unpadded = bool(attention_mask.all())
+        returned = cache if return_dict and input_ids.shape[0] == 1 and unpadded and engine.hands_back_caches else None
         decode_on_engine(engine, input_ids, attention_mask, processors, host_hooks, returned)
         host_hooks.end()
         return _generate_output(host_hooks, return_dict, **{cache_argument(target): returned})

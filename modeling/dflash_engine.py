@@ -367,9 +367,9 @@ class DFlashEngine(DFlashStep):
         self.presence = torch.zeros(b, vocab, dtype=torch.bool, device=device)
         self.return_logprobs = return_logprobs
         self.logprobs = torch.zeros(b, block, dtype=torch.float32, device=device) if return_logprobs else None
-        # A generate call's rows (`bind`, `admit_call`): the left padding plain generate's input_ids hold before each
-        # row (what its processors count in a prefix's length), and the verify rows' scores / logits (b, B, V)
-        # float32, allocated only for a call that returns them.
+        # A generate call's rows (`bind`, `admit_call`): the padding each row of plain generate's input_ids holds,
+        # wherever it lies (what its processors count in a prefix's length), and the verify rows' scores / logits
+        # (b, B, V) float32, allocated only for a call that returns them.
         self.padding = torch.zeros(b, **long)
         self.call_processors = False
         # The call's sequences as plain generate holds them (padding included), which processors that read the whole
@@ -584,9 +584,10 @@ class DFlashEngine(DFlashStep):
     def admit_call(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, processors: StepProcessors
     ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """A bound `generate` call's left-padded batch (b, P) as sequences 0..b-1 in rows 0..b-1, each up to the
-        call's `max_length` (padding included, as generate counts it). Its prompts are prefilled without their
-        padding; each first token is chosen under the call's own processors `processors` exactly as plain generate
+        """A bound `generate` call's batch (b, P) as sequences 0..b-1 in rows 0..b-1, each up to the call's
+        `max_length` (padding included, as generate counts it). Its prompts are prefilled without their padding
+        (wherever the mask has it: `fast_path_blocker` says where that gives plain generate's tokens), at positions
+        0..n-1; each first token is chosen under the call's own processors `processors` exactly as plain generate
         chooses it (every processor called once on the whole batch). Returns the first tokens, their scores (b, 1, V)
         and raw logits (b, 1, V)."""
         if self.sequences:

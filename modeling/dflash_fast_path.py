@@ -4,7 +4,7 @@ On a GPU, eager PyTorch spends most of a step launching kernels (about 50 ms for
 memory floor is 4 ms). The engine (dflash_engine.py) runs a whole step (store the new context keys/values, draft a
 block, verify it, accept, move each sequence's anchor) on preallocated buffers with every index on the device, and on
 a CUDA device records each step shape once as a CUDA graph and replays it. A generate call is one of its clients, as
-transformers' continuous-batching API is (dflash_continuous.py): its rows are admitted at step 0, without their left
+transformers' continuous-batching API is (dflash_continuous.py): its rows are admitted at step 0, without their
 padding, and each leaves the batch the step it ends (the last row moves into its place, so the step runs on the
 running rows only, at the next power of two of them). Per step the host reads back the committed tokens once; they
 then pass the call's host hooks (dflash_host_hooks.py: eos / max_length, other stopping criteria token by token,

@@ -6,13 +6,14 @@ step, with random numbers a graph replays afresh) under any logits processors ge
 those that run on the device, such as temperature, top-k/p/h, min-p, typical-p, repetition penalty and min length,
 inside the step's graph; those that read the whole prefix, such as no-repeat n-grams, called on the host, which keeps
 that call's steps out of a graph), eos / max-length stopping, any stopping criteria, streamers and output_scores /
-output_logits (host hooks around the step: dflash_host_hooks.py), left-padded batches, a dense (or GGUF-dequantized,
-or bitsandbytes-quantized, whose steps run eagerly) target of the families in `FAST_PATH_FAMILIES` (sliding-window
-layers included, and under eager attention gpt-oss's attention sinks and Gemma 2's attention softcapping; hybrid
-Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step;
-MoE experts on a GPU only where their dispatch can be captured) and the drafter (its own sliding layers included) on
-one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same
-tokens (the same distribution when sampling).
+output_logits (host hooks around the step: dflash_host_hooks.py), batches padded on the left or, where every row
+ends in a real token, between a row's real tokens too (except on targets with sliding-window or linear-attention
+layers: `_mask_blocker`), a dense (or GGUF-dequantized, or bitsandbytes-quantized, whose steps run eagerly) target
+of the families in `FAST_PATH_FAMILIES` (sliding-window layers included, and under eager attention gpt-oss's
+attention sinks and Gemma 2's attention softcapping; hybrid Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated
+DeltaNet layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU only where their dispatch can
+be captured) and the drafter (its own sliding layers included) on one device with sdpa or eager attention. Anything
+else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same distribution when sampling).
 
 Each reason below is a sentence a user can act on. `takes_fast_path` turns it into the call's choice: a warning once
 per reason on a GPU, an error for a call that insists with `generate(..., dflash_fast_path=True)`.
@@ -206,9 +207,40 @@ def fast_path_blocker(
     experts = _experts_blocker(target, next(iter(devices)))
     if experts is not None:
         return experts
+    return _mask_blocker(text, attention_mask)
+
+
+def _mask_blocker(text: Any, attention_mask: torch.Tensor) -> str | None:
+    """Why the engine, which drops each row's padding and prefills its real tokens at positions 0..n-1, would not give
+    plain generate's tokens for this mask, or None.
+
+    Plain generate numbers a row's real tokens cumsum(mask) - 1 and hides its padding from every query, so under left
+    padding, and under padding between real tokens of a row that ends in a real token, each token sees the real tokens
+    before it at the positions the compacted row gives them. Three things break that: a row that ends in padding,
+    whose next token plain generate reads at a pad and numbers from the pad's position; sliding windows, which plain
+    generate's masks count in columns, padding included; and Gated DeltaNet layers, which run every column.
+    """
     real = attention_mask.long()
-    if not bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding: zeros, then ones
-        return "the attention mask is not left padding (pad prompts on the left)"
+    if bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding (or none): zeros, then ones
+        return None
+    layer_types = set(target_layer_types(text))
+    if LINEAR in layer_types:
+        return (
+            "the attention mask has padding after real tokens: the fast path drops a row's padding, while the "
+            "target's linear-attention layers decay their state across padding that follows real tokens (pad "
+            "prompts on the left)"
+        )
+    if SLIDING in layer_types:
+        return (
+            "the attention mask has padding after real tokens: the fast path drops a row's padding, while the "
+            "target's sliding windows count it as columns in plain generate (pad prompts on the left)"
+        )
+    if not bool(real[:, -1].all()):
+        return (
+            "a row of the attention mask ends in padding: plain generate reads that row's next token at a pad and "
+            "numbers its new tokens on from the pad's position (0), which the fast path, dropping a row's padding, "
+            "does not reproduce (pad prompts on the left)"
+        )
     return None
 
 

@@ -8,7 +8,7 @@ calls. eos and max_length, which generate always adds, need no call: they are de
 already read back, and a call whose criteria are only those makes no call per token.
 
 Differences from plain generate, by construction: a criterion is called for one sequence at a time (input_ids
-(1, t), the sequence's left padding included), since the sequences of a batch commit different numbers of tokens per
+(1, t), the sequence's padding included), since the sequences of a batch commit different numbers of tokens per
 step; a per-row criterion (every one transformers ships) decides the same. The streamer and per-token scores take a
 batch of 1 (`dflash_checks.check_call`), as transformers' streamers do.
 
@@ -40,8 +40,9 @@ def host_stopping_rules(stopping_criteria: Any) -> tuple[set[int], bool]:
 class HostHooks:
     """One call's host side: the sequences as plain generate holds them, and the hooks each committed token passes.
 
-    `tokens[i]` is sequence i's ids so far (left padding included), the record both loops read; `sequences` (b, L)
-    mirrors it on the device only while a stopping criterion must be called (criteria read input_ids there).
+    `tokens[i]` is sequence i's ids so far (padding included, wherever the mask has it), the record both loops read;
+    `sequences` (b, L) mirrors it on the device only while a stopping criterion must be called (criteria read input_ids
+    there).
     """
 
     def __init__(self, input_ids: torch.LongTensor, generation_config: Any, stopping_criteria: Any, streamer: Any):

@@ -277,7 +277,7 @@ class StepProcessors:
     ) -> torch.Tensor:
         """Processed float32 scores (b, n, V) of the verify rows, each processor applied in the list's order.
 
-        logits (b, n, V); lengths (b,) each sequence's length as plain generate's input_ids have it (left padding
+        logits (b, n, V); lengths (b,) each sequence's length as plain generate's input_ids have it (padding
         included) before row 0's token; presence (b, V) the tokens the repetition penalty counts so far (None without
         one); drafts (b, n - 1): row j sees the prefix followed by drafts[:, :j], which is the committed prefix
         whenever row j matters (every earlier draft accepted). `prefixes[i]` (1, t_i), the committed tokens of

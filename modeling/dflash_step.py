@@ -58,7 +58,7 @@ class StepRows:
     presence: torch.Tensor | None = None  # (n, V) the tokens the repetition penalty counts
     scores: torch.Tensor | None = None  # (n, B, V) float32 the verified rows' processed scores, when kept
     logits: torch.Tensor | None = None  # (n, B, V) float32 their raw logits, when kept
-    padding: torch.Tensor | None = None  # (n,) a generate call's left padding of each row (its processors count it)
+    padding: torch.Tensor | None = None  # (n,) the padding of a generate call's row (its processors count it)
     # each row's ids so far (1, t) as plain generate holds them, for processors that run on the host (no graph)
     prefixes: list[torch.LongTensor] | None = None
 
