@@ -16,6 +16,8 @@ from transformers.utils import logging
 
 from .configuration_dflash import rope_per_layer_type
 from .dflash_compat import CACHE_ARGUMENTS, cache_from_kwargs, default_generation_params
+from .dflash_fast_path_blockers import target_layer_types
+from .dflash_masks import SLIDING
 from .dflash_processors import check_logits_processors
 from .dflash_target_cache import rollback_problem
 
@@ -186,6 +188,9 @@ def check_call(
                 "position_ids other than each sequence's count of its real tokens (what generate derives from the "
                 "attention mask) would not reach the target on the DFlash path: drop position_ids"
             )
+    padding = padding_problem(target.config.get_text_config(), mask)
+    if padding is not None:
+        raise ValueError(padding)
     rope_switch = rope_switch_problem(target.config.get_text_config(), input_ids.shape[1], max_length, block_size)
     if rope_switch is not None:
         logger.warning_once(f"DFlash: {rope_switch}")
@@ -200,6 +205,31 @@ def check_call(
             "reads the target's hidden states of the whole prompt, which a cache does not keep: pass the whole prompt "
             "with no cache (or an empty one)"
         )
+
+
+def padding_problem(text: Any, attention_mask: torch.Tensor | None) -> str | None:
+    """Why neither DFlash loop can give plain generate's tokens for this attention mask, or None.
+
+    Both number a row's real tokens 0..n-1 and window them by those positions, as plain generate does under left
+    padding. Plain generate reads a row that ends in padding at its last column, a pad numbered 0, and numbers its new
+    tokens on from there (transformers warns that right padding gives wrong results); and its sliding windows span
+    columns, so padding between a row's real tokens narrows what a window holds of them.
+    """
+    if attention_mask is None:
+        return None
+    real = attention_mask.bool()
+    if not bool(real[:, -1].all()):
+        return (
+            "a row of the attention mask ends in padding, which plain generate reads at a pad (transformers warns it "
+            "gives wrong results) and DFlash cannot reproduce: pad prompts on the left"
+        )
+    padded_after_real = bool((real[:, :-1] & ~real[:, 1:]).any())
+    if padded_after_real and SLIDING in target_layer_types(text):
+        return (
+            "the attention mask has padding between a row's real tokens, which the target's sliding windows count as "
+            "columns in plain generate and DFlash windows by position: pad prompts on the left only"
+        )
+    return None
 
 
 def rope_switch(text: Any, prompt_length: int, max_length: int, block_size: int) -> tuple[str, int] | None:

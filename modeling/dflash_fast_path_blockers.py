@@ -6,9 +6,9 @@ step, with random numbers a graph replays afresh) under any logits processors ge
 those that run on the device, such as temperature, top-k/p/h, min-p, typical-p, repetition penalty and min length,
 inside the step's graph; those that read the whole prefix, such as no-repeat n-grams, called on the host, which keeps
 that call's steps out of a graph), eos / max-length stopping, any stopping criteria, streamers and output_scores /
-output_logits (host hooks around the step: dflash_host_hooks.py), batches padded on the left or, where every row
-ends in a real token, between a row's real tokens too (except on targets with sliding-window or linear-attention
-layers: `_mask_blocker`), a dense (or GGUF-dequantized, or bitsandbytes-quantized, whose steps run eagerly) target
+output_logits (host hooks around the step: dflash_host_hooks.py), batches padded on the left and between a row's
+real tokens (except on hybrid targets: `_mask_blocker`; generate refuses the masks no loop serves, right padding, and
+holes on sliding-window targets: `dflash_checks.padding_problem`), a dense (or GGUF-dequantized, or bitsandbytes-quantized, whose steps run eagerly) target
 of the families in `FAST_PATH_FAMILIES` (sliding-window layers included, and under eager attention gpt-oss's
 attention sinks and Gemma 2's attention softcapping; hybrid Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated
 DeltaNet layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU only where their dispatch can
@@ -212,34 +212,22 @@ def fast_path_blocker(
 
 def _mask_blocker(text: Any, attention_mask: torch.Tensor) -> str | None:
     """Why the engine, which drops each row's padding and prefills its real tokens at positions 0..n-1, would not give
-    plain generate's tokens for this mask, or None.
+    plain generate's tokens for this mask, or None. (Masks neither loop can serve, a row that ends in padding or
+    padding between real tokens on a sliding-window target, are refused before: `dflash_checks.padding_problem`.)
 
     Plain generate numbers a row's real tokens cumsum(mask) - 1 and hides its padding from every query, so under left
-    padding, and under padding between real tokens of a row that ends in a real token, each token sees the real tokens
-    before it at the positions the compacted row gives them. Three things break that: a row that ends in padding,
-    whose next token plain generate reads at a pad and numbers from the pad's position; sliding windows, which plain
-    generate's masks count in columns, padding included; and Gated DeltaNet layers, which run every column.
+    padding, and under padding between the real tokens of a row that ends in a real token, each token sees the real
+    tokens before it at the positions the compacted row gives them. Gated DeltaNet layers break that: they run every
+    column, and decay their state across padding that follows real tokens.
     """
     real = attention_mask.long()
     if bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding (or none): zeros, then ones
         return None
-    layer_types = set(target_layer_types(text))
-    if LINEAR in layer_types:
+    if LINEAR in target_layer_types(text):
         return (
             "the attention mask has padding after real tokens: the fast path drops a row's padding, while the "
             "target's linear-attention layers decay their state across padding that follows real tokens (pad "
             "prompts on the left)"
-        )
-    if SLIDING in layer_types:
-        return (
-            "the attention mask has padding after real tokens: the fast path drops a row's padding, while the "
-            "target's sliding windows count it as columns in plain generate (pad prompts on the left)"
-        )
-    if not bool(real[:, -1].all()):
-        return (
-            "a row of the attention mask ends in padding: plain generate reads that row's next token at a pad and "
-            "numbers its new tokens on from the pad's position (0), which the fast path, dropping a row's padding, "
-            "does not reproduce (pad prompts on the left)"
         )
     return None
 

@@ -5,8 +5,10 @@ real tokens cumsum(mask) - 1 and hides its padding from every query, so where ev
 padding, holes between real tokens, both) each token sees what it sees in the compacted row: there the engine must
 give plain generate's tokens, processors that read the padded row included. Where a row ends in padding, or the
 target's sliding windows or linear-attention layers see the padding's columns, plain generate's tokens are not the
-compacted row's, so the fast path refuses the mask with that reason (`fast_path_blocker`). A padded row of one
-gets no cache back from the fast path: plain generate's would hold the padding's slots.
+compacted row's. Neither DFlash loop reproduces a row that ends in padding or holes under sliding windows, so
+generate refuses those masks before any forward (`dflash_checks.padding_problem`); a hybrid target's holes take the
+eager loop, which keeps the padding's columns (`fast_path_blocker`). A padded row of one gets no cache back from the
+fast path: plain generate's would hold the padding's slots.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ LAYOUTS = {
     "right_padding": {0: [], 1: [7, 8, 9], 2: [4, 5, 6, 7, 8, 9]},
 }
 HOLEY = ("holes", "left_padding_and_holes", "one_row_with_holes")
-RIGHT = "a row of the attention mask ends in padding: plain generate reads that row's next token at a pad"
-WINDOWS = "the target's sliding windows count it as columns in plain generate"
+RIGHT = "a row of the attention mask ends in padding, which plain generate reads at a pad"
+WINDOWS = "padding between a row's real tokens, which the target's sliding windows count as columns"
 LINEAR = "the target's linear-attention layers decay their state across padding that follows real tokens"
 
 
@@ -63,24 +65,34 @@ def blocker(target, drafter, mask):
 
 
 @pytest.mark.parametrize(
-    "family, layout, reason",
-    [("llama", "holes", None), ("llama", "left_padding_and_holes", None), ("llama", "right_padding", RIGHT),
-     ("gemma3_text", "holes", WINDOWS), ("qwen3_next", "holes", LINEAR), ("qwen3_next", "right_padding", LINEAR)],
+    "family, layout, outcome",
+    [("llama", "holes", "served"), ("llama", "left_padding_and_holes", "served"), ("llama", "right_padding", RIGHT),
+     ("gemma3_text", "holes", WINDOWS), ("qwen3_next", "holes", LINEAR), ("qwen3_next", "right_padding", RIGHT)],
 )
-def test_the_fast_path_serves_a_mask_exactly_where_plain_generate_reads_the_compacted_rows(family, layout, reason):
-    """The blocker's rule against plain generate itself: a mask is served exactly where plain generate's tokens are
-    those of the same real tokens left-padded (the engine's compacted rows). A target whose tokens depend strongly on
-    their context, so that a position or a window off changes them."""
+def test_a_mask_is_served_exactly_where_plain_generate_reads_the_compacted_rows(family, layout, outcome):
+    """The rules against plain generate itself: the fast path serves a mask exactly where plain generate's tokens are
+    those of the same real tokens left-padded (the engine's compacted rows); elsewhere a hybrid's holes take the eager
+    loop (`fast_path_blocker`), and generate refuses what no loop reproduces before any forward. A target whose tokens
+    depend strongly on their context, so that a position or a window off changes them."""
     target = family_target(family, seed=3, initializer_range=context_scale(family))
+    drafter = tiny_drafter(target)
     ids, mask = masked(layout, seed=3)
     moved, moved_mask = compacted(ids, mask)
     settings = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
     plain = target.generate(ids, attention_mask=mask, **settings)[:, LENGTH:]
     left = target.generate(moved, attention_mask=moved_mask, **settings)[:, LENGTH:]
-    assert torch.equal(plain, left) == (reason is None)
-    found = blocker(target, tiny_drafter(target), mask)
-    assert found is None if reason is None else reason in found
-    assert blocker(target, tiny_drafter(target), moved_mask) is None  # left padding is served on every target
+    assert torch.equal(plain, left) == (outcome == "served")
+    assert blocker(target, drafter, moved_mask) is None  # left padding is served on every target
+    if outcome in (RIGHT, WINDOWS):
+        forwards = []
+        handle = target.register_forward_pre_hook(lambda *args: forwards.append(1))
+        with pytest.raises(ValueError, match=outcome):
+            target.generate(ids, attention_mask=mask, **settings, assistant_model=drafter)
+        handle.remove()
+        assert not forwards, "the refusal came after a forward"
+    else:
+        found = blocker(target, drafter, mask)
+        assert found is None if outcome == "served" else outcome in found
 
 
 @pytest.mark.parametrize("family, attention", [(f, a) for f in ("llama", "qwen3") for a in ("sdpa", "eager")])
@@ -179,19 +191,15 @@ def test_processors_read_the_row_as_plain_generate_holds_it_with_holes(setting):
     release_fast_path(drafter)
 
 
-@pytest.mark.parametrize("family, reason", [("gemma3_text", WINDOWS), ("qwen3_next", LINEAR)])
-@pytest.mark.parametrize("layout", ["holes", "right_padding"])
-def test_a_mask_the_fast_path_refuses_names_why(family, reason, layout):
-    """Sliding windows count padding as columns in plain generate, and Gated DeltaNet layers decay their state across
-    it: a call that insists on the fast path is refused with that reason (for right padding too, which no target
-    serves). By default a hybrid's call with holes takes the eager loop, which keeps the padding's columns in
-    transformers' cache and gives plain generate's tokens."""
-    target = family_target(family, seed=3, initializer_range=context_scale(family))
+def test_a_hybrids_holes_take_the_eager_loop_which_equals_plain_greedy():
+    """Gated DeltaNet layers decay their state across padding that follows real tokens: a call that insists on the
+    fast path is refused with that reason; by default the call takes the eager loop, which keeps the padding's columns
+    in transformers' cache and gives plain generate's tokens."""
+    target = family_target("qwen3_next", seed=3, initializer_range=context_scale("qwen3_next"))
     drafter = tiny_drafter(target, block_size=4)
-    ids, mask = masked(layout, seed=3)
+    ids, mask = masked("holes", seed=3)
     settings = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
-    with pytest.raises(ValueError, match=f"dflash_fast_path=True, but .*{reason}"):
+    with pytest.raises(ValueError, match=f"dflash_fast_path=True, but .*{LINEAR}"):
         target.generate(ids, attention_mask=mask, **settings, assistant_model=drafter, dflash_fast_path=True)
-    if family == "qwen3_next" and layout == "holes":
-        plain = target.generate(ids, attention_mask=mask, **settings)
-        assert torch.equal(target.generate(ids, attention_mask=mask, **settings, assistant_model=drafter), plain)
+    plain = target.generate(ids, attention_mask=mask, **settings)
+    assert torch.equal(target.generate(ids, attention_mask=mask, **settings, assistant_model=drafter), plain)
