@@ -17,7 +17,7 @@ from transformers.utils import logging
 from .configuration_dflash import rope_per_layer_type
 from .dflash_compat import CACHE_ARGUMENTS, cache_from_kwargs, default_generation_params
 from .dflash_fast_path_blockers import target_layer_types
-from .dflash_masks import SLIDING
+from .dflash_masks import SLIDING, pads_after_real_tokens
 from .dflash_processors import check_logits_processors
 from .dflash_target_cache import rollback_problem
 
@@ -217,14 +217,12 @@ def padding_problem(text: Any, attention_mask: torch.Tensor | None) -> str | Non
     """
     if attention_mask is None:
         return None
-    real = attention_mask.bool()
-    if not bool(real[:, -1].all()):
+    if not bool(attention_mask[:, -1].bool().all()):
         return (
             "a row of the attention mask ends in padding, which plain generate reads at a pad (transformers warns it "
             "gives wrong results) and DFlash cannot reproduce: pad prompts on the left"
         )
-    padded_after_real = bool((real[:, :-1] & ~real[:, 1:]).any())
-    if padded_after_real and SLIDING in target_layer_types(text):
+    if pads_after_real_tokens(attention_mask) and SLIDING in target_layer_types(text):
         return (
             "the attention mask has padding between a row's real tokens, which the target's sliding windows count as "
             "columns in plain generate and DFlash windows by position: pad prompts on the left only"

@@ -8,12 +8,13 @@ inside the step's graph; those that read the whole prefix, such as no-repeat n-g
 that call's steps out of a graph), eos / max-length stopping, any stopping criteria, streamers and output_scores /
 output_logits (host hooks around the step: dflash_host_hooks.py), batches padded on the left and between a row's
 real tokens (except on hybrid targets: `_mask_blocker`; generate refuses the masks no loop serves, right padding, and
-holes on sliding-window targets: `dflash_checks.padding_problem`), a dense (or GGUF-dequantized, or bitsandbytes-quantized, whose steps run eagerly) target
-of the families in `FAST_PATH_FAMILIES` (sliding-window layers included, and under eager attention gpt-oss's
-attention sinks and Gemma 2's attention softcapping; hybrid Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated
-DeltaNet layers dflash_linear_state.py rolls back inside the step; MoE experts on a GPU only where their dispatch can
-be captured) and the drafter (its own sliding layers included) on one device with sdpa or eager attention. Anything
-else takes the eager loop (dflash_decoding.py), which gives the same tokens (the same distribution when sampling).
+holes on sliding-window targets: `dflash_checks.padding_problem`), a dense (or GGUF-dequantized, or
+bitsandbytes-quantized, whose steps run eagerly) target of the families in `FAST_PATH_FAMILIES` (sliding-window
+layers included, and under eager attention gpt-oss's attention sinks and Gemma 2's attention softcapping; hybrid
+Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step;
+MoE experts on a GPU only where their dispatch can be captured) and the drafter (its own sliding layers included) on
+one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same
+tokens (the same distribution when sampling).
 
 Each reason below is a sentence a user can act on. `takes_fast_path` turns it into the call's choice: a warning once
 per reason on a GPU, an error for a call that insists with `generate(..., dflash_fast_path=True)`.
@@ -31,7 +32,7 @@ from transformers.utils import logging
 from .dflash_compat import attention_implementation, experts_implementation
 from .dflash_devices import target_devices
 from .dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
-from .dflash_masks import FULL, LINEAR, SLIDING
+from .dflash_masks import FULL, LINEAR, SLIDING, pads_after_real_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -220,10 +221,7 @@ def _mask_blocker(text: Any, attention_mask: torch.Tensor) -> str | None:
     tokens before it at the positions the compacted row gives them. Gated DeltaNet layers break that: they run every
     column, and decay their state across padding that follows real tokens.
     """
-    real = attention_mask.long()
-    if bool((real[:, 1:] >= real[:, :-1]).all()):  # left padding (or none): zeros, then ones
-        return None
-    if LINEAR in target_layer_types(text):
+    if pads_after_real_tokens(attention_mask) and LINEAR in target_layer_types(text):
         return (
             "the attention mask has padding after real tokens: the fast path drops a row's padding, while the "
             "target's linear-attention layers decay their state across padding that follows real tokens (pad "

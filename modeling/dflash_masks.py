@@ -18,6 +18,12 @@ import torch
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
 
+def pads_after_real_tokens(attention_mask: torch.Tensor) -> bool:
+    """Whether a 2D attention mask (b, P) has padding after a real token in any row: anything but left padding."""
+    real = attention_mask.bool()
+    return bool((real[:, :-1] & ~real[:, 1:]).any())
+
+
 def in_window(
     query_positions: torch.Tensor, key_positions: torch.Tensor, window: int, causal: bool = True
 ) -> torch.Tensor:
