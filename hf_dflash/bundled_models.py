@@ -259,10 +259,6 @@ def load_smollm2(
     return _finish(model, dtype, device), tokenizer
 
 
-def _smollm2_cache_dir() -> Path:
-    return _cache_root() / "smollm2-135m-instruct" / f"{SMOLLM2_SHA256[:16]}-v{_CACHE_FORMAT}"
-
-
 def smollm2_folder() -> Path:
     """The dense SmolLM2 copy as a transformers checkpoint folder (weights, config, tokenizer with its chat
     template), for code that loads by path, such as `transformers serve`. Made by the first `load_smollm2`."""

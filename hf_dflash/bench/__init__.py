@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
