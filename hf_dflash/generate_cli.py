@@ -3,8 +3,8 @@
 Decodes prompts with a target and a DFlash drafter, and with the target alone, side by side in one process; prints
 the text, tau (tokens committed per verify step), the speedup, and whether the two outputs are identical (in float32
 they must be; in bfloat16 they may part where two logits nearly tie). It says which path DFlash takes (the CUDA-graph
-fast path or the eager loop); on the eager loop the text streams as it is committed and plain generate shows a
-progress bar, and the time spent printing is left out of the figures.
+fast path, or the engine's step without graphs); without graphs the text streams as it is committed and plain generate
+shows a progress bar, and the time spent printing is left out of the figures.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class TokenProgress(BaseStreamer):
 def warm_up(target: Any, drafter: Any, tokenizer: Any, device: str, dflash_settings: dict[str, Any]) -> str:
     """Run plain generate and DFlash once on a short prompt, so one-time costs (allocator, kernels, the CUDA-graph
     capture) stay out of the timings, and say which path DFlash takes: the engine's step (on a GPU a CUDA graph,
-    unless each step chooses its width on the host) or, for a call the engine cannot serve, the eager loop."""
+    unless each step chooses its width on the host), over transformers' cache for a target the engine's pool cannot
+    serve."""
     warm = encode(tokenizer, "Hi", device)
     settings = dict(max_new_tokens=4, do_sample=False)
     target.generate(**warm, **settings)
@@ -117,7 +118,7 @@ def warm_up(target: Any, drafter: Any, tokenizer: Any, device: str, dflash_setti
     except ValueError as refusal:
         # The default call decides: it raises again if the call itself is wrong, not just the fast path.
         target.generate(**warm, **settings, assistant_model=drafter, **dflash_settings)
-        return f"eager loop: {str(refusal).split('cannot serve this call: ')[-1]}"
+        return f"engine's step over transformers' cache: {str(refusal).split('cannot serve this call: ')[-1]}"
     if not device.startswith("cuda"):
         return "engine's step (eager on a CPU)"
     block = drafter.config.block_size
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     say("warming up (one short run of each) ...")
     path = warm_up(target, drafter, tokenizer, device, dflash_settings)
     # On the CUDA-graph fast path the text is printed after each call, so that no printing sits between graph
-    # replays (a streamer would be served there too, around the step); the eager loop streams its text as it is
+    # replays (a streamer would be served there too, around the step); a step run eagerly streams its text as it is
     # committed, and plain generate shows a progress bar. The seconds spent printing are left out of both timings.
     live = not path.startswith("CUDA-graph")
     say(f"DFlash decodes on the {path}" + ("; its text streams as it is committed" if live else ""))

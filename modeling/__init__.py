@@ -5,17 +5,18 @@ trust_remote_code=True)` works without hf_dflash installed. The library imports 
 """
 
 from .configuration_dflash import DFlashConfig, default_target_layer_ids
-from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_decoding import DFlashGenerateOutput
 from .dflash_devices import place_drafter
-from .dflash_paged_cache import PAGE_SIZE, DflashProposerState, PagedDrafterCache
+from .dflash_engine import DflashProposerState
+from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache
+from .dflash_proposer import DFlashProposer
 from .modeling_dflash import DFlashDraftModel
 
 __all__ = [
-    "DFlashCandidateGenerator",
     "DFlashConfig",
     "DFlashDraftModel",
     "DFlashGenerateOutput",
+    "DFlashProposer",
     "DflashProposerState",
     "PAGE_SIZE",
     "PagedDrafterCache",

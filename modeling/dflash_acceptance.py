@@ -1,7 +1,7 @@
-"""Acceptance of a verified block: greedy, point-mass and rejection sampling, written once for both loops.
+"""Acceptance of a verified block: greedy, point-mass and rejection sampling, written once.
 
-Everything here is tensor work with fixed shapes and no host synchronization, so the fast path records it inside its
-CUDA graph and the eager loop runs the same functions. Random numbers come from the default generator (`sample`
+Everything here is tensor work with fixed shapes and no host synchronization, so the engine's step records it inside
+its CUDA graph on a GPU and runs the same functions eagerly elsewhere. Random numbers come from the default generator (`sample`
 draws without `torch.multinomial`): a CUDA graph replays them with fresh values on every replay, and
 `torch.manual_seed` before generate reproduces a run.
 

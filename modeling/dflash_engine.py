@@ -20,6 +20,11 @@ A hybrid target's linear-attention layers hold no keys: each layer's conv and re
 `max_batch_size` rows beside the pools (`PagedHybridCache`), zeroed by a row's first prefill chunk and carried through
 its next ones, advanced in each verify over exactly the rows its sequence accepts (dflash_linear_state.py's rollback,
 the fast path's), and moved with the row when another retires.
+A generate call whose target the pool cannot serve (`fast_path_blocker`: split over devices, other quantizers,
+untested families, other attention, a hybrid's padding between real tokens) keeps its target's keys/values in its own
+transformers cache instead (`transformers_cache`, `TransformersTargetCache`): the target reads its padded prompt and
+each verify through its own attention and masks, and the cache is rolled back once the step's acceptance is read; the
+drafter's pool, the step and the policy are the same, run eagerly.
 A request's pages (prompt, max_new_tokens and one block, in both pools) are reserved when it is admitted, so a
 running sequence never waits for memory: a request that does not fit now waits (`fits_now`), one that never can is
 refused with a ValueError naming the limit (`check_request`).
@@ -59,7 +64,6 @@ import torch
 from transformers.utils import logging
 
 from .dflash_acceptance import DecodingRule, accept, width_confidence
-from .dflash_candidate_generator import DFlashCandidateGenerator
 from .dflash_attention import grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
@@ -72,8 +76,10 @@ from .dflash_masks import LINEAR
 from .dflash_paged_cache import PAGE_SIZE, PagedDrafterCache, PagedView, StretchView, page_slots
 from .dflash_policy import VerifyPolicy
 from .dflash_processors import StepProcessors
+from .dflash_proposer import DFlashProposer
 from .dflash_row_sampling import SamplingSettings, penalize, warp
 from .dflash_step import DFlashStep, StepRows
+from .dflash_target_cache import TransformersTargetCache
 
 logger = logging.get_logger(__name__)
 
@@ -155,8 +161,11 @@ def token_logprobs(scores: torch.Tensor, tokens: torch.LongTensor) -> torch.Tens
 
 
 @dataclass
-class EngineSequence:
-    """A sequence in one of the engine's rows (host side)."""
+class DflashProposerState:
+    """One sequence in one of the engine's rows, host side: the pages its block tables point at in each pool (taken
+    when it is admitted, returned the step it ends), the position of its anchor (every position below it holds
+    committed keys/values, each written once at its own position) and what it may still commit. The rest of its
+    state lives in the engine's per-row device buffers, so that a step reads it without the host."""
 
     key: Hashable  # the caller's name for it
     position: int  # its anchor's position: prompt and committed tokens held, minus one
@@ -265,6 +274,11 @@ class DFlashEngine(DFlashStep):
             keys/values as a view of the pool, not a gather per layer, and a row that moves when another retires
             takes its keys/values with it (a copy). For `generate` calls, whose rows all start together
             (dflash_fast_path.py); requests of a server share their pages instead.
+        transformers_cache: whether the target's keys/values (and a hybrid's linear states) live in each bound
+            generate call's own transformers cache (`admit_call`'s `call_cache`) instead of the engine's pool: for
+            the calls whose target the pool cannot serve (`fast_path_blocker`). The target then runs its own
+            attention and masks, as in plain generate; the drafter's side, the step and its policy are the same.
+            Implies `contiguous_rows`, eager steps and no oneDNN weights.
     """
 
     def __init__(
@@ -280,6 +294,7 @@ class DFlashEngine(DFlashStep):
         return_logprobs: bool = False,
         contiguous_rows: bool = False,
         onednn_linears: bool | None = None,
+        transformers_cache: bool = False,
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
@@ -289,9 +304,12 @@ class DFlashEngine(DFlashStep):
                 "step's width on the host between the drafter and the verify; turn one of them off"
             )
         text = target.config.get_text_config()
-        if text.model_type in HYBRID_FAMILIES and (blocker := hybrid_blocker(target)) is not None:
+        if transformers_cache and (static_shapes or onednn_linears):
+            raise ValueError("an engine over transformers' cache runs its steps eagerly, without oneDNN weights")
+        paged = not transformers_cache  # whether the engine's pool holds the target's keys/values
+        if paged and text.model_type in HYBRID_FAMILIES and (blocker := hybrid_blocker(target)) is not None:
             raise ValueError(f"DFlash continuous batching cannot serve this target: {blocker}")
-        if text.model_type not in HYBRID_FAMILIES and LINEAR in target_layer_types(text):
+        if paged and text.model_type not in HYBRID_FAMILIES and LINEAR in target_layer_types(text):
             raise ValueError(
                 f"DFlash continuous batching serves the Gated DeltaNet layers of {', '.join(HYBRID_FAMILIES)} targets, "
                 f"not the linear-attention layers of {text.model_type}; use generate(assistant_model=drafter)"
@@ -309,7 +327,7 @@ class DFlashEngine(DFlashStep):
         self.max_sequence_length = min(max_sequence_length or context, context)
         block = drafter.config.block_size
         self.pages_per_row = -(-(self.max_sequence_length + block) // PAGE_SIZE)  # block table width
-        self.contiguous_rows = contiguous_rows
+        self.contiguous_rows = contiguous_rows = contiguous_rows or transformers_cache
         if contiguous_rows:  # every row its whole stretch
             max_tokens = max_batch_size * self.pages_per_row * PAGE_SIZE
         elif max_tokens is None:  # whole pages per sequence: each reserves its own
@@ -317,7 +335,7 @@ class DFlashEngine(DFlashStep):
             max_tokens = sequences * -(-(min(self.max_sequence_length, 2048) + block) // PAGE_SIZE) * PAGE_SIZE
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         # bitsandbytes' quantized layers are not tested inside a CUDA graph: their steps run eagerly
-        graphs_allowed = device.type == "cuda" and not bitsandbytes_quantized(target)
+        graphs_allowed = device.type == "cuda" and paged and not bitsandbytes_quantized(target)
         if static_shapes is None:
             static_shapes = graphs_allowed and adaptive in (None, False)
         self.static_shapes = static_shapes
@@ -325,24 +343,27 @@ class DFlashEngine(DFlashStep):
         # with static shapes, one page of each pool is the idle rows' scratch: never handed out, never read unmasked
         self.scratch_pages = 1 if self.static_shapes else 0
         num_pages = -(-max_tokens // PAGE_SIZE) + self.scratch_pages
-        generator = DFlashCandidateGenerator(
-            drafter, target, max_batch_size, self.max_sequence_length, max_rows=0, pending_rows=0, num_pages=num_pages
-        )
-        super().__init__(target, drafter, generator, cache_argument(target))
+        proposer = DFlashProposer(drafter, target, max_batch_size, num_pages)
+        super().__init__(target, drafter, proposer, cache_argument(target))
         if onednn_linears and device.type != "cpu":
             raise ValueError(f"onednn_linears=True asks for oneDNN's CPU products, but this engine runs on {device}")
-        if onednn_linears is not False and device.type == "cpu":
+        if onednn_linears is not False and device.type == "cpu" and paged:
             self.use_onednn_linears(required=onednn_linears is True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # Over transformers' cache the target's pool only counts pages (every layer keyless), and its linear states
+        # are the cache's, rolled back by `TransformersTargetCache`.
+        self.hybrid = self.hybrid and paged
         linear = linear_attention_modules(target) if self.hybrid else {}
+        num_layers = len(decoder_layers(target))
         self.target_pool = PagedDrafterCache(
-            num_layers=len(decoder_layers(target)), num_pages=num_pages, num_key_value_heads=text.num_key_value_heads,
-            head_dim=head_dim, dtype=target.dtype, device=device, keyless_layers=frozenset(linear),
+            num_layers=num_layers, num_pages=num_pages, num_key_value_heads=text.num_key_value_heads,
+            head_dim=head_dim, dtype=target.dtype, device=device,
+            keyless_layers=frozenset(linear) if paged else frozenset(range(num_layers)),
         )
         # a hybrid's linear layers: per row, conv (b, conv_dim, K) and recurrent (b, heads, dk, dv) states per layer
         self.linear_layers = list(linear.values())
         self.conv, self.recurrent = linear_state_buffers(linear, max_batch_size, target.dtype, device)
-        self.drafter_pool = generator.cache
+        self.drafter_pool = proposer.cache
         b, long = max_batch_size, dict(dtype=torch.long, device=device)
         self.target_tables = torch.zeros(b, self.pages_per_row, **long)
         self.drafter_tables = torch.zeros(b, self.pages_per_row, **long)
@@ -383,7 +404,7 @@ class DFlashEngine(DFlashStep):
             self.verify_rows, self.do_sample, self.temperature, self.top_k, self.top_p, self.repetition_penalty,
             self.presence, self.padding, *self.conv.values(), *self.recurrent.values(),
         )
-        self.sequences: list[EngineSequence] = []  # row i runs sequences[i]
+        self.sequences: list[DflashProposerState] = []  # row i runs sequences[i]
         # Whether a bound generate call compiles the drafter's pass (`bind`), and why compiling failed, if it did.
         self.compile_drafter = False
         self.compile_error: str | None = None
@@ -425,7 +446,7 @@ class DFlashEngine(DFlashStep):
         blocker = onednn_linears_blocker(self.target)
         if blocker is None:
             self.target_linears = OneDNNLinears(self.target)
-            draft_head = self.generator.draft_head
+            draft_head = self.proposer.draft_head
             kept = [draft_head.kept] if draft_head is not None and draft_head.kept is not None else []
             self.drafter_linears = OneDNNLinears(self.drafter, *kept)
             return
@@ -494,7 +515,7 @@ class DFlashEngine(DFlashStep):
         row = len(self.sequences)
         sequence = self._place(row, key, prompt, max_new_tokens, sampling)
         try:
-            with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+            with one_call_at_a_time(self.target, self.drafter), self.proposer.capture:
                 first, logprob = self._prefill(row, torch.tensor([prompt], device=self.anchor_ids.device), sampling)
         except BaseException:
             self._give_back(sequence)
@@ -524,7 +545,7 @@ class DFlashEngine(DFlashStep):
                 self.check_request(len(prompt), max_new_tokens)
             for row, request in enumerate(requests, first_row):
                 placed.append(self._place(row, *request))
-            with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+            with one_call_at_a_time(self.target, self.drafter), self.proposer.capture:
                 prompts = [prompt for _, prompt, _, _ in requests]
                 scoring = RowScoring.of([sampling for *_, sampling in requests])
                 firsts, logprobs = self._prefill_packed(first_row, prompts, scoring)
@@ -582,16 +603,21 @@ class DFlashEngine(DFlashStep):
 
     @torch.no_grad()
     def admit_call(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, processors: StepProcessors
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, max_length: int, processors: StepProcessors,
+        call_cache: TransformersTargetCache | None = None,
     ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """A bound `generate` call's batch (b, P) as sequences 0..b-1 in rows 0..b-1, each up to the call's
         `max_length` (padding included, as generate counts it). Its prompts are prefilled without their padding
         (wherever the mask has it: `fast_path_blocker` says where that gives plain generate's tokens), at positions
         0..n-1; each first token is chosen under the call's own processors `processors` exactly as plain generate
         chooses it (every processor called once on the whole batch). Returns the first tokens, their scores (b, 1, V)
-        and raw logits (b, 1, V)."""
+        and raw logits (b, 1, V). An engine over transformers' cache (`transformers_cache`) takes the call's
+        `call_cache`, which prefills the padded batch as plain generate does and serves the call's verifies until
+        `retire_all`."""
         if self.sequences:
             raise RuntimeError("admit_call needs an empty engine; this is a bug: please report it")
+        if (call_cache is None) != self.target_pool.holds_keys:
+            raise ValueError("admit_call takes a call_cache exactly where the engine has transformers_cache=True")
         batch, padded_length = input_ids.shape
         real = attention_mask.bool()
         prompts = [[token for token, kept in zip(*row) if kept] for row in zip(input_ids.tolist(), real.tolist())]
@@ -604,8 +630,12 @@ class DFlashEngine(DFlashStep):
         try:
             for row, prompt in enumerate(prompts):
                 placed.append(self._place(row, row, prompt, max_new_tokens, SamplingSettings()))
-            with self.generator.capture:
-                logits = self._prefill_call_logits(prompts)
+            with self.proposer.capture:
+                if call_cache is None:
+                    logits = self._prefill_call_logits(prompts)
+                else:
+                    logits = self._prefill_call_cache(call_cache, input_ids, real)
+                    self.call_cache = call_cache
         except BaseException:
             for sequence in placed:
                 self._give_back(sequence)
@@ -646,6 +676,28 @@ class DFlashEngine(DFlashStep):
             logits[ending, 0] = chunk[ending, column]
         return logits
 
+    def _prefill_call_cache(
+        self, call_cache: TransformersTargetCache, input_ids: torch.LongTensor, real: torch.Tensor
+    ) -> torch.Tensor:
+        """The padded batch's prompt forward into transformers' cache (`TransformersTargetCache.prefill`); each row's
+        real tokens' captured rows become its drafter context at positions 0..n-1. Returns the last logits (b, 1, V)."""
+        device = self.anchor_ids.device
+        captured = self.verify_rows.new_empty(*input_ids.shape, self.verify_rows.shape[-1])  # (b, P, features)
+        self.proposer.capture.destination = captured
+        try:
+            logits = call_cache.prefill(input_ids).to(device)
+        finally:
+            self.proposer.capture.destination = None
+        lengths = real.sum(dim=1).tolist()
+        # every row's real tokens in one drafter pass, each at its own positions 0..n-1 and in its own pages
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # (1, T)
+        slots = torch.cat([
+            page_slots(self.drafter_tables[row : row + 1], torch.arange(n, device=device)[None])
+            for row, n in enumerate(lengths)
+        ], dim=1)
+        self.proposer.write_context(captured[real.to(device)][None], positions, slots)
+        return logits
+
     def verified_rows(self, key: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The last step's scores and raw logits (B, V) of `key`'s verify rows (None where not kept): views of the
         step's buffers, which the next step overwrites."""
@@ -662,7 +714,7 @@ class DFlashEngine(DFlashStep):
         """Whether `copy_into_cache` can give a sequence's keys/values to transformers' cache as plain decoding would
         hold them: every layer of the target attends over its whole history (no sliding window, no Gated DeltaNet
         states)."""
-        return not self.hybrid and self.target_window is None
+        return not self.hybrid and self.target_window is None and self.target_pool.holds_keys
 
     @torch.no_grad()
     def copy_into_cache(self, key: Hashable, cache: object) -> None:
@@ -677,8 +729,10 @@ class DFlashEngine(DFlashStep):
             cache.update(keys, values, layer)
 
     def retire_all(self) -> None:
-        """Free every row and its pages (a call ended, also by an exception)."""
+        """Free every row and its pages (a call ended, also by an exception); a bound call's transformers cache is
+        the call's again."""
         self.retire_many([sequence.key for sequence in self.sequences])
+        self.call_cache = None
 
     def retire_many(self, keys: list[Hashable]) -> None:
         """`retire` each of `keys`, the last rows first: a row that ends with those after it moves nobody into its
@@ -697,7 +751,7 @@ class DFlashEngine(DFlashStep):
 
     def _place(
         self, row: int, key: Hashable, prompt: list[int], max_new_tokens: int, sampling: SamplingSettings
-    ) -> EngineSequence:
+    ) -> DflashProposerState:
         """Take a request's pages and point `row`'s block tables and sampling settings at them (not yet running)."""
         length = len(prompt)
         if self.contiguous_rows:  # the row's own stretch
@@ -707,7 +761,7 @@ class DFlashEngine(DFlashStep):
         else:
             pages = self.pages_for(length, max_new_tokens)
             taken = self.target_pool.take(pages), self.drafter_pool.take(pages)
-        sequence = EngineSequence(key, length, length + max_new_tokens, sampling, *taken)
+        sequence = DflashProposerState(key, length, length + max_new_tokens, sampling, *taken)
         tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
         for table, taken in tables:
             table[row].zero_()
@@ -718,7 +772,7 @@ class DFlashEngine(DFlashStep):
             self.presence[row, torch.tensor(prompt, device=self.presence.device)] = True
         return sequence
 
-    def _start(self, row: int, sequence: EngineSequence, first: torch.Tensor, logprob: torch.Tensor | None) -> None:
+    def _start(self, row: int, sequence: DflashProposerState, first: torch.Tensor, logprob: torch.Tensor | None) -> None:
         """A prefilled row runs from the next step on, its first token the anchor (`logprob`: its log-probability,
         when kept)."""
         self.anchor_ids[row, 0] = first
@@ -786,7 +840,7 @@ class DFlashEngine(DFlashStep):
         keys = torch.arange(span, device=input_ids.device)
         visible = keys[None, None, :] <= positions[:1, :, None]  # (1, c, span): the same for every row
         captured = self.verify_rows.new_empty(n, width, self.verify_rows.shape[-1])
-        self.generator.capture.destination = captured
+        self.proposer.capture.destination = captured
         # a hybrid's linear layers start the row from empty states at its first chunk and carry them on through the
         # next ones (the prompt has no padding to mask)
         try:
@@ -800,8 +854,8 @@ class DFlashEngine(DFlashStep):
                     **{self.cache_argument: cache},
                 ).logits  # (n, k, V)
         finally:
-            self.generator.capture.destination = None
-        self.generator.write_context(captured, positions, page_slots(self.drafter_tables[rows], positions))
+            self.proposer.capture.destination = None
+        self.proposer.write_context(captured, positions, page_slots(self.drafter_tables[rows], positions))
         return logits
 
     def _prefill_packed(
@@ -834,7 +888,7 @@ class DFlashEngine(DFlashStep):
 
         cache.pool_slots = slots(self.target_tables)
         captured = self.verify_rows.new_empty(1, positions.shape[1], self.verify_rows.shape[-1])
-        self.generator.capture.destination = captured
+        self.proposer.capture.destination = captured
         try:
             logits = self.target(
                 input_ids=torch.tensor([[token for prompt in prompts for token in prompt]], device=device),
@@ -845,8 +899,8 @@ class DFlashEngine(DFlashStep):
                 **{self.cache_argument: cache},
             ).logits[0, :, None]  # (k, 1, V)
         finally:
-            self.generator.capture.destination = None
-        self.generator.write_context(captured, positions, slots(self.drafter_tables))
+            self.proposer.capture.destination = None
+        self.proposer.write_context(captured, positions, slots(self.drafter_tables))
         return logits
 
     def retire(self, key: Hashable) -> None:
@@ -866,6 +920,8 @@ class DFlashEngine(DFlashStep):
             if self.contiguous_rows:
                 self._move_stretch(last, row, moved)
             self.sequences[row] = moved
+        if self.call_cache is not None:
+            self.call_cache.move(row, last)
         self.sequences.pop()
         self.active[last] = 0
         if self.static_shapes:
@@ -876,7 +932,7 @@ class DFlashEngine(DFlashStep):
         first = self.scratch_pages + row * self.pages_per_row
         return list(range(first, first + self.pages_per_row))
 
-    def _move_stretch(self, source: int, row: int, sequence: EngineSequence) -> None:
+    def _move_stretch(self, source: int, row: int, sequence: DflashProposerState) -> None:
         """With `contiguous_rows`: `sequence` moves from row `source` to `row`, whose stretch is free: its keys/values
         below its anchor are copied there in both pools (the step writes the rest before it reads them: the target's
         from the anchor on, the drafter's from the verify rows the row's buffers carry), and it holds that stretch's
@@ -907,7 +963,7 @@ class DFlashEngine(DFlashStep):
         for buffer in (self.anchor_ids, self.anchor_pos, self.prev_pos, self.max_length):
             buffer[row] = 0
 
-    def _give_back(self, sequence: EngineSequence) -> None:
+    def _give_back(self, sequence: DflashProposerState) -> None:
         self.target_pool.give_back(sequence.target_pages)
         self.drafter_pool.give_back(sequence.drafter_pages)
         sequence.target_pages, sequence.drafter_pages = [], []
@@ -1030,7 +1086,7 @@ class DFlashEngine(DFlashStep):
         )
 
     def _run_rows(self, n: int, span: int, scoring: RowScoring) -> None:
-        with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+        with one_call_at_a_time(self.target, self.drafter), self.proposer.capture:
             rows = self._rows(n, span, scoring)
             self._prepare_drafter(rows)
             self.step(rows)
@@ -1126,7 +1182,7 @@ class DFlashEngine(DFlashStep):
         # Eager, at the running rows' shape: a width chosen between draft and verify, or processors called on the host
         on_host = self.policy is not None or self.verify_cap < self.block_size or self.call_tokens is not None
         if on_host:
-            with one_call_at_a_time(self.target, self.drafter), self.generator.capture:
+            with one_call_at_a_time(self.target, self.drafter), self.proposer.capture:
                 started = time.perf_counter()
                 rows = self._rows(n, span, scoring)
                 width, confidence, draft_probs, waits = self._draft_at_width(rows, keys)
@@ -1139,6 +1195,8 @@ class DFlashEngine(DFlashStep):
             self._run_rows(n, span, scoring)
         out = self.out[:n].tolist()  # the step's host synchronization (the policy's second)
         accepted = [row[self.block_size] for row in out]
+        if self.call_cache is not None:
+            self.call_cache.commit(width, accepted)
         if on_host:
             if self.policy is not None:
                 self.policy.record(
@@ -1201,6 +1259,6 @@ class DFlashEngine(DFlashStep):
 
 __all__ = [
     "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DRAFTER_RECOMPILE_LIMIT", "DFlashEngine", "EngineRows",
-    "EngineSequence", "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET",
+    "DflashProposerState", "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET",
     "STATIC_SPAN_BUCKET", "bucket_size", "compile_drafter_pass",
 ]

@@ -36,6 +36,7 @@ import torch
 from .dflash_engine import DFlashEngine
 from .dflash_host_hooks import HostHooks
 from .dflash_processors import StepProcessors
+from .dflash_target_cache import TransformersTargetCache
 
 # A call's max_length is rounded up to this many positions: calls of similar length share one held engine.
 CALL_LENGTH_BUCKET = 256
@@ -43,26 +44,26 @@ CALL_LENGTH_BUCKET = 256
 
 def engine_for(
     target: torch.nn.Module, drafter: torch.nn.Module, batch_size: int, max_length: int,
-    onednn_linears: bool | None = None,
+    onednn_linears: bool | None = None, transformers_cache: bool = False,
 ) -> DFlashEngine:
-    """The engine that serves fast-path calls of this target, batch size and `onednn_linears` (the engine's argument),
-    built once and kept on the drafter, one at a time, to bound the memory it holds (a call holds the drafter's lock
-    while it uses it). A held engine serves any call whose `max_length` (padding included) it holds, up to four times
-    over (its pools hold every row at its full length), while the drafter keeps the draft vocabulary it was built
-    for."""
+    """The engine that serves generate calls of this target, batch size, `onednn_linears` and `transformers_cache`
+    (the engine's arguments), built once and kept on the drafter, one at a time, to bound the memory it holds (a call
+    holds the drafter's lock while it uses it). A held engine serves any call whose `max_length` (padding included) it
+    holds, up to four times over (its pools hold every row at its full length), while the drafter keeps the draft
+    vocabulary it was built for."""
     length = -(-max_length // CALL_LENGTH_BUCKET) * CALL_LENGTH_BUCKET
-    key = (id(target), batch_size, target.dtype, onednn_linears)
+    key = (id(target), batch_size, target.dtype, onednn_linears, transformers_cache)
     held = getattr(drafter, "_dflash_engine", None)
     if (
         held is None
         or held[0] != key
         or not max_length <= held[1].max_sequence_length <= 4 * length
-        or held[1].generator.draft_vocabulary is not drafter.draft_vocabulary  # its head copied the old one's rows
+        or held[1].proposer.draft_vocabulary is not drafter.draft_vocabulary  # its head copied the old one's rows
     ):
         drafter._dflash_engine = None  # let the old buffers go before allocating new ones
         engine = DFlashEngine(
             target, drafter, max_batch_size=batch_size, max_sequence_length=length, adaptive=False,
-            contiguous_rows=True, onednn_linears=onednn_linears,
+            contiguous_rows=True, onednn_linears=onednn_linears, transformers_cache=transformers_cache,
         )
         drafter._dflash_engine = (key, engine)
     return drafter._dflash_engine[1]
@@ -75,13 +76,14 @@ def release_fast_path(drafter: torch.nn.Module) -> None:
 
 def decode_on_engine(
     engine: DFlashEngine, input_ids: torch.LongTensor, attention_mask: torch.Tensor, processors: StepProcessors,
-    host_hooks: HostHooks, cache: Any = None,
+    host_hooks: HostHooks, cache: Any = None, call_cache: TransformersTargetCache | None = None,
 ) -> None:
     """The fast path's host loop for a bound call (`DFlashEngine.bind`): its rows are admitted at step 0 and leave
     the engine's batch the step they end; per step one step of the engine and one read-back of the committed
     tokens, which then pass the call's host hooks (`host_hooks`, which keeps the sequences). Every row leaves the
     engine when the call ends, also by an exception. `cache`: transformers' empty cache of a call of one sequence,
-    which receives the sequence's keys/values before it leaves (`DFlashEngine.copy_into_cache`)."""
+    which receives the sequence's keys/values before it leaves (`DFlashEngine.copy_into_cache`). `call_cache`: the
+    call's target cache, for an engine over transformers' cache (`DFlashEngine.admit_call`)."""
 
     def leave(sequences: list[int]) -> None:
         if cache is not None and sequences:
@@ -89,7 +91,9 @@ def decode_on_engine(
         engine.retire_many(sequences)
 
     try:
-        first, scores, logits = engine.admit_call(input_ids, attention_mask, host_hooks.max_length, processors)
+        first, scores, logits = engine.admit_call(
+            input_ids, attention_mask, host_hooks.max_length, processors, call_cache
+        )
         leave([i for i, token in enumerate(first) if host_hooks.commit(i, [token], scores[i], logits[i])])
         while engine.sequences:
             leave([

@@ -1,5 +1,5 @@
-"""Which calls the fast path (the engine's step; a CUDA graph on a GPU) serves: the reasons a call takes the eager
-loop instead, and the warning that names them.
+"""Which calls the fast path (the engine's step over its own paged pool; a CUDA graph on a GPU) serves: the reasons a
+call runs the step over transformers' cache instead, and the warning that names them.
 
 The fast path (dflash_fast_path.py) serves greedy and sampled decoding (point-mass or rejection sampling, inside the
 step, with random numbers a graph replays afresh) under any logits processors generate builds (dflash_processors.py:
@@ -13,8 +13,9 @@ bitsandbytes-quantized, whose steps run eagerly) target of the families in `FAST
 layers included, and under eager attention gpt-oss's attention sinks and Gemma 2's attention softcapping; hybrid
 Qwen3-Next / Qwen3.5 / Qwen3.6 targets, whose Gated DeltaNet layers dflash_linear_state.py rolls back inside the step;
 MoE experts on a GPU only where their dispatch can be captured) and the drafter (its own sliding layers included) on
-one device with sdpa or eager attention. Anything else takes the eager loop (dflash_decoding.py), which gives the same
-tokens (the same distribution when sampling).
+one device with sdpa or eager attention. Anything else runs the same step with the target's keys/values in
+transformers' cache (dflash_target_cache.py's `TransformersTargetCache`: the target's own attention and masks, no
+graph), which gives the same tokens (the same distribution when sampling).
 
 Each reason below is a sentence a user can act on. `takes_fast_path` turns it into the call's choice: a warning once
 per reason on a GPU, an error for a call that insists with `generate(..., dflash_fast_path=True)`.
@@ -37,8 +38,8 @@ from .dflash_masks import FULL, LINEAR, SLIDING, pads_after_real_tokens
 logger = logging.get_logger(__name__)
 
 # Target families whose forward the fast path is tested with (4D masks, one per layer type, and the engine's paged
-# cache go straight through their attention: tests/test_families.py, greedy identical to plain generate); others take
-# the eager loop rather than risk a forward that reads the cache differently. Beyond the families of published
+# cache go straight through their attention: tests/test_families.py, greedy identical to plain generate); others keep
+# their keys/values in transformers' cache rather than risk a forward that reads the paged cache differently. Beyond the families of published
 # drafters: those users train drafters for, whose attention reads only the cache's `update` and windows only through
 # the mask (per-layer RoPE, NoPE layers, softcapping and scaled embeddings stay inside their own forward).
 FAST_PATH_FAMILIES = (
@@ -93,7 +94,7 @@ def _quantization_blocker(target: torch.nn.Module) -> str | None:
         return None
     if method == "gguf" and all(p.is_floating_point() for p in target.parameters()):
         return None
-    return f"the target is quantized ({method}); its quantized layers take the eager loop"
+    return f"the target is quantized ({method}); the paged cache is tested with bitsandbytes' quantized layers only"
 
 
 def _window_blocker(text: Any) -> str | None:
@@ -233,17 +234,17 @@ def _mask_blocker(text: Any, attention_mask: torch.Tensor) -> str | None:
 def takes_fast_path(insist: bool | None, blocker: str | None, device: torch.device) -> bool:
     """Whether a call takes the fast path: `insist` is generate's `dflash_fast_path` (None: whenever it can).
 
-    A GPU call that the fast path cannot serve says why once per reason (a logged warning: there the eager loop costs
-    several times more per step); one that insists on it is an error instead. On a CPU both loops run eagerly at
-    about the same cost per step, so a call the engine cannot serve takes the eager loop without a warning.
+    A GPU call that the fast path cannot serve says why once per reason (a logged warning: there a step over
+    transformers' cache, without a graph, costs several times more); one that insists on it is an error instead. On
+    a CPU both run eagerly at about the same cost per step, so such a call goes without a warning.
     """
     if insist and blocker is not None:
         raise ValueError(f"dflash_fast_path=True, but the fast path cannot serve this call: {blocker}")
     if insist is None and blocker is not None and device.type == "cuda":
         logger.warning_once(
-            f"DFlash: this call takes the eager loop, not the CUDA-graph fast path, because {blocker}. The tokens are "
-            "the same; each verify step costs several times more. Pass dflash_fast_path=False to choose the eager "
-            "loop without this warning."
+            f"DFlash: this call keeps the target's keys/values in transformers' cache and runs each step without a "
+            f"CUDA graph, because {blocker}. The tokens are the same; each verify step costs several times more. Pass "
+            "dflash_fast_path=False to choose this without the warning."
         )
     return bool(insist) or (insist is None and blocker is None)
 

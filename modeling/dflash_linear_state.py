@@ -1,6 +1,6 @@
 """The linear-attention states of hybrid targets (Qwen3-Next, Qwen3.5, Qwen3.6: Gated DeltaNet layers between
-full-attention ones) and the one exact rollback of the linear layers after a verify, in each of DFlash's loops (the
-fast path, the continuous-batching engine, the eager loop): no host sync, no data-dependent shape, so the fast path's
+full-attention ones) and the one exact rollback of the linear layers after a verify, wherever the target's
+keys/values live (the engine's pool, or transformers' cache): no host sync, no data-dependent shape, so the fast path's
 whole step stays one CUDA graph.
 
 A Gated DeltaNet layer keeps per sequence a conv state (its last K conv inputs, (conv_dim, K)) and a recurrent state
@@ -21,7 +21,7 @@ acceptance, `commit(taken)`:
 `LinearStates` holds this rule over per-sequence state buffers its owner hands it; the full-attention layers keep
 their keys/values beside it: in the engine's page pool (dflash_engine.py's `PagedHybridCache`, over the engine's
 per-row state buffers; the fast path and continuous batching), or in transformers' own DynamicCache
-(dflash_target_cache.py's `LinearVerifyCache`, over that cache's state tensors, for the eager loop's verify).
+(dflash_target_cache.py's `LinearVerifyCache`, over that cache's state tensors, for a verify over it).
 
 The layers talk to their cache through transformers' linear-attention methods, renamed between 5.17, 5.24 and 5.25
 (dflash_compat.py's `LinearAttentionCacheMethods` speaks all of them). The chunked rule's arguments are not handed to
@@ -98,7 +98,7 @@ class LinearStates(LinearAttentionCacheMethods):
     """The linear-attention layers' states of a target cache, one row per sequence, and the one rollback rule of a
     verify: `prefilling` for a prompt, `deferring` + `commit` for a verify (the module docstring). Mixed into a cache
     that keeps the full-attention layers' keys/values: the engine's paged cache (dflash_engine.py), which serves the
-    fast path and continuous batching, and the eager loop's `LinearVerifyCache` (dflash_target_cache.py), which
+    fast path and continuous batching, and `LinearVerifyCache` over transformers' cache (dflash_target_cache.py), which
     hand it views of tensors they hold (`bind_linear_states`)."""
 
     def bind_linear_states(

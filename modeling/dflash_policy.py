@@ -22,8 +22,8 @@ skips the drafter and verifies the anchor alone (per batch: only when every sequ
 full-width steps one times the width next to its choice that was timed longest ago (or never), so the costs and the
 calibration keep seeing what they would otherwise stop measuring.
 
-Sequences are named by any hashable key, so that they can join and leave a running batch: generate's eager loop
-names its batch rows 0..b-1 (`start`), the continuous-batching engine (dflash_engine.py) names each request as it is
+Sequences are named by any hashable key, so that they can join and leave a running batch: a generate call names
+its batch rows 0..b-1 (`start`), the continuous-batching manager (dflash_continuous.py) names each request as it is
 admitted (`add`) and forgets it when it leaves (`remove`).
 
 Everything here is host arithmetic on a few floats per sequence: deterministic given the same timings (tests pass a
@@ -210,7 +210,7 @@ class VerifyPolicy:
         explore_every: every this many drafted steps verify the full width once, and a sequence that stopped drafting
             drafts again, verified at the full width, after this many plain steps.
         decay: the weight of a past step in the calibration, per step (recent acceptance counts most).
-        whole_batch: how a batch's sequences' wishes combine. False (generate's eager loop, a few sequences): the
+        whole_batch: how a batch's sequences' wishes combine. False (a generate call, a few sequences): the
             batch verifies the widest of its sequences' choices, and drafts while any sequence's drafting pays. True
             (the continuous-batching engine, dozens of sequences in a step): the width that commits the most tokens
             per second summed over the batch, and drafting while the batch's drafted steps commit more tokens per
@@ -218,7 +218,7 @@ class VerifyPolicy:
             which the widest choice would then verify for all of them. Its exploring steps verify twice the width
             it would take (a batch drafting again after plain steps: that width) rather than the whole block.
 
-    Sequences: `start(batch_size)` names a new batch 0..batch_size-1 (generate's eager loop, per call); `add(key)`
+    Sequences: `start(batch_size)` names a new batch 0..batch_size-1 (a generate call); `add(key)`
     and `remove(key)` let one join or leave at any step (the continuous-batching engine). Per step
     `should_draft(live)` -> bool, then after drafting `width(live, confidence, cap)` -> k, and after the verify
     `record(live, k, accepted, confidence, draft_s, verify_s)`. `live` lists the keys of the sequences in the step,

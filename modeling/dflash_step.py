@@ -7,9 +7,10 @@ tokens it accepted plus the target's own next token. Every index lives on the de
 was accepted, so on a GPU the engine records the step as a CUDA graph per shape; on a CPU it runs eagerly.
 
 Memory and sampling reach the step through `StepRows`: one page pool per model shared by every row, read through each
-row's block table (or, for a generate call's rows, as a view of the stretch each owns), and how the target's scores
-become tokens is `choose` (per-row sampling settings, or a generate call's logits processors); the acceptance rule is
-dflash_acceptance.py's.
+row's block table (or, for a generate call's rows, as a view of the stretch each owns; a generate call whose target
+the pool cannot serve keeps the target's keys/values in transformers' cache instead: `call_cache`), and how the
+target's scores become tokens is `choose` (per-row sampling settings, or a generate call's logits processors); the
+acceptance rule is dflash_acceptance.py's.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -30,7 +31,9 @@ from .dflash_fast_path_blockers import target_layer_types
 from .dflash_linear_state import HYBRID_FAMILIES
 from .dflash_masks import FULL, SLIDING, additive_mask, in_window, target_attention_mask
 from .dflash_processors import StepProcessors
+from .dflash_proposer import DFlashProposer
 from .dflash_paged_cache import page_slots
+from .dflash_target_cache import TransformersTargetCache
 
 
 def _active(linears: OneDNNLinears | None) -> contextlib.AbstractContextManager:
@@ -66,11 +69,11 @@ class StepRows:
 class DFlashStep:
     """The step's math over `StepRows`, for a target and a drafter. Subclasses own the buffers and the caches."""
 
-    def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module, generator: Any, cache_argument: str):
+    def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module, proposer: DFlashProposer, cache_argument: str):
         text = target.config.get_text_config()
-        self.target, self.drafter, self.generator = target, drafter, generator
+        self.target, self.drafter, self.proposer = target, drafter, proposer
         self.block_size = drafter.config.block_size
-        self.block_offsets = generator.block_offsets  # (B,) 0..B-1
+        self.block_offsets = proposer.block_offsets  # (B,) 0..B-1
         self.cache_argument = cache_argument  # the target forward's name for its cache (it changed in 5.24)
         # hybrid targets: keys/values for the full-attention layers, rolled-back states for the linear ones
         self.hybrid = text.model_type in HYBRID_FAMILIES
@@ -89,6 +92,9 @@ class DFlashStep:
         # pass and every verify (the engine sets them where they pay); None: the models' own.
         self.target_linears: OneDNNLinears | None = None
         self.drafter_linears: OneDNNLinears | None = None
+        # A generate call whose target keeps its keys/values in transformers' cache, not in the step's pages: the
+        # verify goes through it (dflash_target_cache.py's `TransformersTargetCache`); None: `rows.target_cache`.
+        self.call_cache: TransformersTargetCache | None = None
 
     def target_masks(
         self,
@@ -130,11 +136,11 @@ class DFlashStep:
         # A compiled pass is inductor's own code. The eager one runs the oneDNN products: the drafter's, and the
         # target's lm_head's, which gives a drafter without a draft vocabulary its logits.
         drafter_linears = None if compiled else self.drafter_linears
-        head_linears = None if compiled or self.generator.draft_head is not None else self.target_linears
+        head_linears = None if compiled or self.proposer.draft_head is not None else self.target_linears
         # grouped_attention: no copy of every key/value head per layer (dflash_attention.py)
         with grouped_attention(self.drafter), _active(drafter_linears), _active(head_linears):
             hidden, draft_logits = compiled(rows) if compiled else self.draft(rows, context_rows)
-        proposal = self.generator.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
+        proposal = self.proposer.propose(hidden, draft_logits, rows.anchor_ids, self.rule)
         rows.drafts.copy_(proposal.drafts)
         return proposal, draft_logits
 
@@ -154,25 +160,25 @@ class DFlashStep:
         offsets = self.block_offsets if context_rows is None else self.block_offsets[:context_rows]
         captured = rows.verify_rows if context_rows is None else rows.verify_rows[:, :context_rows]
         positions = rows.prev_pos[:, None] + offsets  # (n, context_rows)
-        self.generator.write_context(captured, positions, page_slots(rows.block_tables, positions))
+        self.proposer.write_context(captured, positions, page_slots(rows.block_tables, positions))
 
     def draft(self, rows: StepRows, context_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's pass of `propose` (the part of the step the fast path compiles): context keys/values
         (`store_context`), masks, the drafter forward and the lm_head. Returns the draft rows (n, B - 1, H) and
         their logits (n, B - 1, V)."""
-        block, generator = self.block_size, self.generator
+        block, proposer = self.block_size, self.proposer
         self.store_context(rows, context_rows)
         # 2. Draft: [anchor, mask x (B - 1)] at positions anchor_pos + 0..B-1, seeing every position before anchor + B.
         positions = rows.anchor_pos[:, None] + self.block_offsets  # (n, B)
         rows.drafter_view.block_slots.copy_(page_slots(rows.block_tables, positions))
         visible = rows.draft_key_positions < (rows.anchor_pos + block)[:, None]  # (n, S)
         masks = {FULL: visible[:, None, :]}  # (n, 1, S)
-        if generator.window is not None:  # (n, B, S); a symmetric window also needs the block's bound
-            window = in_window(positions, rows.draft_key_positions, generator.window, generator.causal_window)
-            masks[SLIDING] = window if generator.causal_window else window & visible[:, None, :]
+        if proposer.window is not None:  # (n, B, S); a symmetric window also needs the block's bound
+            window = in_window(positions, rows.draft_key_positions, proposer.window, proposer.causal_window)
+            masks[SLIDING] = window if proposer.causal_window else window & visible[:, None, :]
         # (n, 1, q, S) masks; additive for sdpa, built once here rather than converted from booleans in every layer
         masks = {kind: self.drafter_mask(mask) for kind, mask in masks.items()}
-        return generator.draft_rows(rows.anchor_ids, positions, masks, rows.drafter_view)
+        return proposer.draft_rows(rows.anchor_ids, positions, masks, rows.drafter_view)
 
     def verify(
         self, rows: StepRows, draft_probs: torch.Tensor | None, width: int | None = None,
@@ -199,18 +205,22 @@ class DFlashStep:
         keys = rows.key_positions
         visible = keys <= positions[:, :, None]  # (n, width, L)
         first = waiting_rows or 0
-        self.generator.capture.destination = rows.verify_rows[:, first : first + width]
-        # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
-        with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
-            with grouped_attention(self.target), _active(self.target_linears):
-                logits = self.target(
-                    input_ids=torch.cat([rows.anchor_ids, drafts], dim=1),
-                    position_ids=positions,
-                    attention_mask=self.target_masks(visible, positions, keys),
-                    use_cache=True,
-                    logits_to_keep=width,
-                    **{self.cache_argument: rows.target_cache},
-                ).logits
+        self.proposer.capture.destination = rows.verify_rows[:, first : first + width]
+        input_ids = torch.cat([rows.anchor_ids, drafts], dim=1)
+        if self.call_cache is not None:  # transformers' cache, rolled back once the host has read the acceptance
+            logits = self.call_cache.verify(input_ids, positions).to(input_ids.device)
+        else:
+            # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
+            with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
+                with grouped_attention(self.target), _active(self.target_linears):
+                    logits = self.target(
+                        input_ids=input_ids,
+                        position_ids=positions,
+                        attention_mask=self.target_masks(visible, positions, keys),
+                        use_cache=True,
+                        logits_to_keep=width,
+                        **{self.cache_argument: rows.target_cache},
+                    ).logits
         scores, tokens, accepted = self.choose(rows, logits, drafts, draft_probs)
         # never commit past max_length
         room = rows.max_length - rows.anchor_pos - 1

@@ -21,7 +21,10 @@ accepted. Plain decoding never writes a row it does not keep, so what "keep" mea
   sequence's conv state at its kept rows and re-runs only the rule, once for the batch, with its gates zeroed past
   each sequence's kept rows: the layers' projections do not run again (benchmarks/families.md weighs the ways).
 
-`TargetCacheRollback` is the one object the decoding loop talks to about the target's cache.
+`TargetCacheRollback` prepares and rolls back the cache; `TransformersTargetCache` is what the engine's step
+(dflash_engine.py) talks to when a generate call's target keeps its keys/values in transformers' cache rather than in
+the engine's pools (the targets `fast_path_blocker` keeps off them: split over devices, other quantizers, untested
+families, other attention, a hybrid's padding between real tokens, or `dflash_fast_path=False`).
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -111,7 +114,7 @@ def rollback_problem(target: torch.nn.Module, cache: Any) -> str | None:
 
 
 class LinearVerifyCache(LinearStates):
-    """transformers' `cache` (a DynamicCache) as a verify forward of the eager loop sees it: the Gated DeltaNet layers'
+    """transformers' `cache` (a DynamicCache) as a verify forward over it sees it: the Gated DeltaNet layers'
     calls go to `LinearStates` over the cache's own conv and recurrent tensors of `linear_modules` (layer index ->
     module), so `deferring` + `commit` roll them back as in the fast path; every other call and attribute (the
     attention layers' `update`, what the model's mask builders read) is the cache's own. One per verify (between
@@ -258,4 +261,82 @@ class TargetCacheRollback:
                 layer.batch_select_indices(index)
 
 
-__all__ = ["LinearVerifyCache", "TargetCacheRollback", "layer_kinds", "rollback_problem", "sliding_windows"]
+class TransformersTargetCache:
+    """A generate call's target keys/values in transformers' own `cache` (generate's, still empty), for the engine's
+    step: the engine's row i is the cache's batch row `rows[i]`. The target reads the prompt (b, P) as plain generate
+    does, padding and all, and each verify appends its rows; this object keeps the 2D mask (b, L) that hides the
+    padding and the rows a sequence rejected, and moves the cache's rows when the engine's do (a finished sequence's
+    row goes, the last row takes its place), lazily, before the next forward: a call's last rows never leave the
+    cache it hands back.
+
+    Args:
+        target: the model being decoded.
+        cache: the cache generate built for the call (a `DynamicCache`), before the prompt's forward.
+        attention_mask: the call's mask (b, P), 1 for real tokens.
+        cache_argument: the target forward's name for its cache.
+    """
+
+    def __init__(self, target: torch.nn.Module, cache: Any, attention_mask: torch.Tensor, cache_argument: str):
+        self.target, self.cache, self.cache_argument = target, cache, cache_argument
+        self.rollback = TargetCacheRollback(target, cache)
+        self.attention_mask = attention_mask.long()
+        self.rows = list(range(attention_mask.shape[0]))
+
+    @property
+    def window(self) -> int | None:
+        """The target's sliding window (None without sliding layers)."""
+        return self.rollback.window
+
+    def prefill(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """The prompt forward of every row (b, P), as plain generate runs it: real tokens at positions 0..n-1 of their
+        row, padding hidden. Returns the last column's logits (b, 1, V)."""
+        mask = self.attention_mask
+        logits = self.target(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),  # padding at position 0, as generate numbers it
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: self.cache},
+        ).logits
+        self.rollback.after_prefill(mask)
+        return logits
+
+    def verify(self, input_ids: torch.LongTensor, positions: torch.LongTensor) -> torch.Tensor:
+        """The verify forward of the engine's rows: input_ids (n, w) at positions (n, w). Returns the logits (n, w, V);
+        `commit` then keeps each row's accepted ones."""
+        self._move_rows()
+        device, width = self.attention_mask.device, input_ids.shape[1]
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(self.rows), width)], 1)
+        with self.rollback.verifying() as cache:
+            return self.target(
+                input_ids=input_ids.to(device),
+                attention_mask=self.rollback.verify_mask(self.attention_mask, width),
+                position_ids=positions.to(device),
+                use_cache=True,
+                logits_to_keep=width,
+                **{self.cache_argument: cache},
+            ).logits
+
+    def commit(self, width: int, accepted: list[int]) -> None:
+        """After the verify of `width` rows: row i keeps its anchor and accepted[i] drafts (`TargetCacheRollback`)."""
+        self.attention_mask = self.rollback.rollback(self.attention_mask, width, accepted)
+
+    def move(self, row: int, last: int) -> None:
+        """The engine's `row` ended and its `last` row takes its place (or `row` was the last)."""
+        self.rows[row] = self.rows[last]
+        self.rows.pop()
+
+    def _move_rows(self) -> None:
+        if self.rows == list(range(self.attention_mask.shape[0])):
+            return
+        index = torch.tensor(self.rows, device=self.attention_mask.device)
+        self.rollback.keep(index)
+        self.attention_mask = self.attention_mask[index]
+        self.rows = list(range(len(self.rows)))
+
+
+__all__ = [
+    "LinearVerifyCache", "TargetCacheRollback", "TransformersTargetCache", "layer_kinds", "rollback_problem",
+    "sliding_windows",
+]

@@ -404,7 +404,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         acceptance can drop, when the target picks a token outside the set. The mask token need not be included (it
         is the drafter's input, never a draft). `save_pretrained` writes it beside the weights, `from_pretrained`
         reads it back, and `hf-dflash convert --to speculators` writes it as vLLM's d2t/t2d maps."""
-        self._dflash_draft_head = None  # the head copied for the old vocabulary (dflash_candidate_generator.py)
+        self._dflash_draft_head = None  # the head copied for the old vocabulary (dflash_proposer.py)
         if token_ids is None:
             self.draft_vocabulary = None
             self.config.draft_vocab_size = None

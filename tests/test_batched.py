@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dflash import DFlashCandidateGenerator
-from hf_dflash.modeling.dflash_fast_path import release_fast_path
+from transformers import DynamicCache
+
+from hf_dflash.modeling.dflash_compat import cache_argument
+from hf_dflash.modeling.dflash_engine import DFlashEngine
+from hf_dflash.modeling.dflash_fast_path import engine_for, release_fast_path
+from hf_dflash.modeling.dflash_paged_cache import page_slots
+from hf_dflash.modeling.dflash_processors import StepProcessors
+from hf_dflash.modeling.dflash_target_cache import TransformersTargetCache
 from tests.conftest import VOCAB, random_prompt, tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_fast_path_drafts
-from tests.test_greedy_identity import oracle_drafts
+from tests.test_fast_path import oracle_drafts
 
 PAD = 0
 
@@ -53,7 +58,7 @@ def test_batch_equals_each_sequence_alone(family, wrong_every):
         assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 def test_acceptance_lengths_count_what_each_step_commits_up_to_max_length(fast):
     """A left-padded batch whose sequences reach max_length inside a block, each at its own step: every step reports
     the tokens it committed, so that with the prefill's first token they add up to the new tokens, none past
@@ -64,7 +69,7 @@ def test_acceptance_lengths_count_what_each_step_commits_up_to_max_length(fast):
     batch = left_pad(prompts)
     for new_tokens in (9, 10, 11, 12):  # the last step ends at every place of a block
         plain = target.generate(**batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD)
-        oracle = oracle_fast_path_drafts(plain, 7, VOCAB) if fast else oracle_drafts(plain, 7)
+        oracle = oracle_drafts(plain, 7, VOCAB)
         with oracle:
             out = target.generate(
                 **batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
@@ -76,7 +81,7 @@ def test_acceptance_lengths_count_what_each_step_commits_up_to_max_length(fast):
     release_fast_path(drafter)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 def test_acceptance_lengths_stop_at_the_eos_that_ends_a_sequence(fast):
     """A sequence that meets eos inside a block commits the tokens up to it; the step's acceptance length counts those,
     not the drafts it accepted after the eos, so 1 + their sum is the sequence's new tokens here too."""
@@ -89,7 +94,7 @@ def test_acceptance_lengths_stop_at_the_eos_that_ends_a_sequence(fast):
     for position in range(2, 7):  # sequence 0 ends on its (position + 1)-th new token: at each place of a block
         eos = int(free[0, prompt_len + position])
         plain = target.generate(**batch, eos_token_id=eos, **settings)
-        with oracle_fast_path_drafts(free, 7, VOCAB) if fast else oracle_drafts(free, 7):
+        with oracle_drafts(free, 7, VOCAB):
             out = target.generate(
                 **batch, eos_token_id=eos, assistant_model=drafter, dflash_fast_path=fast, return_dict_in_generate=True,
                 **settings,
@@ -102,7 +107,8 @@ def test_acceptance_lengths_stop_at_the_eos_that_ends_a_sequence(fast):
     release_fast_path(drafter)
 
 
-def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
+@pytest.mark.parametrize("pool", [False, True], ids=["transformers-cache", "pool"])
+def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone(pool, monkeypatch):
     target = tiny_target("llama", seed=12)
     drafter = tiny_drafter(target, block_size=4)
     prompts = [random_prompt(n, seed=20 + n) for n in (5, 2, 7)]
@@ -113,21 +119,19 @@ def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
     batch = left_pad(prompts)
     plain = target.generate(**batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
     live_batch_sizes = []
-    original = DFlashCandidateGenerator.get_candidates
+    original = DFlashEngine.propose
 
-    def recording(self, input_ids, **kwargs):
-        live_batch_sizes.append(len(self.states))
-        return original(self, input_ids, **kwargs)
+    def recording(self, rows, *args):
+        live_batch_sizes.append(rows.anchor_ids.shape[0])
+        return original(self, rows, *args)
 
-    DFlashCandidateGenerator.get_candidates = recording
-    try:
-        with oracle_drafts(plain, wrong_every=4):
-            out = target.generate(  # the eager loop's batch (the engine's: test_fast_path.py)
-                **batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=eos,
-                assistant_model=drafter, dflash_fast_path=False,
-            )
-    finally:
-        DFlashCandidateGenerator.get_candidates = original
+    monkeypatch.setattr(DFlashEngine, "propose", recording)
+    with oracle_drafts(plain, wrong_every=4):
+        out = target.generate(
+            **batch, max_new_tokens=20, do_sample=False, pad_token_id=PAD, eos_token_id=eos,
+            assistant_model=drafter, dflash_fast_path=pool,
+        )
+    release_fast_path(drafter)
     width = batch["input_ids"].shape[1]
     for row, prompt, single in zip(out, prompts, alone):
         assert strip(row, width, prompt, eos) == single[0].tolist()
@@ -135,7 +139,7 @@ def test_a_sequence_that_ends_on_the_first_step_leaves_the_others_alone():
     assert live_batch_sizes[0] == 2, "the finished sequence still cost drafter work"
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 def test_repetition_penalty_follows_each_sequence_after_another_leaves_the_batch(fast):
     """Under a repetition penalty, the first sequence of a batch ends early: the others, now at other batch rows, are
     still penalized for their own tokens, as plain generate penalizes them."""
@@ -150,33 +154,39 @@ def test_repetition_penalty_follows_each_sequence_after_another_leaves_the_batch
     others = free_run[1:, width : width + 12]
     assert not (others == eos).any(), "the other sequences should run on well after the first ends"
     plain = target.generate(**batch, **settings, eos_token_id=eos)
-    oracle = oracle_fast_path_drafts(plain, 3, VOCAB) if fast else oracle_drafts(plain, 3)
-    with oracle:
+    with oracle_drafts(plain, 3, VOCAB):
         out = target.generate(**batch, **settings, eos_token_id=eos, assistant_model=drafter, dflash_fast_path=fast)
     release_fast_path(drafter)
     assert torch.equal(out, plain)
 
 
-def test_padding_never_reaches_the_drafter_context():
+@pytest.mark.parametrize("pool", [False, True], ids=["transformers-cache", "pool"])
+def test_padding_never_reaches_the_drafter_context(pool):
+    """After a left-padded batch is admitted, the short row's drafter pages hold the keys/values of its unpadded
+    prompt's own hidden states at positions 0 and 1, whether the target's keys/values went to the engine's pool (the
+    prompts prefilled without padding) or to transformers' cache (the padded batch, as plain generate reads it)."""
     target = tiny_target("qwen3", seed=13)
     drafter = tiny_drafter(target)
     prompts = [random_prompt(2, seed=1), random_prompt(8, seed=2)]
     batch = left_pad(prompts)
-    generator = DFlashCandidateGenerator(drafter, target, batch_size=2, max_length=32, max_rows=8)
-    with generator.capture, torch.no_grad():
-        generator.capture_rows(8)
-        mask = batch["attention_mask"]
-        target(**batch, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
-    generator.commit_prefill(mask)
-    short = generator.states[0]
-    assert short.ctx_len == short.ctx_committed == 2
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    engine = engine_for(target, drafter, 2, 32, onednn_linears=False, transformers_cache=not pool)
+    call_cache = None if pool else TransformersTargetCache(
+        target, DynamicCache(config=target.config), mask, cache_argument(target)
+    )
+    try:
+        engine.admit_call(ids, mask, 32, StepProcessors([]), call_cache)
+        assert [sequence.position for sequence in engine.sequences] == [2, 8]
+        slots = page_slots(engine.drafter_tables[:1], torch.arange(2)[None])
+        stored = [engine.drafter_pool.read(layer, slots) for layer in range(drafter.config.num_hidden_layers)]
+    finally:
+        engine.retire_all()
+        release_fast_path(drafter)
     with torch.no_grad():  # the pages hold the keys/values of the unpadded prompt's own hidden states, at 0 and 1
         hidden = target(prompts[0], output_hidden_states=True).hidden_states
         rows = torch.cat([hidden[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
         expected = drafter.context_key_values(rows, torch.arange(2)[None])
-    slots = generator.cache.slot_mapping(short, 0, 2)[None]
-    for layer, (key, value) in enumerate(expected):
-        stored_key, stored_value = generator.cache.read(layer, slots)
+    for (key, value), (stored_key, stored_value) in zip(expected, stored):
         torch.testing.assert_close(stored_key, key, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(stored_value, value, rtol=1e-4, atol=1e-4)
 

@@ -28,11 +28,13 @@ def random_drafter_and_prompts(tmp_path, texts: list[str]) -> tuple[str, str]:
 def test_bench_reports_every_method_side_by_side(tmp_path, monkeypatch):
     drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "The dog ran", "Tom saw"])
     out = tmp_path / "report.json"
-    engine_calls = []  # generate calls the engine served: `dflash`'s (its default on a CPU too), `dflash-engine`'s
+    engine_calls = []  # every DFlash generate call: (its batch, whether the engine's pool held the target's cache)
     decode_on_engine = dflash_decoding.decode_on_engine
-    monkeypatch.setattr(dflash_decoding, "decode_on_engine",
-                        lambda *args: engine_calls.append(args[1].shape[0]) or decode_on_engine(*args))
-    methods = ["plain", "plain-static", "dflash", "dflash-engine", "dflash-eager"]
+    monkeypatch.setattr(
+        dflash_decoding, "decode_on_engine",
+        lambda *args: engine_calls.append((args[1].shape[0], args[6] is None)) or decode_on_engine(*args),
+    )
+    methods = ["plain", "plain-static", "dflash", "dflash-engine", "dflash-transformers-cache"]
     main([
         "bench", "decode", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
         "--max-new-tokens", "12", "--batch-sizes", "1", "2", "--methods", *methods, "--out", str(out),
@@ -42,8 +44,11 @@ def test_bench_reports_every_method_side_by_side(tmp_path, monkeypatch):
     assert {"date", "machine", "versions", "command"} <= report.keys()
     rows = {(r["setting"].split()[-1], r["method"]): r for r in report["results"]}
     assert set(rows) == {(b, m) for b in ("b1", "b2") for m in methods}
-    # per method, b1: a warm-up, then each prompt's timed and first-token calls; b2: batches of 2 and 1 prompts
-    assert engine_calls == [1] * 14 + [2, 2, 2, 1, 1] * 2
+    # per method, b1: a warm-up, then each prompt's timed and first-token calls; b2: batches of 2 and 1 prompts. The
+    # pool serves `dflash` (its default on a CPU too) and `dflash-engine`, transformers' cache the last method.
+    b1 = [(1, True)] * 14 + [(1, False)] * 7
+    b2 = [(n, True) for n in (2, 2, 2, 1, 1)] * 2 + [(n, False) for n in (2, 2, 2, 1, 1)]
+    assert engine_calls == b1 + b2
     for row in rows.values():
         assert row["prompts"] == 3 and 0 < row["new_tokens"] <= 36 and row["tokens_per_s"] > 0
         assert row["identical_to_plain"] == 1.0  # float32 on a CPU: every method gives plain greedy's tokens
@@ -75,7 +80,7 @@ def test_bench_runs_our_methods_with_one_verify_policy_each(tmp_path, monkeypatc
     drafter, prompts = random_drafter_and_prompts(tmp_path, ["Once upon a time", "Tom saw"])
     out = tmp_path / "adaptive.json"
     main(["bench", "decode", "--target", "stories260k", "--drafter", drafter, "--prompts", prompts,
-          "--max-new-tokens", "12", "--methods", "plain", "dflash-engine", "dflash-eager", "--adaptive",
+          "--max-new-tokens", "12", "--methods", "plain", "dflash-engine", "dflash-transformers-cache", "--adaptive",
           "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert all(row["setting"].endswith("adaptive b1") and row["identical_to_plain"] == 1.0 for row in rows)

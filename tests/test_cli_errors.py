@@ -1,6 +1,6 @@
 """The command line refuses bad arguments before any model loads: one line on stderr naming the fix, exit status 2.
-Hub look-ups answer at once when the Hub is offline; `generate` says which path it takes and streams on the eager
-loop."""
+Hub look-ups answer at once when the Hub is offline; `generate` says which path it takes and streams where its steps run
+eagerly."""
 
 from __future__ import annotations
 
@@ -366,7 +366,9 @@ def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
     )
     assert warm_up(target, drafter, None, "cpu", {}) == "engine's step (eager on a CPU)"
     monkeypatch.setattr(dflash_decoding, "fast_path_blocker", lambda *args: "a reason the engine cannot serve it")
-    assert warm_up(target, drafter, None, "cpu", {}) == "eager loop: a reason the engine cannot serve it"
+    assert warm_up(target, drafter, None, "cpu", {}) == (
+        "engine's step over transformers' cache: a reason the engine cannot serve it"
+    )
 
 
 def test_a_bfloat16_difference_is_reported_and_a_float32_one_stops_the_job():

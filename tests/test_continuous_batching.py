@@ -90,7 +90,7 @@ class OracleHead(torch.nn.Module):
     def __init__(self, engine: DFlashEngine, references: dict[str, list[int]], wrong_every: int):
         super().__init__()
         self.engine, self.references, self.wrong_every = engine, references, wrong_every
-        self.weight = engine.generator.lm_head.weight
+        self.weight = engine.proposer.lm_head.weight
         self.vocab = self.weight.shape[0]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -113,12 +113,12 @@ def oracle_drafts(references: dict[str, list[int]], wrong_every: int):
     propose = DFlashEngine.propose
 
     def oracle_propose(self, rows, *args):
-        head = self.generator.lm_head
-        self.generator.lm_head = OracleHead(self, references, wrong_every)
+        head = self.proposer.lm_head
+        self.proposer.lm_head = OracleHead(self, references, wrong_every)
         try:
             return propose(self, rows, *args)
         finally:
-            self.generator.lm_head = head
+            self.proposer.lm_head = head
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DFlashEngine, "propose", oracle_propose)

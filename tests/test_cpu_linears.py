@@ -146,7 +146,7 @@ def test_the_draft_vocabularys_head_runs_on_the_packed_weights_too(products):
     drafter = tiny_drafter(target, block_size=8)
     drafter.set_draft_vocabulary(torch.arange(0, 200, 2))
     engine = DFlashEngine(target, drafter, max_batch_size=1, adaptive=False)
-    kept = engine.generator.draft_head.kept
+    kept = engine.proposer.draft_head.kept
     assert kept in engine.drafter_linears.modules
     engine.admit("a", random_prompt(10)[0].tolist(), 8, SamplingSettings())
     engine.run_step()
@@ -170,9 +170,9 @@ def test_insisting_on_onednn_where_the_engine_does_not_run_is_an_error():
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=4)
     input_ids = random_prompt(8)
-    with pytest.raises(ValueError, match="dflash_onednn_linears=True runs on the engine's step, but dflash_fast_path"):
+    with pytest.raises(ValueError, match="dflash_onednn_linears=True runs on the fast path, but dflash_fast_path"):
         target.generate(input_ids, max_new_tokens=4, assistant_model=drafter, dflash_onednn_linears=True,
                         dflash_fast_path=False)
     target.set_attn_implementation("flex_attention")  # an attention the engine's step does not run
-    with pytest.raises(ValueError, match="dflash_onednn_linears=True runs on the engine's step, but it cannot serve"):
+    with pytest.raises(ValueError, match="dflash_onednn_linears=True runs on the fast path, but it cannot serve"):
         target.generate(input_ids, max_new_tokens=4, assistant_model=drafter, dflash_onednn_linears=True)

@@ -1,5 +1,6 @@
 """Targets placed by `device_map` (accelerate): offloaded and split layers, the drafter's device, and its errors. An
-offloaded target computes on one device, so the engine serves it; a split one takes the eager loop.
+offloaded target computes on one device, so the engine's pool serves it; a split one keeps its keys/values in
+transformers' cache.
 
 This machine has one device, so the split over two devices is checked by accelerate's own offloading (weights on the
 meta device, brought to the CPU by accelerate's hooks for each forward) and by hooks that name other devices; the
@@ -19,7 +20,7 @@ from hf_dflash.modeling.dflash_fast_path_blockers import fast_path_blocker
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_batched import PAD, left_pad
 from tests.test_errors import refuse
-from tests.test_greedy_identity import oracle_drafts
+from tests.test_fast_path import oracle_drafts
 
 
 def layer_map(where: list[str], **ends: str) -> dict[str, str]:

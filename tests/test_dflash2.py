@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hf_dflash.modeling import DFlashConfig, DFlashDraftModel, DflashProposerState, PagedDrafterCache
+from hf_dflash.modeling import PAGE_SIZE, DFlashConfig, DFlashDraftModel, PagedDrafterCache
 from hf_dflash.modeling.dflash_acceptance import DecodingRule
 from hf_dflash.modeling.dflash_layouts import DFLASH2_DEFAULTS
-from hf_dflash.modeling.dflash_paged_cache import PagedCacheView
+from hf_dflash.modeling.dflash_paged_cache import PagedView, page_slots
 from hf_dflash.modeling.modeling_dflash2 import DFlash2DraftModel
 from tests.test_sampling import chi_square_p_value
 
@@ -264,31 +264,38 @@ def test_forward_with_context_equals_the_reference(name):
 
 @pytest.mark.parametrize("name", SHAPES)
 def test_paged_cache_path_equals_the_reference(name):
-    """context_key_values into the paged cache, then forward(noise, position_ids, cache=view): a ragged batch of two
-    sequences, each against the reference with its own context."""
+    """context_key_values into the paged cache, then forward(noise, position_ids, cache=view) through `PagedView`, as
+    the engine's step drafts: a ragged batch of two sequences whose pages interleave in the pool (their block tables
+    are not the identity), each row reading its own pages at positions 0..kv-1 under a mask that hides what it does
+    not hold (slots filled with noise, so that a leak shows), each against the reference with its own context."""
     shape = SHAPES[name]
     model = make_model(shape, seed=3)
     lengths = [13, 7]
     noise, context, lm_head = inputs(shape, 2, max(lengths), seed=4)
     config = model.config
-    cache = PagedDrafterCache(config.num_hidden_layers, 8, config.num_key_value_heads, config.head_dim,
+    kv = max(lengths) + shape.block
+    pages = -(-kv // PAGE_SIZE)
+    cache = PagedDrafterCache(config.num_hidden_layers, 2 * pages + 1, config.num_key_value_heads, config.head_dim,
                               torch.float32, "cpu")
-    states = [DflashProposerState(ctx_hidden_acc=torch.zeros(1, context.shape[-1])) for _ in lengths]
+    for pool in (*cache.key_pools, *cache.value_pools):
+        pool.normal_(generator=torch.Generator().manual_seed(5))
+    cache.take(1)  # another sequence's page comes first
+    taken = [cache.take(1)[0] for _ in range(2 * pages)]
+    tables = torch.tensor([taken[1::2], taken[0::2]])  # (2, pages): sequence 0 the odd pages taken, 1 the even
     with torch.no_grad():
-        for state, rows, n in zip(states, context, lengths):
-            cache.reserve(state, n + shape.block)
-            slots = cache.slot_mapping(state, 0, n)[None]
-            for layer, (key, value) in enumerate(model.context_key_values(rows[None, :n], torch.arange(n)[None])):
+        for b, n in enumerate(lengths):
+            positions = torch.arange(n)[None]
+            slots = page_slots(tables[b : b + 1], positions)
+            for layer, (key, value) in enumerate(model.context_key_values(context[b : b + 1, :n], positions)):
                 cache.write_rows(layer, slots, key, value)
-            state.ctx_len = state.ctx_committed = n
-        view = PagedCacheView(cache, states, shape.block, None)
         block_pos = torch.tensor(lengths)[:, None] + torch.arange(shape.block)
-        kv = max(lengths) + shape.block
-        valid = torch.arange(kv)[None] < torch.tensor(lengths)[:, None] + shape.block
+        key_pos = torch.arange(kv).expand(2, -1)
+        view = PagedView(cache, page_slots(tables, block_pos), read_slots=page_slots(tables, key_pos))
+        valid = key_pos < torch.tensor(lengths)[:, None] + shape.block
         hidden = model(
             noise_embeds=noise,
             position_ids=block_pos,
-            attention_mask=layer_masks(shape, block_pos, torch.arange(kv).expand(2, -1), valid),
+            attention_mask=layer_masks(shape, block_pos, key_pos, valid),
             cache=view,
         ).last_hidden_state
     reference = Reference(model, shape, lm_head)

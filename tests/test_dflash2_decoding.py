@@ -1,7 +1,8 @@
 """A DFlash2 drafter through `target.generate(assistant_model=...)`: its `propose` (the candidate selector's path) makes
-every draft, in the eager loop and on the fast path alike; greedy output equals plain greedy for every family of the
-README's table, batch 1 and a ragged batch; sampling is exactly target-distributed with the selector's q as the
-proposal (chi-square); a sliding layer's block rows see each other both ways, in both loops."""
+every draft, wherever the target keeps its keys/values (transformers' cache or the engine's pool); greedy output equals
+plain greedy for every family of the README's table, batch 1 and a ragged batch; sampling is exactly
+target-distributed with the selector's q as the proposal (chi-square); a sliding layer's block rows see each other
+both ways, in both homes."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import contextlib
 import pytest
 import torch
 
-from hf_dflash import DFlashCandidateGenerator, DFlashConfig
+from hf_dflash import DFlashConfig
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
-from hf_dflash.modeling.dflash_paged_cache import PagedCacheView
+from hf_dflash.modeling.dflash_proposer import DFlashProposer
 from hf_dflash.modeling.modeling_dflash2 import DFlash2DraftModel
 from tests.test_batched import PAD, left_pad
 from tests.test_dflash2 import randomized
 from tests.test_families import FAMILIES, FAST_ATTENTION, family_target
+from tests.test_runtime_state import committed_rows, record_proposals
 from tests.test_sampling import (
     SAMPLED,
     SAMPLES,
@@ -79,7 +81,7 @@ def selector_moved_a_draft(calls) -> bool:
     return any(bool((drafts != argmax.to(drafts.device)).any()) for _, drafts, argmax in calls)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_plain_greedy_in_every_family(family, fast):
     target = family_target(family, seed=2)
@@ -96,7 +98,7 @@ def test_greedy_equals_plain_greedy_in_every_family(family, fast):
     assert moved
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_identity_with_accepted_drafts_in_a_ragged_batch(family, fast):
     """A vocabulary of 12 tokens: the random drafter's paths are often right for a few rows, so acceptance varies
@@ -116,7 +118,7 @@ def test_greedy_identity_with_accepted_drafts_in_a_ragged_batch(family, fast):
 SAMPLING = {k: v for k, v in SAMPLED.items() if k not in ("pad_token_id", "return_dict_in_generate")}
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 def test_sampled_pairs_follow_the_target_distribution_with_the_selectors_q(fast):
     """Rejection sampling against the selector's proposal: the first two sampled tokens follow their exact
     distribution (chi-square), drafts were accepted often, and each step's proposal rows are the selector's q."""
@@ -163,44 +165,56 @@ def test_the_sampling_test_catches_a_q_other_than_the_one_the_drafts_came_from(m
     assert chi_square_p_value(counts.flatten(), pair_probabilities(target, prompt).flatten()) < 1e-3
 
 
-def test_a_sliding_layers_block_rows_see_each_other_both_ways():
+@torch.no_grad()
+def test_a_sliding_layers_block_rows_see_each_other_both_ways(monkeypatch):
     """DFlash2's sliding layers (is_causal false): a block row sees the rows after it within the window, the context
-    only up to the window behind it. The eager loop's view says so, and the fast path drafts what the eager loop
-    drafts, step after step, with a window that cuts the context."""
+    only up to the window behind it. The engine's step builds that mask for every row, and its drafts, step after step
+    with a window that cuts the context, equal the drafter run from scratch under the reference's symmetric window,
+    wherever the target keeps its keys/values; with a causal window they would not."""
     target = family_target("qwen3", seed=6)
-    layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
-    drafter = dflash2_drafter(target, seed=9, block_size=4, **layout)
-    generator = DFlashCandidateGenerator(drafter, target, batch_size=1, max_length=32, max_rows=8)
-    state = generator.states[0]
-    state.ctx_len = state.ctx_committed = 6
-    window = PagedCacheView(generator.cache, generator.states, 4, 3, generator.causal_window).window_mask[0, 0]
-    # block rows at positions 6..9 over keys 0..9: |query - key| < 3
-    expected = (torch.arange(6, 10)[:, None] - torch.arange(10)[None, :]).abs() < 3
-    assert torch.equal(window, expected) and bool(window[0, 7])
-    generator.release()
+    window, block = 3, 4
+    drafter = dflash2_drafter(target, seed=9, block_size=block, layer_types=["sliding_attention", "full_attention"],
+                              sliding_window=window)
+    masks = []  # (positions (n, B), what each block row sees under the sliding layer (n, B, S)) per drafter pass
+    original = DFlashProposer.draft_rows
 
-    recorded: list[list[torch.Tensor]] = []
-    original = DFlashCandidateGenerator.draft_rows
+    def draft_rows(self, anchor_ids, positions, attention_mask, view):
+        sliding = attention_mask["sliding_attention"][:, 0]
+        masks.append((positions.clone(), sliding.clone() if sliding.dtype == torch.bool else sliding == 0))
+        return original(self, anchor_ids, positions, attention_mask, view)
 
-    def record(self, *args):
-        hidden, logits = original(self, *args)
-        recorded[-1].append(logits.clone())
-        return hidden, logits
-
+    monkeypatch.setattr(DFlashProposer, "draft_rows", draft_rows)
+    recorded = record_proposals(monkeypatch)
     batch = left_pad([prompt_of(n, 256, n) for n in (7, 3)])
-    outputs = []
-    DFlashCandidateGenerator.draft_rows = record
-    try:
-        for fast in (False, True):
-            recorded.append([])
-            outputs.append(target.generate(**batch, max_new_tokens=14, do_sample=False, pad_token_id=PAD,
-                                           assistant_model=drafter, dflash_fast_path=fast))
-            release_fast_path(drafter)
-    finally:
-        DFlashCandidateGenerator.draft_rows = original
-    assert torch.equal(outputs[0], outputs[1])
-    eager, static = recorded
-    steps = [i for i, logits in enumerate(eager) if logits.shape[0] == 2]
-    assert len(steps) > 3
-    for i in steps:
-        torch.testing.assert_close(static[i], eager[i], atol=1e-5, rtol=1e-5)
+    pads = (batch["attention_mask"] == 0).sum(dim=1).tolist()
+    plain = target.generate(**batch, max_new_tokens=14, do_sample=False, pad_token_id=PAD)
+    for fast in (False, True):
+        out = target.generate(**batch, max_new_tokens=14, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
+                              dflash_fast_path=fast)
+        release_fast_path(drafter)
+        assert torch.equal(out, plain)
+    assert len(masks) == len(recorded) > 6
+    for positions, seen in masks:
+        keys = torch.arange(seen.shape[-1])
+        expected = ((positions[:, :, None] - keys).abs() < window) & (keys < positions[:, :1] + block)[:, None]
+        assert torch.equal(seen, expected)
+        after = seen[torch.arange(len(positions)), 0, positions[:, 0] + 1]
+        assert bool(after.all())  # the anchor's row sees the block row after it
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    cut = 0  # proposals whose context reaches past the window
+    for row, context in committed_rows(recorded, plain, pads, target, drafter):
+        positions = torch.arange(row.anchor_pos + block)
+        logits = {}
+        for causal in (False, True):
+            behind = positions[row.anchor_pos :, None] - positions[None, :]  # (B, c + B)
+            sliding = (behind.abs() < window) & (behind >= 0 if causal else True)
+            hidden = drafter(
+                noise_embeds=embed(torch.tensor([[row.anchor_id] + [drafter.config.mask_token_id] * (block - 1)])),
+                context_hidden_states=context[None], position_ids=positions[None],
+                attention_mask={"full_attention": None, "sliding_attention": sliding[None, None]},
+            ).last_hidden_state
+            logits[causal] = lm_head(hidden[0, 1:])
+        torch.testing.assert_close(row.logits, logits[False], atol=1e-4, rtol=1e-4)
+        cut += row.anchor_pos > window
+        assert not torch.allclose(logits[True], logits[False], atol=1e-3)
+    assert cut > 4

@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import SOAK, random_prompt, tiny_drafter, tiny_target
 from tests.test_batched import PAD, left_pad
-from tests.test_greedy_identity import oracle_drafts
+from tests.test_fast_path import oracle_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -67,8 +67,8 @@ def oracle(engine: DFlashEngine, references: dict[str, list[int]], wrong_every: 
     """The engine's drafter proposes each request's reference continuation after its anchor, except at every
     `wrong_every`-th position, with confidence 0.8 everywhere. The real drafter still runs (its context is written
     and read as always); only its proposal is replaced."""
-    generator = engine.generator
-    propose = generator.propose
+    proposer = engine.proposer
+    propose = proposer.propose
 
     def oracle_propose(hidden, logits, anchor_ids, rule):
         proposal = propose(hidden, logits, anchor_ids, rule)
@@ -82,11 +82,11 @@ def oracle(engine: DFlashEngine, references: dict[str, list[int]], wrong_every: 
                 drafts[row, j] = reference[column] if right else (reference[min(column, len(reference) - 1)] + 1) % 200
         return Proposal(drafts=drafts, probs=None, confidence=torch.full_like(proposal.confidence, 0.8))
 
-    generator.propose = oracle_propose
+    proposer.propose = oracle_propose
     try:
         yield
     finally:
-        del generator.propose
+        del proposer.propose
 
 
 @contextlib.contextmanager

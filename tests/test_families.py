@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from hf_dflash import DFlashCandidateGenerator, DFlashConfig
+from hf_dflash import DFlashConfig
 from hf_dflash.hub import published_drafters
 from hf_dflash.modeling import dflash_fast_path_blockers
 from hf_dflash.modeling.dflash_capture import decoder_layers
@@ -24,8 +24,8 @@ from hf_dflash.modeling.dflash_fast_path_blockers import FAST_PATH_FAMILIES
 from hf_dflash.modeling.dflash_linear_state import HYBRID_FAMILIES, hybrid_blocker
 from tests.conftest import VOCAB, random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
-from tests.test_fast_path import blocker_of, oracle_fast_path_drafts
-from tests.test_greedy_identity import oracle_drafts
+from tests.test_fast_path import blocker_of, oracle_drafts
+from tests.test_runtime_state import committed_rows, record_proposals
 from tests.test_sampling import TEMPERATURE, TOP_K, chi_square_p_value, processed_probs
 
 WINDOW = 6  # shorter than every generation below
@@ -41,7 +41,9 @@ LINEAR = dict(
 )
 SLIDING_AND_FULL = ["sliding_attention", "full_attention"] * 2
 # Gemma 3's SigLIP vision tower in small (text-only prompts never run it)
-SIGLIP = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4)
+SIGLIP = dict(
+    hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+)
 VISION = dict(
     depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
     temporal_patch_size=1, num_position_embeddings=16,
@@ -58,14 +60,20 @@ FAMILIES = {
         dict(
             num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"] * 2,
-            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=1.0, original_max_position_embeddings=1024),
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=150000.0, factor=1.0, original_max_position_embeddings=1024
+            ),
         ),
         False,
     ),
     "qwen3_next": ("qwen3_next", dict(MOE, **LINEAR, shared_expert_intermediate_size=32, decoder_sparse_step=1), False),
     "qwen3_5_text": ("qwen3_5_text", LINEAR, False),
     "qwen3_5": ("qwen3_5", dict(text_config=LINEAR, vision_config=VISION), True),
-    "qwen3_5_moe": ("qwen3_5_moe", dict(text_config=dict(MOE, **LINEAR, shared_expert_intermediate_size=32), vision_config=VISION), True),
+    "qwen3_5_moe": (
+        "qwen3_5_moe",
+        dict(text_config=dict(MOE, **LINEAR, shared_expert_intermediate_size=32), vision_config=VISION),
+        True,
+    ),
     # Mistral-style: `sliding_window` on every layer, no `layer_types`
     "mistral": ("mistral", dict(sliding_window=WINDOW), False),
     # Families users train drafters for, no published drafter. Each in the layout of its checkpoints where that
@@ -217,7 +225,7 @@ def test_greedy_identity_alone(family, seed):
     plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
     # A random drafter is rejected almost always; the oracle's drafts are accepted up to each planted mistake. Without
     # eos there, so that no sequence ends before its acceptance lengths can show that (a tiny target may say eos early).
-    eager = dict(assistant_model=drafter, dflash_fast_path=False)  # the matrix's eager column
+    eager = dict(assistant_model=drafter, dflash_fast_path=False)  # the matrix's transformers-cache column
     assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, **eager), plain)
     endless = target.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
     with oracle_drafts(endless, wrong_every=3 + seed):
@@ -237,7 +245,7 @@ def test_greedy_identity_ragged_batch(family):
     with oracle_drafts(plain, wrong_every=3):
         out = target.generate(
             **batch, max_new_tokens=22, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
-            return_dict_in_generate=True, dflash_fast_path=False,  # the matrix's eager column
+            return_dict_in_generate=True, dflash_fast_path=False,  # the matrix's transformers-cache column
         )
     assert torch.equal(out.sequences, plain)
     assert len({tuple(lengths) for lengths in out.acceptance_lengths}) > 1  # sequences accepted different counts
@@ -251,8 +259,9 @@ def test_greedy_identity_ragged_batch(family):
 def test_returned_cache_continues_as_plain(family, fast):
     """The cache returned for one sequence holds the tokens plain decoding would have read: its length is plain's
     (from transformers 5.25 a Gated DeltaNet layer counts its tokens, and in hybrids layer 0 is one) and generate
-    continues from it with plain's tokens (qwen3_5 places its rotary positions from that length). The eager loop
-    returns its rolled-back cache; the engine copies a sequence's keys/values into generate's empty one."""
+    continues from it with plain's tokens (qwen3_5 places its rotary positions from that length). Over transformers'
+    cache the call returns that cache, rolled back; over the pool the engine copies a sequence's keys/values into
+    generate's empty one."""
     target = family_target(family, seed=2)
     drafter = tiny_drafter(target, block_size=4)
     prompt = random_prompt(6, seed=2)
@@ -296,11 +305,14 @@ def test_inputs_that_would_not_reach_the_target_are_refused():
     prompt = random_prompt(6)
     plain = target.generate(prompt, max_new_tokens=6, do_sample=False)
     text_only = torch.zeros_like(prompt)
-    ours = target.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=drafter, mm_token_type_ids=text_only)
+    ours = target.generate(
+        prompt, max_new_tokens=6, do_sample=False, assistant_model=drafter, mm_token_type_ids=text_only
+    )
     assert torch.equal(ours, plain)
     image_tokens = text_only.clone()
     image_tokens[0, 2] = 1
-    with pytest.raises(ValueError, match=r"\['mm_token_type_ids'\] would not reach the target.*drop them, or the drafter"):
+    refused = r"\['mm_token_type_ids'\] would not reach the target.*drop them, or the drafter"
+    with pytest.raises(ValueError, match=refused):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter, mm_token_type_ids=image_tokens)
 
 
@@ -328,7 +340,7 @@ def test_the_window_binds(family):
 )
 def test_sampling_follows_the_target_distribution(family, fast):
     """Three sampled tokens after the prompt, with rejection sampling: the third often comes after a verify whose
-    drafts were partly rejected, i.e. from the rolled-back cache (the eager loop), or from slots the fast path's masks
+    drafts were partly rejected, i.e. from the rolled-back transformers cache, or from slots the fast path's masks
     hide and the linear-attention states its step rolled back."""
     vocab, samples = 12, 2000
     # Weights at `context_scale`: a tiny random model then depends strongly on its context, so a cache rolled back
@@ -367,7 +379,7 @@ def test_the_fast_path_families_are_the_tested_ones():
 def fast_path_generate(target, drafter, batch: dict, reference: torch.LongTensor, wrong_every: int):
     """The fast path's greedy run on `batch` with the drafts right up to every `wrong_every`-th column of `reference`
     (acceptance then varies from 1 to B, differently per sequence)."""
-    with oracle_fast_path_drafts(reference, wrong_every, target.config.get_text_config().vocab_size):
+    with oracle_drafts(reference, wrong_every, target.config.get_text_config().vocab_size):
         out = target.generate(
             **batch, max_new_tokens=reference.shape[1] - batch["input_ids"].shape[1], do_sample=False,
             pad_token_id=PAD, assistant_model=drafter, dflash_fast_path=True, return_dict_in_generate=True,
@@ -414,41 +426,6 @@ def test_fast_path_window_is_not_off_by_one(family):
         finally:
             DFlashEngine.__init__ = original_init
         assert not torch.equal(out.sequences, plain)
-
-
-@torch.no_grad()
-def test_fast_path_drafter_sliding_window_drafts_as_the_eager_loop(monkeypatch):
-    """A drafter with a sliding layer whose window binds (3 < context + block) drafts the same logits inside the
-    static step as in the eager loop (whose window test_drafter_sliding_window_matches_the_reference checks against
-    the reference), step after step; without its window the static step would draft otherwise."""
-    target = family_target("qwen3", seed=6)
-    layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
-    batch = left_pad([random_prompt(n, seed=n) for n in (7, 3)])
-    recorded: list[list[torch.Tensor]] = []
-    original = DFlashCandidateGenerator.draft_rows
-
-    def record(self, *args):
-        hidden, logits = original(self, *args)
-        recorded[-1].append(logits.clone())
-        return hidden, logits
-
-    monkeypatch.setattr(DFlashCandidateGenerator, "draft_rows", record)
-    outputs = []
-    for window, fast in ((3, False), (3, True), (100, True)):
-        drafter = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **dict(layout, sliding_window=window))
-        recorded.append([])
-        outputs.append(target.generate(
-            **batch, max_new_tokens=16, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
-            dflash_fast_path=fast,
-        ))
-        release_fast_path(drafter)
-    assert torch.equal(outputs[0], outputs[1])
-    eager, static, unwindowed = recorded
-    steps = [i for i, logits in enumerate(eager) if logits.shape[0] == 2]  # the eager loop drops finished rows
-    assert len(steps) > 3
-    for i in steps:
-        torch.testing.assert_close(static[i], eager[i], atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(static[steps[-1]], unwindowed[steps[-1]], atol=1e-3)
 
 
 def test_fast_path_refuses_a_window_the_model_does_not_apply():
@@ -523,7 +500,7 @@ def test_multimodal_wrapper_serves_its_text_model(family):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_sliding_layers_keep_about_a_window(family):
-    """In the eager loop (whose cache is transformers' own) a sliding layer keeps full history only while some sequence
+    """In transformers' cache (dflash_fast_path=False) a sliding layer keeps full history only while some sequence
     can still see it: after 40 tokens it holds about W + B slots, a full-attention layer all of them."""
     target = family_target(family, seed=5)
     drafter = tiny_drafter(target, block_size=4)
@@ -562,26 +539,32 @@ def reference_draft_logits(target, drafter, context: torch.Tensor, anchor: int) 
     return target.get_output_embeddings()(hidden[0, 1:])
 
 
-@torch.no_grad()
-def test_drafter_sliding_window_matches_the_reference():
-    """A drafter with a sliding layer whose window binds (3 < context + block) drafts, through the runtime's paged
-    cache, exactly the logits of the reference semantics, and differently from the same weights unwindowed."""
-    from hf_dflash import DFlashCandidateGenerator
-
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
+def test_drafter_sliding_window_matches_the_reference(fast, monkeypatch):
+    """A drafter with a sliding layer whose window binds (3 < context + block) drafts, in the engine's step, exactly
+    the logits of the reference semantics over the committed context, step after step in a ragged batch, wherever the
+    target keeps its keys/values; the same weights unwindowed would draft otherwise."""
     target = family_target("qwen3", seed=6)
     layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     drafter = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **layout)
-    context_rows = 9
-    generator = DFlashCandidateGenerator(drafter, target, 1, max_length=32, max_rows=context_rows)
-    generator.capture_rows(context_rows)
-    generator.scratch[0, :context_rows].copy_(torch.randn(context_rows, generator.scratch.shape[-1]))
-    generator.commit_prefill(torch.ones(1, context_rows, dtype=torch.long))
-    context = generator.scratch[0, :context_rows].clone()
-    _, logits = generator.get_candidates(torch.tensor([[5]]))
-    expected = reference_draft_logits(target, drafter, context, anchor=5)
-    torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
     unwindowed = tiny_drafter(target, seed=7, num_layers=2, block_size=4, **dict(layout, sliding_window=100))
-    assert not torch.allclose(reference_draft_logits(target, unwindowed, context, anchor=5), expected, atol=1e-3)
+    batch = left_pad([random_prompt(n, seed=n) for n in (7, 3)])
+    pads = (batch["attention_mask"] == 0).sum(dim=1).tolist()
+    kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    plain = target.generate(**batch, **kwargs)
+    recorded = record_proposals(monkeypatch)
+    out = target.generate(**batch, assistant_model=drafter, dflash_fast_path=fast, **kwargs)
+    release_fast_path(drafter)
+    assert torch.equal(out, plain)
+    rows = [row for step in recorded for row in step]
+    assert len(recorded) > 3 and {row.key for row in rows} == {0, 1}
+    for row, context in committed_rows(recorded, plain, pads, target, drafter):
+        with torch.no_grad():
+            expected = reference_draft_logits(target, drafter, context, row.anchor_id)
+            torch.testing.assert_close(row.logits, expected, rtol=1e-4, atol=1e-4)
+            if row.anchor_pos > 3:  # the context reaches past the window
+                assert not torch.allclose(reference_draft_logits(target, unwindowed, context, row.anchor_id),
+                                          expected, atol=1e-3)
 
 
 def published_target_family(target_name: str) -> str:

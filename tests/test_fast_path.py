@@ -11,7 +11,7 @@ import torch
 from transformers.testing_utils import CaptureLogger
 
 from hf_dflash.modeling import dflash_decoding, dflash_fast_path, dflash_fast_path_blockers
-from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
+from hf_dflash.modeling.dflash_proposer import DFlashProposer
 from hf_dflash.modeling.dflash_engine import DFlashEngine, bucket_size
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_fast_path_blockers import takes_fast_path
@@ -29,7 +29,7 @@ class OracleHead(torch.nn.Module):
         super().__init__()
         self.engine, self.reference, self.wrong_every = engine, reference, wrong_every
         self.vocab = vocab or engine.vocab_size
-        self.weight = engine.generator.lm_head.weight
+        self.weight = engine.proposer.lm_head.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows, drafts = hidden.shape[:2]
@@ -45,18 +45,18 @@ class OracleHead(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def oracle_fast_path_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int | None = None):
+def oracle_drafts(reference: torch.LongTensor, wrong_every: int, vocab: int | None = None):
     """The fast path's drafts (the engine's `propose`, at full-width steps and at chosen widths alike) come from
     `OracleHead`."""
     original = DFlashEngine.propose
 
     def propose(self, rows, *args):
-        real_head = self.generator.lm_head
-        self.generator.lm_head = OracleHead(self, reference, wrong_every, vocab)
+        real_head = self.proposer.lm_head
+        self.proposer.lm_head = OracleHead(self, reference, wrong_every, vocab)
         try:
             return original(self, rows, *args)
         finally:
-            self.generator.lm_head = real_head
+            self.proposer.lm_head = real_head
 
     DFlashEngine.propose = propose
     try:
@@ -72,7 +72,7 @@ def test_the_fast_path_equals_plain_greedy_with_varied_acceptance(family, wrong_
     drafter = tiny_drafter(target, block_size=5)
     ids, mask = left_padded(3, 10, [0, 4, 7])
     reference = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    with oracle_fast_path_drafts(reference, wrong_every, target.config.vocab_size):
+    with oracle_drafts(reference, wrong_every, target.config.vocab_size):
         out = target.generate(
             ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, assistant_model=drafter,
             dflash_fast_path=True, return_dict_in_generate=True,
@@ -88,11 +88,13 @@ def test_the_fast_path_equals_plain_greedy_with_varied_acceptance(family, wrong_
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("prefill_chunk", [None, 5])
-def test_the_fast_paths_drafts_equal_the_eager_loops_drafts(family, prefill_chunk):
-    """The drafter inside the engine's step (context keys/values written in-step, its pages read under a mask) proposes
-    what the eager runtime proposes, step after step, also once the first sequence has ended and the others moved up
-    to its rows (their drafter keys/values move with them). The call's prompts (12, 7 and 10 tokens) are prefilled
-    together, left-aligned: in one forward, or in chunks of `prefill_chunk` positions where the rows' prompts end in
+def test_the_drafts_are_the_same_wherever_the_targets_keys_and_values_live(family, prefill_chunk):
+    """The drafter proposes the same drafts, step after step, whether the target keeps its keys/values in the engine's
+    pool or in transformers' cache (`dflash_fast_path=False`): the context the target's forwards capture is the same
+    (prefilled left-aligned without padding into the pool, or padded as plain generate does into transformers'
+    cache), also once the first sequence has ended and the others moved up to its rows (their drafter keys/values and
+    their transformers cache rows move with them). Into the pool the call's prompts (12, 7 and 10 tokens) are
+    prefilled together: in one forward, or in chunks of `prefill_chunk` positions where the rows' prompts end in
     different chunks; the positions a shorter prompt's padding ran at are written again before any step reads them."""
     target = tiny_target(family, seed=3)
     drafter = tiny_drafter(target, seed=4, num_layers=2, block_size=6)
@@ -107,7 +109,7 @@ def test_the_fast_paths_drafts_equal_the_eager_loops_drafts(family, prefill_chun
     eos = int(free_run[0, 12 + 3])  # the first sequence ends with its fourth new token, the others run on
     assert not (free_run[1:, 12:] == eos).any()
     draft_logits = {}
-    original_init = DFlashCandidateGenerator.__init__
+    original_init = DFlashProposer.__init__
 
     def recording_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
@@ -122,7 +124,7 @@ def test_the_fast_paths_drafts_equal_the_eager_loops_drafts(family, prefill_chun
         self.lm_head = record
         self.lm_head.weight = head.weight
 
-    DFlashCandidateGenerator.__init__ = recording_init
+    DFlashProposer.__init__ = recording_init
     try:
         outputs = []
         for fast in (False, True):
@@ -134,21 +136,20 @@ def test_the_fast_paths_drafts_equal_the_eager_loops_drafts(family, prefill_chun
                 assistant_model=drafter, dflash_fast_path=fast,
             ))
     finally:
-        DFlashCandidateGenerator.__init__ = original_init
+        DFlashProposer.__init__ = original_init
         handle.remove()
         release_fast_path(drafter)
     assert torch.equal(outputs[0], outputs[1])
     assert shapes[:3] == ([(3, 12), (3, 6), (3, 6)] if prefill_chunk is None else [(3, 5), (3, 5), (3, 2)])
-    eager, engine = draft_logits[0], draft_logits[1]
-    # Both loops drop a finished sequence from the batch at once (the engine runs at 2 rows once 2 sequences run):
-    # every step's rows are the same sequences in both, in the eager loop in batch order, in the engine's rows after the
-    # last one moved into the place of the one that ended.
-    assert len(eager) == len(engine) and [logits.shape[0] for logits in eager] == [logits.shape[0] for logits in engine]
-    assert sum(logits.shape[0] == 2 for logits in eager) > 3, "the first sequence should end steps before the others"
-    for eager_step, engine_step in zip(eager, engine):
-        order = [[torch.allclose(e, g, atol=1e-5, rtol=1e-5) for g in engine_step].index(True) for e in eager_step]
-        assert sorted(order) == list(range(len(eager_step)))
-        torch.testing.assert_close(engine_step[order], eager_step, atol=1e-5, rtol=1e-5)
+    cached, engine = draft_logits[0], draft_logits[1]  # over transformers' cache, over the pool
+    # Both drop a finished sequence from the batch at once (the engine runs at 2 rows once 2 sequences run): every
+    # step's rows are the same sequences in both, the last one moved into the place of the one that ended.
+    assert len(cached) == len(engine) and [logits.shape[0] for logits in cached] == [logits.shape[0] for logits in engine]
+    assert sum(logits.shape[0] == 2 for logits in cached) > 3, "the first sequence should end steps before the others"
+    for cached_step, engine_step in zip(cached, engine):
+        order = [[torch.allclose(e, g, atol=1e-5, rtol=1e-5) for g in engine_step].index(True) for e in cached_step]
+        assert sorted(order) == list(range(len(cached_step)))
+        torch.testing.assert_close(engine_step[order], cached_step, atol=1e-5, rtol=1e-5)
 
 
 def test_the_fast_path_stops_at_eos_and_max_length_like_plain_generate():
@@ -159,7 +160,7 @@ def test_the_fast_path_stops_at_eos_and_max_length_like_plain_generate():
     eos = int(reference[1, 8 + 6])  # a token row 1 emits early: rows end at different steps
     for kwargs in (dict(max_new_tokens=40, eos_token_id=eos), dict(max_new_tokens=13), dict(max_new_tokens=1)):
         plain = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kwargs)
-        with oracle_fast_path_drafts(reference, 5, target.config.vocab_size):
+        with oracle_drafts(reference, 5, target.config.vocab_size):
             fast = target.generate(
                 ids, attention_mask=mask, do_sample=False, pad_token_id=0, assistant_model=drafter,
                 dflash_fast_path=True, **kwargs,
@@ -206,7 +207,7 @@ def test_the_engine_verifies_at_most_dflash_verify_rows_and_equals_plain_greedy(
     drafter = tiny_drafter(target, block_size=6)
     ids, mask = left_padded(3, 8, [0, 3, 5])
     reference = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    with oracle_fast_path_drafts(reference, 7, target.config.get_text_config().vocab_size):
+    with oracle_drafts(reference, 7, target.config.get_text_config().vocab_size):
         out = target.generate(
             ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=drafter,
             dflash_fast_path=True, dflash_verify_rows=3, return_dict_in_generate=True,
@@ -288,7 +289,7 @@ def test_a_gpu_call_off_the_fast_path_says_why_once():
         assert not takes_fast_path(None, "a made-up reason (test of the warning)", cuda)
         assert not takes_fast_path(False, "a made-up reason (test of the warning)", cuda)  # chosen: silent
         assert not takes_fast_path(None, "a made-up reason (test of the warning, on a CPU)", torch.device("cpu"))
-    assert captured.out.count("takes the eager loop") == 1
+    assert captured.out.count("keeps the target's keys/values in transformers' cache") == 1
     assert "because a made-up reason (test of the warning)" in captured.out
     cpu = torch.device("cpu")
     assert takes_fast_path(None, None, cuda) and takes_fast_path(None, None, cpu) and takes_fast_path(True, None, cpu)
@@ -359,10 +360,10 @@ def test_a_target_loaded_from_gguf_takes_the_fast_path(tmp_path):
     assert "quantized (gguf)" in blocker_of(target, drafter)
 
 
-def test_a_bitsandbytes_target_takes_the_engine_and_other_quantizers_the_eager_loop(tmp_path):
-    """bitsandbytes' layers compute each verify row on its own (tests/test_quantized.py checks the tokens on both
-    loops), so the engine serves them, its steps never recorded as a graph; a quantizer we have not tested is sent to
-    the eager loop with its name."""
+def test_a_bitsandbytes_target_takes_the_pool_and_other_quantizers_transformers_cache(tmp_path):
+    """bitsandbytes' layers compute each verify row on its own (tests/test_quantized.py checks the tokens with either
+    home of the target's keys/values), so the engine's pool serves them, its steps never recorded as a graph; a
+    quantizer we have not tested keeps transformers' cache, with its name."""
     from tests.test_quantized import quantized_target
 
     target = quantized_target(tmp_path, "llama", "nf4")
@@ -373,7 +374,7 @@ def test_a_bitsandbytes_target_takes_the_engine_and_other_quantizers_the_eager_l
     assert not dflash_fast_path_blockers.bitsandbytes_quantized(dense)
     dense.config.quantization_config = {"quant_method": "awq"}
     assert blocker_of(dense, tiny_drafter(dense)) == (
-        "the target is quantized (awq); its quantized layers take the eager loop"
+        "the target is quantized (awq); the paged cache is tested with bitsandbytes' quantized layers only"
     )
 
 
@@ -393,7 +394,7 @@ def test_finished_sequences_leave_the_engines_batch(monkeypatch):
     plain = target.generate(
         ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos
     )
-    with oracle_fast_path_drafts(reference, 3, target.config.vocab_size):
+    with oracle_drafts(reference, 3, target.config.vocab_size):
         fast = target.generate(
             ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos,
             assistant_model=drafter, dflash_fast_path=True,

@@ -2,7 +2,8 @@
 
 CI runs the same step without a graph on the CPU (test_fast_path.py, test_hybrid_fast_path.py); these run it as a
 GPU runs it: `python3 -m pytest -q tests/test_fast_path_gpu.py` on a GPU machine (benchmarks/gpu/README.md).
-In float32, on tiny random targets: the graph-replayed output equals plain greedy generate and the eager loop, at
+In float32, on tiny random targets: the graph-replayed output equals plain greedy generate and the step over
+transformers' cache, at
 batch 1 and in left-padded batches of 3, over repeated calls that reuse the recorded graph, for Llama and Qwen3 and
 the families whose layers the fast path masks per layer type: gpt-oss (sliding layers alternating with full ones,
 attention sinks, eager attention, experts on batched_mm), Mistral-style (a window on every layer) and qwen3_moe

@@ -1,14 +1,12 @@
 """Streamers, stopping criteria and output_scores / output_logits around the one step (dflash_host_hooks.py).
 
 Each hook is compared with plain generate on the fast path's static step (run on the CPU without a graph, as
-`dflash_fast_path=True` does there) and on the eager loop. Drafts come from an oracle that proposes plain generate's
+`dflash_fast_path=True` does there) and with the target's keys/values in transformers' cache. Drafts come from an oracle that proposes plain generate's
 continuation with every few drafts wrong, so a step commits anywhere from 1 to B tokens and a stop falls inside an
 accepted block.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -26,29 +24,18 @@ from hf_dflash.bench.soak import InterruptingStreamer, RaiseAtLength
 from hf_dflash.modeling.dflash_engine import DFlashEngine
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_fast_path_drafts
-from tests.test_greedy_identity import oracle_drafts
+from tests.test_fast_path import oracle_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LOOPS = ["fast", "eager"]
+LOOPS = ["fast", "transformers-cache"]
 # Qwen3's generation_config.json sampling defaults, plus a repetition penalty (a processor that reads the prefix).
 SAMPLED = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, repetition_penalty=1.3)
 
 
-@contextlib.contextmanager
-def oracle(loop: str, reference: torch.LongTensor, vocab: int, wrong_every: int = 4):
-    if loop == "fast":
-        with oracle_fast_path_drafts(reference, wrong_every, vocab):
-            yield
-    else:
-        with oracle_drafts(reference, wrong_every):
-            yield
-
-
 def dflash(loop: str, target, drafter, prompt, reference, **kwargs):
     """generate with the drafter on the chosen loop, its drafts from the oracle over `reference`."""
-    with oracle(loop, reference, target.config.vocab_size):
+    with oracle_drafts(reference, 4, target.config.vocab_size):
         return target.generate(prompt, assistant_model=drafter, dflash_fast_path=loop == "fast", **kwargs)
 
 

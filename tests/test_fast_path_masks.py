@@ -5,10 +5,10 @@ real tokens cumsum(mask) - 1 and hides its padding from every query, so where ev
 padding, holes between real tokens, both) each token sees what it sees in the compacted row: there the engine must
 give plain generate's tokens, processors that read the padded row included. Where a row ends in padding, or the
 target's sliding windows or linear-attention layers see the padding's columns, plain generate's tokens are not the
-compacted row's. Neither DFlash loop reproduces a row that ends in padding or holes under sliding windows, so
-generate refuses those masks before any forward (`dflash_checks.padding_problem`); a hybrid target's holes take the
-eager loop, which keeps the padding's columns (`fast_path_blocker`). A padded row of one gets no cache back from the
-fast path: plain generate's would hold the padding's slots.
+compacted row's. DFlash does not reproduce a row that ends in padding or holes under sliding windows, so
+generate refuses those masks before any forward (`dflash_checks.padding_problem`); a hybrid target's holes keep its
+keys/values and states in transformers' cache, with the padding's columns (`fast_path_blocker`). A padded row of one
+gets no cache back from the pool: plain generate's would hold the padding's slots.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hf_dflash.modeling import dflash_fast_path_blockers
 from hf_dflash.modeling.dflash_decoding import _cache_argument
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import random_prompt, tiny_drafter
-from tests.test_fast_path import oracle_fast_path_drafts
+from tests.test_fast_path import oracle_drafts
 from tests.test_families import context_scale, family_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,7 +109,7 @@ def test_the_fast_path_equals_plain_greedy_with_holes_in_the_mask(family, attent
     settings = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
     reference = target.generate(ids, attention_mask=mask, **settings)
     assert not torch.equal(reference, target.generate(ids, attention_mask=torch.ones_like(mask), **settings))
-    with oracle_fast_path_drafts(reference, 4, target.config.vocab_size):
+    with oracle_drafts(reference, 4, target.config.vocab_size):
         out = target.generate(
             ids, attention_mask=mask, **settings, assistant_model=drafter, dflash_fast_path=True,
             return_dict_in_generate=True,
@@ -124,7 +124,7 @@ def test_the_fast_path_equals_plain_greedy_with_holes_in_the_mask(family, attent
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_left_padded_batch_of_one_hands_back_no_cache_the_padding_would_misplace(family):
-    """Plain generate's cache holds a slot for each pad, as the eager loop's does, and generate continues from it;
+    """Plain generate's cache holds a slot for each pad, and generate continues from it;
     the engine's rows hold the real tokens only, so a cache copied from them would have generate continue from the
     wrong column: the fast path hands back none for a padded row (an unpadded row's: tests/test_families.py)."""
     target = family_target(family, seed=2, initializer_range=0.2)
@@ -181,7 +181,7 @@ def test_processors_read_the_row_as_plain_generate_holds_it_with_holes(setting):
         other = ids.clone()
         other[row, holes[:2]] = 0
         assert not torch.equal(reference, target.generate(other, attention_mask=mask, **settings))
-    with oracle_fast_path_drafts(reference, 4, target.config.vocab_size):
+    with oracle_drafts(reference, 4, target.config.vocab_size):
         out = target.generate(
             ids, attention_mask=mask, **settings, assistant_model=drafter, dflash_fast_path=True,
             return_dict_in_generate=True,
@@ -191,10 +191,10 @@ def test_processors_read_the_row_as_plain_generate_holds_it_with_holes(setting):
     release_fast_path(drafter)
 
 
-def test_a_hybrids_holes_take_the_eager_loop_which_equals_plain_greedy():
+def test_a_hybrids_holes_keep_transformers_cache_which_equals_plain_greedy():
     """Gated DeltaNet layers decay their state across padding that follows real tokens: a call that insists on the
-    fast path is refused with that reason; by default the call takes the eager loop, which keeps the padding's columns
-    in transformers' cache and gives plain generate's tokens."""
+    fast path is refused with that reason; by default the call keeps the target's keys/values and states in
+    transformers' cache, with the padding's columns, and gives plain generate's tokens."""
     target = family_target("qwen3_next", seed=3, initializer_range=context_scale("qwen3_next"))
     drafter = tiny_drafter(target, block_size=4)
     ids, mask = masked("holes", seed=3)

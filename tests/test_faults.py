@@ -3,8 +3,9 @@
 Each fault is raised on purpose part-way through decoding: a stopping criterion that raises, ctrl-c inside a
 streamer's `put`, an out-of-memory error from the drafter's forward or from a target layer. After it: no forward hook
 is left on the target, no parameter, mode or generation config changed, every drafter page went back to its pool,
-and the next call (greedy and batched) equals plain generate. In the eager loop nothing keeps the call's drafter
-buffers alive; the engine, which the drafter keeps for its next call, holds no row and every page of both pools.
+and the next call (greedy and batched) equals plain generate. The engine, which the drafter keeps for its next call,
+holds no row, every page of both pools and no reference to the failed call's transformers cache, wherever the
+target's keys/values lived.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from hf_dflash.bench.soak import InterruptingStreamer, RaiseAtLength
-from hf_dflash import DFlashCandidateGenerator
+from hf_dflash import DFlashProposer
 from tests.conftest import hook_count, random_prompt, tiny_drafter, tiny_target
 from tests.test_batched import PAD, left_pad
 
@@ -67,24 +68,24 @@ def assert_unchanged(before: dict, model: torch.nn.Module) -> None:
 
 
 @pytest.fixture
-def generators(monkeypatch):
-    """Weak references to every DFlashCandidateGenerator created during the test."""
+def proposers(monkeypatch):
+    """Weak references to every DFlashProposer (one per engine) created during the test."""
     made = []
-    original = DFlashCandidateGenerator.__init__
+    original = DFlashProposer.__init__
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         made.append(weakref.ref(self))
 
-    monkeypatch.setattr(DFlashCandidateGenerator, "__init__", init)
+    monkeypatch.setattr(DFlashProposer, "__init__", init)
     return made
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize(
     "fault", ["stopping criterion raises", "ctrl-c in streamer.put", "drafter out of memory", "target out of memory"]
 )
-def test_a_fault_leaves_everything_usable(fault, fast, generators):
+def test_a_fault_leaves_everything_usable(fault, fast, proposers):
     target = tiny_target("qwen3", seed=31)
     drafter = tiny_drafter(target, seed=32, block_size=5)
     before_target, before_drafter = snapshot(target), snapshot(drafter)
@@ -109,14 +110,13 @@ def test_a_fault_leaves_everything_usable(fault, fast, generators):
         if module is not None:
             restore(module)
 
-    assert len(generators) == 1
+    assert len(proposers) == 1
     gc.collect()
-    if fast:
-        engine = drafter._dflash_engine[1]
-        usage = engine.pool_usage()
-        assert not engine.sequences and usage["target_pages_used"] == usage["drafter_pages_used"] == 0
-    else:
-        assert generators[0]() is None, "something still holds the failed call's drafter buffers"
+    # the engine held for the next call is whole: no row, every page back, no hold on the failed call's cache
+    engine = drafter._dflash_engine[1]
+    usage = engine.pool_usage()
+    assert not engine.sequences and usage["target_pages_used"] == usage["drafter_pages_used"] == 0
+    assert engine.call_cache is None
     assert_unchanged(before_target, target)
     assert_unchanged(before_drafter, drafter)
     # the next calls are right: one sequence, then a left-padded batch
@@ -128,29 +128,3 @@ def test_a_fault_leaves_everything_usable(fault, fast, generators):
     dflash = target.generate(**batch, max_new_tokens=15, do_sample=False, pad_token_id=PAD, assistant_model=drafter)
     assert torch.equal(dflash, plain)
 
-
-def test_pages_return_to_the_pool_when_the_loop_raises(generators):
-    """The eager loop hands every page back even when an exception escapes it (a generator kept for reuse must not
-    leak)."""
-    target = tiny_target("llama", seed=34)
-    drafter = tiny_drafter(target, block_size=4)
-    kept = []
-    original_release = DFlashCandidateGenerator.release
-
-    def release(self):
-        original_release(self)
-        kept.append((len(self.cache.free_pages), self.cache.num_pages, len(self.states)))
-
-    DFlashCandidateGenerator.release = release
-    fail_on_call(drafter, 2, "drafter")
-    try:
-        with pytest.raises(torch.OutOfMemoryError):
-            target.generate(
-                random_prompt(5), max_new_tokens=20, do_sample=False, assistant_model=drafter, dflash_fast_path=False
-            )
-    finally:
-        restore(drafter)
-        DFlashCandidateGenerator.release = original_release
-    assert kept, "the failed call never released its drafter pages"
-    free, total, live = kept[-1]
-    assert free == total and live == 0

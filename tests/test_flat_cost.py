@@ -258,7 +258,7 @@ def test_the_drafter_and_the_target_read_a_calls_rows_as_views_of_the_pools():
     engine, rows = held.engine, held.rows
     n = rows.anchor_ids.shape[0]
     read_all = page_slots(rows.block_tables, rows.draft_key_positions.expand(n, -1))  # (n, S), the gather's slots
-    for pool, view in ((engine.generator.cache, rows.drafter_view), (engine.target_pool, rows.target_cache)):
+    for pool, view in ((engine.proposer.cache, rows.drafter_view), (engine.target_pool, rows.target_cache)):
         g, d = pool.key_pools[0].shape[1:]
         for layer in range(len(pool.key_pools)):
             if view is rows.target_cache:  # its writes go to the verify's slots; the anchors' own are harmless here

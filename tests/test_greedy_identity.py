@@ -8,51 +8,12 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from hf_dflash import DFlashCandidateGenerator, DFlashGenerateOutput
+from hf_dflash import DFlashGenerateOutput
 from hf_dflash.modeling.dflash_draft_vocabulary import DraftVocabularyHead
 from hf_dflash.modeling.dflash_engine import DFlashEngine
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import hook_count, left_padded, random_prompt, tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_fast_path_drafts
-
-
-@contextlib.contextmanager
-def oracle_drafts(reference: torch.LongTensor, wrong_every: int):
-    """Make the drafter propose the reference continuation, except every `wrong_every`-th draft position.
-
-    reference (b, L) is plain generate's output for the same (left-padded) batch. The real propose still runs (so
-    the drafter state machine is exercised); only its argmax is replaced, which gives acceptance lengths anywhere
-    from 1 to B, different for each sequence. On either path: the eager loop's proposals, and the engine's
-    (`oracle_fast_path_drafts`, the same drafts).
-    """
-    original_propose = DFlashCandidateGenerator.get_candidates
-    original_prefill = DFlashCandidateGenerator.commit_prefill
-
-    def commit_prefill(self, prompt_mask):
-        original_prefill(self, prompt_mask)
-        for row, state in enumerate(self.states):  # remember which reference row each sequence is
-            state.oracle_row, state.oracle_offset = row, int((prompt_mask[row] == 0).sum())
-
-    def get_candidates(self, input_ids, **kwargs):
-        candidates, logits = original_propose(self, input_ids, **kwargs)
-        for i, state in enumerate(self.states):
-            row, start = state.oracle_row, state.oracle_offset + state.ctx_len + 1
-            for k in range(1, candidates.shape[1]):
-                column = start + k - 1
-                if column < reference.shape[1] and (column + row) % wrong_every:
-                    candidates[i, k] = reference[row, column]
-                else:
-                    candidates[i, k] = (reference[row, min(column, reference.shape[1] - 1)] + 1) % 200
-        return candidates, logits
-
-    DFlashCandidateGenerator.get_candidates = get_candidates
-    DFlashCandidateGenerator.commit_prefill = commit_prefill
-    try:
-        with oracle_fast_path_drafts(reference, wrong_every):  # the same drafts where the engine serves the call
-            yield
-    finally:
-        DFlashCandidateGenerator.get_candidates = original_propose
-        DFlashCandidateGenerator.commit_prefill = original_prefill
+from tests.test_fast_path import oracle_drafts
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -66,7 +27,7 @@ def test_random_drafter_is_lossless(family, seed):
     assert torch.equal(plain, dflash)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize("wrong_every", [2, 3, 5, 1000])
 def test_accepting_drafts_is_lossless(wrong_every, fast):
     target = tiny_target("qwen3", seed=3)
@@ -218,7 +179,7 @@ def test_prompt_of_one_token(llama_pair):
         assert torch.equal(plain, target.generate(prompt, max_new_tokens=15, do_sample=False, assistant_model=drafter))
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_verifying_fewer_rows_changes_nothing_but_the_cost(rows, fast):
     target = tiny_target("qwen3", seed=8)
@@ -239,31 +200,24 @@ def test_verify_rows_outside_the_block_is_refused(llama_pair):
 
 
 @contextlib.contextmanager
-def captured_drafts(fast: bool):
-    """Record the drafts of every step, (b, B - 1) each, as the eager loop's generator or the fast path's propose
-    made them."""
+def captured_drafts():
+    """Record the drafts of every step, (b, B - 1) each, as the engine's propose made them."""
     drafts = []
-    owner, name = (DFlashEngine, "propose") if fast else (DFlashCandidateGenerator, "get_candidates")
-    original = getattr(owner, name)
+    original = DFlashEngine.propose
 
-    def propose(self, rows):
-        draft_probs = original(self, rows)
+    def propose(self, rows, *args):
+        proposed = original(self, rows, *args)
         drafts.append(rows.drafts.clone())
-        return draft_probs
+        return proposed
 
-    def get_candidates(self, input_ids, **kwargs):
-        candidates, logits = original(self, input_ids, **kwargs)
-        drafts.append(candidates[:, input_ids.shape[1] :].clone())
-        return candidates, logits
-
-    setattr(owner, name, propose if fast else get_candidates)
+    DFlashEngine.propose = propose
     try:
         yield drafts
     finally:
-        setattr(owner, name, original)
+        DFlashEngine.propose = original
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_draft_vocabulary_keeps_greedy_output_and_every_draft_inside_it(batch, fast):
     target = tiny_target("qwen3", seed=4)
@@ -274,7 +228,7 @@ def test_a_draft_vocabulary_keeps_greedy_output_and_every_draft_inside_it(batch,
     produced = plain[:, ids.shape[1] :].unique()
     for vocabulary in (torch.cat([produced[::2], torch.arange(100, 160)]).unique(), torch.arange(0, 256, 3)):
         drafter.set_draft_vocabulary(vocabulary)
-        with captured_drafts(fast) as drafts:
+        with captured_drafts() as drafts:
             out = target.generate(
                 ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
                 assistant_model=drafter, dflash_fast_path=fast,
@@ -282,7 +236,7 @@ def test_a_draft_vocabulary_keeps_greedy_output_and_every_draft_inside_it(batch,
         assert torch.equal(out, plain)
         assert drafts and torch.isin(torch.cat(drafts).flatten(), vocabulary).all()
         if fast:  # a new vocabulary gives a new step: the held one's head holds the old vocabulary's rows
-            assert drafter._dflash_engine[1].generator.draft_vocabulary is drafter.draft_vocabulary
+            assert drafter._dflash_engine[1].proposer.draft_vocabulary is drafter.draft_vocabulary
     release_fast_path(drafter)
 
 

@@ -22,7 +22,7 @@ from hf_dflash.modeling.dflash_paged_cache import PAGE_SIZE, PagedDrafterCache
 from tests.conftest import random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
 from tests.test_families import family_target
-from tests.test_fast_path import oracle_fast_path_drafts
+from tests.test_fast_path import oracle_drafts
 
 HYBRID = ["qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe"]
 SCALE = dict(initializer_range=0.2)
@@ -52,7 +52,7 @@ def test_greedy_identity_alone(family, seed):
     )
     assert torch.equal(fast.sequences, plain)
     assert min(fast.acceptance_lengths[0]) == 1  # a step that accepted no draft
-    with oracle_fast_path_drafts(plain, 3 + seed, vocab_of(target)):
+    with oracle_drafts(plain, 3 + seed, vocab_of(target)):
         out = target.generate(
             prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, dflash_fast_path=True,
             return_dict_in_generate=True,
@@ -70,7 +70,7 @@ def test_greedy_identity_ragged_batch(family):
     drafter = tiny_drafter(target, block_size=5)
     batch = left_pad([random_prompt(n, seed=n) for n in (4, 9, 2)])
     plain = target.generate(**batch, max_new_tokens=22, do_sample=False, pad_token_id=PAD)
-    with oracle_fast_path_drafts(plain, 3, vocab_of(target)):
+    with oracle_drafts(plain, 3, vocab_of(target)):
         out = target.generate(
             **batch, max_new_tokens=22, do_sample=False, pad_token_id=PAD, assistant_model=drafter,
             dflash_fast_path=True, return_dict_in_generate=True,
@@ -96,7 +96,7 @@ def test_finished_rows_leave_the_batch(family, monkeypatch):
     steps = []
     run_step = DFlashEngine.run_step
     monkeypatch.setattr(DFlashEngine, "run_step", lambda self: steps.append(len(self.sequences)) or run_step(self))
-    with oracle_fast_path_drafts(free, 3, vocab_of(target)):
+    with oracle_drafts(free, 3, vocab_of(target)):
         out = target.generate(
             **batch, max_new_tokens=24, do_sample=False, pad_token_id=PAD, eos_token_id=eos, assistant_model=drafter,
             dflash_fast_path=True, return_dict_in_generate=True,

@@ -124,7 +124,7 @@ def test_save_writes_auto_map_and_the_bundle(tmp_path):
     assert config["model_type"] == "dflash"
     bundle = {p.name for p in tmp_path.glob("*.py")}
     assert {"configuration_dflash.py", "modeling_dflash.py", "dflash_decoding.py", "dflash_paged_cache.py",
-            "dflash_capture.py", "dflash_candidate_generator.py", "dflash_dispatch.py"} <= bundle
+            "dflash_capture.py", "dflash_proposer.py", "dflash_dispatch.py"} <= bundle
     for path in tmp_path.glob("*.py"):  # the bundle stands alone: it imports nothing of the library
         imported = set()
         for node in ast.walk(ast.parse(path.read_text())):

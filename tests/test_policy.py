@@ -244,7 +244,7 @@ def test_confidence_reads_the_distribution_never_the_sampled_draft():
 
 
 def test_an_argmax_proposals_confidence_is_the_largest_probability_the_policy_reads():
-    """The eager loop reads a greedy DFlash proposal's own confidence instead of a second softmax of its logits."""
+    """The policy reads a greedy DFlash proposal's own confidence instead of a second softmax of its logits."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     logits = torch.randn(2, drafter.config.block_size - 1, target.config.vocab_size) * 4
@@ -252,7 +252,7 @@ def test_an_argmax_proposals_confidence_is_the_largest_probability_the_policy_re
     assert torch.equal(proposal.confidence, draft_confidence(logits, None))
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 def test_greedy_with_the_policy_equals_plain_greedy_and_verifies_what_it_chose(fast):
     target = tiny_target("llama")
     drafter = tiny_drafter(target, block_size=8)  # random: its drafts are mostly wrong
@@ -288,56 +288,24 @@ class Scripted(VerifyPolicy):
 @pytest.fixture
 def context_passes(monkeypatch) -> list[int]:
     """The rows of every pass that computes drafter context keys/values (`write_context`), in order."""
-    from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
+    from hf_dflash.modeling.dflash_proposer import DFlashProposer
 
     passes = []
-    write_context = DFlashCandidateGenerator.write_context
+    write_context = DFlashProposer.write_context
 
     def counted(self, rows, positions, slots):
         passes.append(rows.shape[1])
         write_context(self, rows, positions, slots)
 
-    monkeypatch.setattr(DFlashCandidateGenerator, "write_context", counted)
+    monkeypatch.setattr(DFlashProposer, "write_context", counted)
     return passes
 
 
-def test_plain_steps_defer_the_drafters_context_and_the_next_drafts_are_the_same(monkeypatch, context_passes):
-    """In the eager loop a plain step leaves its row in the accumulator while another verify's rows fit
-    (`take_context(defer=True)`): a run of plain steps computes its context keys/values in one pass, and the drafts
-    after it do not change."""
-    from hf_dflash.modeling.dflash_candidate_generator import DFlashCandidateGenerator
-
-    target = tiny_target("llama")
-    drafter = tiny_drafter(target, block_size=8)
-    prompt = random_prompt(6)
-    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
-    script = [True] + [False] * 12
-    passes = context_passes
-    runs = {}
-    for defer in (True, False):
-        if not defer:  # every plain step computes its row's keys/values at once, as a drafted step does
-            take_context = DFlashCandidateGenerator.take_context
-            monkeypatch.setattr(DFlashCandidateGenerator, "take_context", lambda self, defer=False: take_context(self))
-        passes.clear()
-        policy = Scripted(script)
-        out = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=drafter,
-                              dflash_adaptive=policy, dflash_fast_path=False)
-        assert torch.equal(out, plain)
-        runs[defer] = (list(passes), policy.drafted, list(policy.widths))
-    (deferred, drafted, widths), (eager, drafted_eager, widths_eager) = runs[True], runs[False]
-    assert widths == widths_eager and widths.count(1) >= 10  # the same steps, many of them plain
-    # fewer passes (the prompt's first); the rows of the last plain steps wait for a propose that never comes
-    assert len(deferred) < len(eager) and sum(deferred) <= sum(eager)
-    # a plain run writes once its rows and a verify's would no longer fit in the accumulator (2 blocks): at 9 rows
-    assert 9 in deferred[1:] and max(deferred[1:]) <= 2 * 8
-    # the drafter's confidence in each drafted step's rows: the same context, whenever its keys/values were computed
-    torch.testing.assert_close(torch.tensor(drafted), torch.tensor(drafted_eager), rtol=1e-5, atol=0)
-
-
-def test_the_engines_plain_steps_leave_their_rows_waiting_and_the_next_drafts_are_the_same(monkeypatch, context_passes):
-    """On the engine a plain step captures its row behind those still waiting to become drafter context
-    (`waiting_rows`), so a run of plain steps is stored in one pass by the next drafted step, and its drafts do not
-    change. The reference run stores every plain step's rows at once."""
+@pytest.mark.parametrize("pool", [False, True], ids=["transformers-cache", "pool"])
+def test_plain_steps_leave_their_rows_waiting_and_the_next_drafts_are_the_same(monkeypatch, context_passes, pool):
+    """A plain step captures its row behind those still waiting to become drafter context (`waiting_rows`), so a run
+    of plain steps is stored in one pass by the next drafted step, and its drafts do not change, wherever the target's
+    keys/values live. The reference run stores every plain step's rows at once."""
     from hf_dflash.modeling.dflash_engine import DFlashEngine
 
     target = tiny_target("llama")
@@ -361,7 +329,7 @@ def test_the_engines_plain_steps_leave_their_rows_waiting_and_the_next_drafts_ar
         passes.clear()
         policy = Scripted(script)
         out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter,
-                              dflash_adaptive=policy, dflash_fast_path=True)
+                              dflash_adaptive=policy, dflash_fast_path=pool)
         assert torch.equal(out, plain)
         runs[waiting] = (list(passes), policy.drafted, list(policy.widths))
     (waited, drafted, widths), (stored, drafted_stored, widths_stored) = runs[True], runs[False]
@@ -406,7 +374,7 @@ def test_stories260k_with_the_policy_equals_plain_greedy():
     assert torch.equal(out, plain) and len(set(policy.widths)) > 1
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "engine"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize("rule", ["point_mass", "rejection"])
 def test_sampling_with_the_policy_follows_the_target_distribution(rule, fast):
     """Rows cost 0.1 of a step here, so the width follows the drafter's confidence (1 to 3 of 4 rows)."""

@@ -2,8 +2,9 @@
 refused before any forward.
 
 For each generate option: the processed scores of every verify row equal what plain generate's own processors give
-on the same prefix (row j: the prefix followed by drafts[:j]); greedy output equals plain greedy generate, in the eager
-loop and on the engine's step (processors that read the whole prefix called on the host by both).
+on the same prefix (row j: the prefix followed by drafts[:j]); greedy output equals plain greedy generate, with the
+target's keys/values in transformers' cache and in the engine's pool (processors that read the whole prefix called on
+the host by both).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hf_dflash.modeling import dflash_checks
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from hf_dflash.modeling.dflash_processors import StepProcessors
 from tests.conftest import VOCAB, random_prompt, tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_fast_path_drafts
+from tests.test_fast_path import oracle_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,7 +174,7 @@ def test_host_processors_judge_accepted_drafts_on_the_engine(processor):
     )
     reference = target.generate(ids, **call, **kwargs)
     assert not torch.equal(reference, plain), "the processor must change the output"
-    with oracle_fast_path_drafts(reference, wrong_every=3, vocab=target.config.vocab_size):
+    with oracle_drafts(reference, wrong_every=3, vocab=target.config.vocab_size):
         out = target.generate(
             ids, **call, **kwargs, assistant_model=drafter, dflash_fast_path=True, return_dict_in_generate=True
         )

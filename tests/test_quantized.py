@@ -1,5 +1,6 @@
 """bitsandbytes targets (4-bit nf4 / fp4, 8-bit) on CPU: capture reads the quantized layers, and greedy DFlash output
-equals the same quantized target's own greedy generate, with drafts accepted, on the engine and on the eager loop."""
+equals the same quantized target's own greedy generate, with drafts accepted, its keys/values in the engine's pool or
+in transformers' cache."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from hf_dflash import DFlashCandidateGenerator
+from hf_dflash import DFlashProposer
 from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_batched import PAD, left_pad
-from tests.test_greedy_identity import oracle_drafts
+from tests.test_fast_path import oracle_drafts
 
 # 8-bit matmuls log a cast warning per call on CPU.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
@@ -34,7 +35,7 @@ def quantized_target(tmp_path, family: str, quantization: str) -> torch.nn.Modul
     return AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, device_map="cpu").eval()
 
 
-@pytest.mark.parametrize("fast_path", [False, True], ids=["eager loop", "engine"])
+@pytest.mark.parametrize("fast_path", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize(
     "family, quantization, drafter_dtype",
     [("llama", "nf4", torch.bfloat16), ("qwen3", "fp4", torch.float32), ("llama", "int8", torch.bfloat16)],
@@ -58,14 +59,15 @@ def test_capture_reads_the_quantized_layers(tmp_path):
     target = quantized_target(tmp_path, "llama", "nf4")
     drafter = tiny_drafter(target)
     prompt = random_prompt(7, seed=5)
-    generator = DFlashCandidateGenerator(drafter, target, batch_size=1, max_length=32, max_rows=7)
-    with generator.capture, torch.no_grad():
-        generator.capture_rows(7)
+    proposer = DFlashProposer(drafter, target, batch_size=1, num_pages=4)
+    captured = torch.empty(1, 7, drafter.config.num_context_features)
+    proposer.capture.destination = captured
+    with proposer.capture, torch.no_grad():
         target(prompt)
     with torch.no_grad():
         hidden = target(prompt, output_hidden_states=True).hidden_states
     expected = torch.cat([hidden[i + 1][0] for i in drafter.config.target_layer_ids], dim=-1)
-    torch.testing.assert_close(generator.scratch[0, :7], expected, rtol=0, atol=0)
+    torch.testing.assert_close(captured[0], expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("quantization, independent", [("nf4", True), ("int8", True), ("int8-outliers", False)])

@@ -1,5 +1,6 @@
-"""Speculative sampling is distributed exactly as the target's own sampling (chi-square over sampled tokens), in the
-eager loop and in the fast path's static step (run on the CPU without a graph), which share one acceptance."""
+"""Speculative sampling is distributed exactly as the target's own sampling (chi-square over sampled tokens), with the
+target's keys/values in transformers' cache and in the engine's pool (the fast path's step, run on the CPU without a
+graph)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from transformers import (
 from hf_dflash.modeling.dflash_acceptance import DecodingRule, exponential_race_sample, inverse_cdf_sample, sample
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
-from tests.test_fast_path import oracle_fast_path_drafts
-from tests.test_greedy_identity import oracle_drafts
+from tests.test_fast_path import oracle_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,11 +125,10 @@ SAMPLED = dict(do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, return_dict
 def sample_with_greedy_drafts(target, drafter, prompt, greedy, rule: str, fast: bool, settings: dict) -> list:
     """The outputs of SAMPLES sampled sequences of 3 new tokens, with the drafter proposing the target's greedy
     continuation `greedy` (1, L). The fast path runs five calls of SAMPLES / 5 on one held step (its buffers hold every
-    sequence's whole cache); the eager loop one call."""
+    sequence's whole cache); over transformers' cache one call."""
     calls, batch = (5, SAMPLES // 5) if fast else (1, SAMPLES)
     drafts = greedy.repeat(batch, 1)
-    oracle = oracle_fast_path_drafts(drafts, 10**6, vocab=SMALL_VOCAB) if fast else oracle_drafts(drafts, 10**6)
-    with oracle:
+    with oracle_drafts(drafts, 10**6, vocab=SMALL_VOCAB):
         outs = [
             target.generate(
                 prompt.repeat(batch, 1), max_new_tokens=3, assistant_model=drafter, dflash_sampling=rule,
@@ -176,7 +175,7 @@ def test_the_static_step_samples_the_target_distribution(rule, setting):
     assert_tuples_follow(samples, pair, greedy[0, prompt.shape[1] : prompt.shape[1] + 2].tolist())
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize("rule", ["point_mass", "rejection"])
 def test_a_token_after_an_accepted_draft_follows_the_target_distribution(rule, fast):
     """The first three sampled tokens against their exact distribution. The third is drawn at a verify's second row,

@@ -2,8 +2,8 @@
 
 DFlash calls on one target, or with one drafter, take turns (a lock per target and per drafter,
 dflash_capture.py); the capture hooks and every wrapper a call installs act only in the thread that installed them, so
-plain generate in another thread on the same target runs as if no DFlash call were in flight. Each case runs the
-eager loop and the fast path's static step (on a CPU without a graph).
+plain generate in another thread on the same target runs as if no DFlash call were in flight. Each case runs with the
+target's keys/values in transformers' cache and in the engine's pool (the fast path's step, on a CPU without a graph).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def run_at_once(jobs: list[Callable[[], list[torch.LongTensor]]]) -> list[list[t
     return results
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast_path"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 @pytest.mark.parametrize("drafters", [1, 2])
 def test_two_threads_one_target(fast, drafters):
     """2 threads x CALLS calls on one target, with one drafter object shared or one each: every result equals plain
@@ -94,7 +94,7 @@ def plain_padded(target: torch.nn.Module, batch: tuple[torch.LongTensor, torch.T
     return target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast_path"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 def test_plain_generate_beside_dflash(fast):
     """One thread runs plain generate on the target while another runs DFlash on it: both exact. The plain calls are
     left-padded batches, whose forwards need their padding mask: one built for another attention implementation (or
@@ -114,7 +114,7 @@ def test_plain_generate_beside_dflash(fast):
     release_fast_path(drafter)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast_path"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 def test_two_hybrid_targets_at_once(fast):
     """Two Qwen3.5 targets (one modeling module, so one module-level Gated DeltaNet rule) decoded by two threads at
     once, each with its own drafter: both exact. The weights are at ten times the default scale so that a linear
@@ -133,7 +133,7 @@ def test_two_hybrid_targets_at_once(fast):
         release_fast_path(drafter)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["eager", "fast_path"])
+@pytest.mark.parametrize("fast", [False, True], ids=["transformers-cache", "pool"])
 def test_two_targets_one_drafter(fast):
     """Two targets of one shape share one drafter object (whose fast-path step and buffers are held on it): two
     threads decoding one target each at once are both exact."""

@@ -6,10 +6,10 @@ Methods:
   step on a GPU);
 - `native`: transformers' own DFlash loop with the same drafter (`speculation_type="dflash"`; batch 1 only, so a
   setting of a larger batch skips it and the report says so);
-- `dflash`: ours (`assistant_model=drafter`: the engine's step, a CUDA graph on a GPU and eager on a CPU; the eager
-  loop for a call the engine cannot serve);
-- `dflash-engine`, `dflash-eager`: ours with the path forced (`dflash_fast_path=True` / `False`): on a CPU the
-  engine's step without a graph against the eager loop over transformers' cache (not run unless named);
+- `dflash`: ours (`assistant_model=drafter`: the engine's step, a CUDA graph on a GPU and eager on a CPU; the target's
+  keys/values in transformers' cache for a call the engine's pool cannot serve);
+- `dflash-engine`, `dflash-transformers-cache`: ours with the target's keys/values forced into the engine's pool or
+  into transformers' cache (`dflash_fast_path=True` / `False`; not run unless named);
 - `dflash-no-onednn`: ours on the engine without prepacked oneDNN weights (`dflash_onednn_linears=False`): on a CPU,
   what those products give the drafted steps (not run unless named).
 
@@ -52,7 +52,8 @@ from ..modeling.dflash_policy import VerifyPolicy
 from . import harness, step_cost
 from .published import RANDOM_SHAPES, SAMPLING, random_pair, shape_record
 
-METHODS = ("plain", "plain-static", "native", "dflash", "dflash-engine", "dflash-eager", "dflash-no-onednn")
+METHODS = ("plain", "plain-static", "native", "dflash", "dflash-engine", "dflash-transformers-cache",
+           "dflash-no-onednn")
 DEFAULT_METHODS = METHODS[:4]
 # A prompt-set run's target, prompts and their number when left out (`cli_checks.check_bench` reads them too).
 DEFAULT_TARGET, DEFAULT_PROMPTS, DEFAULT_LIMIT = "smollm2", "humaneval", 8
@@ -114,7 +115,9 @@ def _method_kwargs(method: str, drafter: torch.nn.Module) -> dict[str, Any]:
         "native": {"assistant_model": drafter, "speculation_type": "dflash"},
         "dflash": {"assistant_model": drafter, "return_dict_in_generate": True},
         "dflash-engine": {"assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": True},
-        "dflash-eager": {"assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": False},
+        "dflash-transformers-cache": {
+            "assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": False,
+        },
         "dflash-no-onednn": {
             "assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": True,
             "dflash_onednn_linears": False,

@@ -5,8 +5,8 @@ point mass (`dflash_sampling="point_mass"`: the drafter's argmax, accepted when 
 1. Measured: the same prompts, one by one, decoded with each rule under a family's sampling defaults (`--sampling`),
    the rules alternated within each seed; tau per rule.
 2. With `--overlaps`: rejection sampling accepts draft row j with probability sum_x min(p_j(x), q_j(x)) (p the
-   target's processed distribution, q the proposal). At every verify step of the rejection-sampled calls (the eager
-   loop), that overlap for three proposals on the same rows: the drafter at the call's temperature (what the step
+   target's processed distribution, q the proposal). At every verify step of the rejection-sampled calls, that
+   overlap for three proposals on the same rows: the drafter at the call's temperature (what the step
    samples drafts from), the drafter through the call's temperature, top-k and top-p, and the drafter's argmax (the
    point mass). Reported: the mean overlap of the first draft row (exact: its prefix is the committed one), of all
    rows, and the tau the rows' overlaps imply if rows were accepted independently (1 + sum_j prod_{i<=j} a_i).
@@ -43,10 +43,10 @@ def measured_tau(target: Any, drafter: Any, prompts: list[dict], args: argparse.
 
 def proposal_overlaps(target: Any, drafter: Any, prompts: list[dict], args: argparse.Namespace, settings: dict
                       ) -> dict[str, Any]:
-    """The overlaps of PROPOSALS at every step of rejection-sampled calls in the eager loop (see the docstring)."""
+    """The overlaps of PROPOSALS at every step of rejection-sampled calls (see the module docstring)."""
     from transformers.generation import logits_process as lp
 
-    from ..modeling import dflash_decoding
+    from ..modeling import dflash_step
     from ..modeling.dflash_acceptance import DecodingRule
     from ..modeling.dflash_processors import StepProcessors
 
@@ -55,7 +55,7 @@ def proposal_overlaps(target: Any, drafter: Any, prompts: list[dict], args: argp
                               lp.TopPLogitsWarper(settings.get("top_p", 1.0))])
     draft_logits: list[torch.Tensor] = []
     overlaps: dict[str, list[torch.Tensor]] = {name: [] for name in PROPOSALS}
-    propose, accept = DecodingRule.propose, dflash_decoding.accept
+    propose, accept = DecodingRule.propose, dflash_step.accept
 
     def spying_propose(self: Any, logits: torch.Tensor) -> Any:
         draft_logits[:] = [logits]
@@ -70,14 +70,13 @@ def proposal_overlaps(target: Any, drafter: Any, prompts: list[dict], args: argp
         overlaps["drafter's argmax"].append(p.gather(-1, logits.argmax(-1, keepdim=True))[:, 0])
         return accept(scores, drafts, do_sample, draft_probs)
 
-    DecodingRule.propose, dflash_decoding.accept = spying_propose, spying_accept
+    DecodingRule.propose, dflash_step.accept = spying_propose, spying_accept
     try:
         for i, ids in enumerate(prompts):
             torch.manual_seed(i)
-            target.generate(**ids, assistant_model=drafter, dflash_fast_path=False, max_new_tokens=args.max_new_tokens,
-                            **settings)
+            target.generate(**ids, assistant_model=drafter, max_new_tokens=args.max_new_tokens, **settings)
     finally:
-        DecodingRule.propose, dflash_decoding.accept = propose, accept
+        DecodingRule.propose, dflash_step.accept = propose, accept
     block = drafter.config.block_size
     result = {}
     for name, rows in overlaps.items():

@@ -4,8 +4,8 @@ Call i draws (from its seed) a batch size 1..4, left-padded prompts of 1..32 tok
 sampled (either acceptance rule), sometimes an eos; one call in 16 fails on purpose part-way (a stopping criterion
 that raises, ctrl-c in a streamer, an out-of-memory error from the drafter's forward). After every call: no forward
 hook left on the target or drafter. Every 8th greedy call is checked against plain generate (identical tokens).
-Every `--every` calls: resident memory (RSS), CUDA allocated memory on a GPU, and the DFlash generators still alive
-(must be 0). The first `--warmup` calls fill the allocator's caches; memory is compared from there to the end. The
+Every `--every` calls: resident memory (RSS), CUDA allocated memory on a GPU, and the DFlash proposers still alive once
+the engine held on the drafter is released (must be 0). The first `--warmup` calls fill the allocator's caches; memory is compared from there to the end. The
 target is a small random Llama (4 layers, width 128, vocabulary 512) with a 2-layer drafter of block size 8. The run
 exits with status 1 when it found a problem (each is listed in the report).
 """
@@ -72,12 +72,12 @@ def hook_count(model: torch.nn.Module) -> int:
     return sum(forward_hook_count(m) for m in model.modules())
 
 
-def live_generators() -> int:
-    from ..modeling import DFlashCandidateGenerator
+def live_proposers() -> int:
+    from ..modeling import DFlashProposer
 
     gc.collect()
     # type() rather than isinstance: isinstance would touch lazy module attributes of every object (warnings)
-    return sum(issubclass(type(o), DFlashCandidateGenerator) for o in gc.get_objects())
+    return sum(issubclass(type(o), DFlashProposer) for o in gc.get_objects())
 
 
 def rss_mb() -> float:
@@ -176,12 +176,12 @@ def run_soak(
             problems.append(f"call {i}: a forward hook stayed attached after the call (fault: {fault})")
             hooks = (hook_count(target), hook_count(drafter))
         if (i + 1) % every == 0 or i + 1 == calls or i + 1 == warmup:
-            # On a GPU the fast path keeps one step's buffers and graph on the drafter on purpose, between calls;
-            # let them go so that what stays is a leak.
+            # The drafter keeps one engine (buffers, pools, graphs on a GPU) on purpose, between calls; let it go so
+            # that what stays is a leak.
             release_fast_path(drafter)
-            alive = live_generators()
+            alive = live_proposers()
             if alive:
-                problems.append(f"after call {i}: {alive} DFlash generators still alive")
+                problems.append(f"after call {i}: {alive} DFlash proposers still alive")
             sample = {"call": i + 1, "rss_mb": round(rss_mb(), 1), "seconds": round(time.perf_counter() - start, 1)}
             if device.startswith("cuda"):
                 sample["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 2)

@@ -91,9 +91,9 @@ def rows_of(engine: Any, count: int) -> Any:
 def hold(drafter: torch.nn.Module, sequences: torch.LongTensor, attention_mask: torch.Tensor) -> HeldCall | None:
     """Hold a greedy fast-path call's output `sequences` (b, L), left-padded as `attention_mask` says, in the engine
     that served it: admitted again without their last token, which the admission chooses again (their anchor), then
-    frozen. None when no engine is held (the call took the eager loop)."""
+    frozen. None when the call's target kept its keys/values in transformers' cache (no pool to hold them in)."""
     held = getattr(drafter, "_dflash_engine", None)
-    if held is None:
+    if held is None or not held[1].target_pool.holds_keys:
         return None
     engine = held[1]
     engine.retire_all()
@@ -149,7 +149,7 @@ def step_parts_ms(held: HeldCall, timer: Any = None) -> dict[str, float]:
     acceptance) and the whole step."""
     timer = timer or graph_ms
     step, rows = held.engine, held.rows
-    with step.generator.capture:
+    with step.proposer.capture:
         return {"propose_graph_ms": timer(lambda: step.propose(rows)),
                 "verify_graph_ms": timer(lambda: step.verify(rows, None)),
                 "step_graph_ms": timer(lambda: step.step(rows))}
@@ -159,7 +159,7 @@ def gpu_step_figures(
     target: torch.nn.Module, drafter: torch.nn.Module, batch: dict[str, torch.Tensor], max_new_tokens: int
 ) -> dict[str, float]:
     """On a GPU: a greedy fast-path call on `batch`, then, over its held sequences, our step's parts and the target's
-    1-token step on the same cache, as CUDA graphs; {} when the call took the eager loop."""
+    1-token step on the same cache, as CUDA graphs; {} when the call kept its keys/values in transformers' cache."""
     out = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter)
     prompt_mask = batch["attention_mask"]
     mask = torch.nn.functional.pad(prompt_mask, (0, out.shape[1] - prompt_mask.shape[1]), value=1)
@@ -220,7 +220,7 @@ def with_gathered_context(step: Any, rows: Any) -> Any:
 
     n = rows.anchor_ids.shape[0]
     read_slots = page_slots(rows.block_tables, rows.draft_key_positions.expand(n, -1))  # (n, S)
-    view = PagedView(step.generator.cache, block_slots=rows.drafter_view.block_slots, read_slots=read_slots)
+    view = PagedView(step.proposer.cache, block_slots=rows.drafter_view.block_slots, read_slots=read_slots)
     return dataclasses.replace(rows, drafter_view=view)
 
 
@@ -275,7 +275,7 @@ def compile_drafter(held: HeldCall) -> dict[str, Any]:
     started = time.perf_counter()
     step.bind(step.processors, step.rule, False, False, compile_drafter=True)
     held.remake_rows()
-    with step.generator.capture:
+    with step.proposer.capture:
         step._prepare_drafter(held.rows)
     seconds = time.perf_counter() - started
     print(f"  compiled the drafter pass in {seconds:.1f} s" + (f": FAILED, {step.compile_error}" if step.compile_error
@@ -310,7 +310,7 @@ def measure(target: Any, drafter: Any, context: int, args: argparse.Namespace) -
                               "target_1_token_ms": target_1_token_ms(held, timer)}
     with grouped_attention(target):
         result["target_1_token_grouped_ms"] = target_1_token_ms(held, timer)
-    with step.generator.capture:
+    with step.proposer.capture:
         for name in args.variants:
             function, view, compiled = variant_setup(name)
             if compiled:
@@ -341,7 +341,7 @@ def profile(target: Any, drafter: Any, context: int, args: argparse.Namespace) -
     target's eager 1-token forward, on a fresh call at `context`."""
     held = finished_step(target, drafter, context, args.new_tokens)
     step, rows = held.engine, held.rows
-    with step.generator.capture:
+    with step.proposer.capture:
         found = {
             "verify": kernel_profile(lambda: step.verify(rows, None), args.profile_top),
             "propose": kernel_profile(lambda: step.propose(rows), args.profile_top),

@@ -1,6 +1,7 @@
-"""The eager loop on hybrid targets (Gated DeltaNet layers between full-attention ones) rolls the linear layers back by
-the one rule of the fast path and the continuous-batching engine: `LinearStates.commit` over the DynamicCache's own
-state tensors (modeling/dflash_target_cache.py's `LinearVerifyCache`).
+"""Hybrid targets (Gated DeltaNet layers between full-attention ones) whose keys/values and states stay in transformers'
+cache (`dflash_fast_path=False`, or padding between real tokens): the engine's step rolls the linear layers back by
+the one rule of the pool: `LinearStates.commit` over the DynamicCache's own state tensors
+(modeling/dflash_target_cache.py's `LinearVerifyCache`).
 
 The targets use weights at ten times the default scale, so that a linear state advanced over the wrong rows changes
 the greedy output (tests/test_hybrid_fast_path.py); each test checks that a commit that keeps one row too few does.
@@ -16,7 +17,7 @@ from hf_dflash.modeling.dflash_policy import VerifyCost, VerifyPolicy
 from tests.conftest import random_prompt, tiny_drafter
 from tests.test_batched import PAD, left_pad
 from tests.test_families import family_target
-from tests.test_greedy_identity import oracle_drafts
+from tests.test_fast_path import oracle_drafts
 
 SCALE = dict(initializer_range=0.2)
 
