@@ -970,9 +970,11 @@ class DFlashEngine(DFlashStep):
 
     # -- the step ---------------------------------------------------------------------------------------------------
 
-    def _target_cache(self, rows: slice, span: int) -> PagedTargetCache:
+    def _target_cache(self, rows: slice, span: int) -> PagedTargetCache | None:
         """The target's cache for a forward of `rows` reading positions 0..span-1 (a hybrid's: with those rows'
-        linear-attention states)."""
+        linear-attention states); None where the call's transformers cache holds the target's keys/values."""
+        if not self.target_pool.holds_keys:
+            return None
         stretch = self._stretch(rows, span) if self.contiguous_rows else None
         if not self.hybrid:
             tables = self.target_tables[rows]

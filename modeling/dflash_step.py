@@ -56,7 +56,9 @@ class StepRows:
     verify_positions: torch.Tensor  # (n, B) the positions the verify stores keys/values at (a persistent buffer)
     key_positions: torch.Tensor  # (L,) the target positions every layer reads back, in order
     draft_key_positions: torch.Tensor  # (S,) the drafter positions every layer reads back, in order
-    target_cache: Any  # a Cache-API object: `update` stores at `write_slots` and returns (n, g, L, d)
+    # a Cache-API object: `update` stores at `write_slots` and returns (n, g, L, d); None where a generate call's
+    # transformers cache holds the target's keys/values (`DFlashStep.call_cache`)
+    target_cache: Any
     drafter_view: Any  # a Cache-API object over the drafter's pages, block rows written to `block_slots`
     presence: torch.Tensor | None = None  # (n, V) the tokens the repetition penalty counts
     scores: torch.Tensor | None = None  # (n, B, V) float32 the verified rows' processed scores, when kept
@@ -199,28 +201,13 @@ class DFlashStep:
             draft_probs = draft_probs[:, : width - 1]
         positions = rows.anchor_pos[:, None] + offsets  # (n, width)
         # 3. Verify [anchor, drafts] at their positions, causally.
-        verify_positions = rows.verify_positions[:, :width]
-        verify_positions.copy_(positions)
-        rows.target_cache.write_slots = verify_positions
-        keys = rows.key_positions
-        visible = keys <= positions[:, :, None]  # (n, width, L)
         first = waiting_rows or 0
         self.proposer.capture.destination = rows.verify_rows[:, first : first + width]
         input_ids = torch.cat([rows.anchor_ids, drafts], dim=1)
         if self.call_cache is not None:  # transformers' cache, rolled back once the host has read the acceptance
             logits = self.call_cache.verify(input_ids, positions).to(input_ids.device)
         else:
-            # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
-            with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
-                with grouped_attention(self.target), _active(self.target_linears):
-                    logits = self.target(
-                        input_ids=input_ids,
-                        position_ids=positions,
-                        attention_mask=self.target_masks(visible, positions, keys),
-                        use_cache=True,
-                        logits_to_keep=width,
-                        **{self.cache_argument: rows.target_cache},
-                    ).logits
+            logits = self._verify_in_pool(rows, input_ids, positions)
         scores, tokens, accepted = self.choose(rows, logits, drafts, draft_probs)
         # never commit past max_length
         room = rows.max_length - rows.anchor_pos - 1
@@ -243,6 +230,28 @@ class DFlashStep:
             rows.scores[:, :width].copy_(scores)
         if rows.logits is not None:
             rows.logits[:, :width].copy_(logits)
+
+    def _verify_in_pool(self, rows: StepRows, input_ids: torch.LongTensor, positions: torch.Tensor) -> torch.Tensor:
+        """The verify forward of input_ids (n, w) at positions (n, w) over the pool (`rows.target_cache`): their
+        keys/values stored at their positions, each query seeing every position up to its own. Returns the logits
+        (n, w, V)."""
+        width = input_ids.shape[1]
+        verify_positions = rows.verify_positions[:, :width]
+        verify_positions.copy_(positions)
+        rows.target_cache.write_slots = verify_positions
+        keys = rows.key_positions
+        visible = keys <= positions[:, :, None]  # (n, w, L)
+        # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
+        with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
+            with grouped_attention(self.target), _active(self.target_linears):
+                return self.target(
+                    input_ids=input_ids,
+                    position_ids=positions,
+                    attention_mask=self.target_masks(visible, positions, keys),
+                    use_cache=True,
+                    logits_to_keep=width,
+                    **{self.cache_argument: rows.target_cache},
+                ).logits
 
     def prefix_lengths(self, rows: StepRows) -> torch.Tensor:
         """(n,) plain generate's input_ids length before each row's verify rows, the anchor and a generate call's
