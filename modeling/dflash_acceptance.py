@@ -1,8 +1,8 @@
 """Acceptance of a verified block: greedy, point-mass and rejection sampling, written once.
 
-Everything here is tensor work with fixed shapes and no host synchronization, so the engine's step records it inside
-its CUDA graph on a GPU and runs the same functions eagerly elsewhere. Random numbers come from the default generator (`sample`
-draws without `torch.multinomial`): a CUDA graph replays them with fresh values on every replay, and
+Everything here is tensor work with fixed shapes and no host synchronization, so the engine's step records it inside its
+CUDA graph on a GPU and runs the same functions eagerly elsewhere. Random numbers come from the default generator
+(`sample` draws without `torch.multinomial`): a CUDA graph replays them with fresh values on every replay, and
 `torch.manual_seed` before generate reproduces a run.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.

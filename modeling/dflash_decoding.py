@@ -138,7 +138,9 @@ def dflash_generate(
     return_dict = generation_config.return_dict_in_generate
     blocker = fast_path_blocker(target, drafter, attention_mask)
     if dflash_onednn_linears and (dflash_fast_path is False or blocker is not None):
-        why = f"it cannot serve this call: {blocker}" if blocker else "dflash_fast_path=False asks for transformers' cache"
+        why = f"it cannot serve this call: {blocker}" if blocker else (
+            "dflash_fast_path=False asks for transformers' cache"
+        )
         raise ValueError(f"dflash_onednn_linears=True runs on the fast path, but {why}")
     paged = takes_fast_path(dflash_fast_path, blocker, input_ids.device)
     # over transformers' cache: built (and its layers prepared) before any forward; it refuses a cache DFlash cannot

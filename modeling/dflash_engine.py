@@ -772,7 +772,9 @@ class DFlashEngine(DFlashStep):
             self.presence[row, torch.tensor(prompt, device=self.presence.device)] = True
         return sequence
 
-    def _start(self, row: int, sequence: DflashProposerState, first: torch.Tensor, logprob: torch.Tensor | None) -> None:
+    def _start(
+        self, row: int, sequence: DflashProposerState, first: torch.Tensor, logprob: torch.Tensor | None
+    ) -> None:
         """A prefilled row runs from the next step on, its first token the anchor (`logprob`: its log-probability,
         when kept)."""
         self.anchor_ids[row, 0] = first

@@ -39,9 +39,10 @@ logger = logging.get_logger(__name__)
 
 # Target families whose forward the fast path is tested with (4D masks, one per layer type, and the engine's paged
 # cache go straight through their attention: tests/test_families.py, greedy identical to plain generate); others keep
-# their keys/values in transformers' cache rather than risk a forward that reads the paged cache differently. Beyond the families of published
-# drafters: those users train drafters for, whose attention reads only the cache's `update` and windows only through
-# the mask (per-layer RoPE, NoPE layers, softcapping and scaled embeddings stay inside their own forward).
+# their keys/values in transformers' cache rather than risk a forward that reads the paged cache differently. Beyond
+# the families of published drafters: those users train drafters for, whose attention reads only the cache's `update`
+# and windows only through the mask (per-layer RoPE, NoPE layers, softcapping and scaled embeddings stay inside their
+# own forward).
 FAST_PATH_FAMILIES = (
     "llama", "qwen3", "qwen3_moe", "gpt_oss", "mistral", *HYBRID_FAMILIES,
     "qwen2", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", "granite", "smollm3", "cohere", "cohere2", "stablelm",
