@@ -43,7 +43,7 @@ def commits_seen(monkeypatch, shift: int = 0) -> list[tuple[list[int], int]]:
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_eager_loop_commits_by_the_shared_rule(family, monkeypatch):
+def test_the_step_over_transformers_cache_commits_by_the_shared_rule(family, monkeypatch):
     """A left-padded batch of 3 with acceptance varying per sequence, one sequence ending at eos early (it leaves the
     batch): equal to plain greedy, with one `commit` per verify step taking each running sequence's kept rows."""
     target = family_target(family, seed=5, **SCALE)
