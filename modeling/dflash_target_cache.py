@@ -21,8 +21,8 @@ accepted. Plain decoding never writes a row it does not keep, so what "keep" mea
   sequence's conv state at its kept rows and re-runs only the rule, once for the batch, with its gates zeroed past
   each sequence's kept rows: the layers' projections do not run again (benchmarks/families.md weighs the ways).
 
-`TargetCacheRollback` prepares and rolls back the cache; `TransformersTargetCache` is what the engine's step
-(dflash_engine.py) talks to when a generate call's target keeps its keys/values in transformers' cache rather than in
+`TransformersTargetCache` prepares the cache, runs the target's forwards over it and rolls it back; the engine's step
+(dflash_engine.py) talks to it when a generate call's target keeps its keys/values in transformers' cache rather than in
 the engine's pools (the targets `fast_path_blocker` keeps off them: split over devices, other quantizers, untested
 families, other attention, a hybrid's padding between real tokens, or `dflash_fast_path=False`).
 
@@ -137,20 +137,30 @@ class LinearVerifyCache(LinearStates):
         return getattr(self.cache, name)
 
 
-class TargetCacheRollback:
-    """Prepares the target's `cache` for DFlash and rolls it back after every verify (see the module docstring).
+class TransformersTargetCache:
+    """A generate call's target keys/values in transformers' own `cache` (generate's, still empty), for the engine's
+    step, prepared for DFlash and rolled back after every verify (see the module docstring).
+
+    The engine's row i is the cache's batch row `rows[i]`. The target reads the prompt (b, P) as plain generate does,
+    padding and all, and each verify appends its rows; `attention_mask` (b, L) hides the padding and the rows a
+    sequence rejected. When the engine's rows move (a finished sequence's row goes, the last row takes its place) the
+    cache's rows follow lazily, before the next forward: a call's last rows never leave the cache it hands back.
 
     Args:
         target: the model being decoded.
-        cache: the cache generate built for it (a `DynamicCache`), before the prompt's forward.
+        cache: the cache generate built for the call (a `DynamicCache`), before the prompt's forward.
+        attention_mask: the call's mask (b, P), 1 for real tokens.
+        cache_argument: the target forward's name for its cache.
     """
 
-    def __init__(self, target: torch.nn.Module, cache: Any):
+    def __init__(self, target: torch.nn.Module, cache: Any, attention_mask: torch.Tensor, cache_argument: str):
         problem = rollback_problem(target, cache)
         if problem is not None:
             raise ValueError(problem)
         text = target.config.get_text_config()
-        self.cache = cache
+        self.target, self.cache, self.cache_argument = target, cache, cache_argument
+        self.attention_mask = attention_mask.long()
+        self.rows = list(range(attention_mask.shape[0]))
         self.kinds = layer_kinds(cache)
         self.dtype = target.get_input_embeddings().weight.dtype
         windows = sliding_windows(cache)
@@ -166,16 +176,47 @@ class TargetCacheRollback:
         self.linear_modules = {i: layers[i].linear_attn for i, kind in enumerate(self.kinds) if kind == LINEAR}
         self.linear: LinearVerifyCache | None = None  # the linear layers' view of the verify in flight
 
-    # ---- the verify forward ------------------------------------------------------------------------------------
+    # ---- the forwards ------------------------------------------------------------------------------------------
 
-    def verify_mask(self, attention_mask: torch.Tensor, num_rows: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """What the verify forward takes as `attention_mask`; attention_mask (b, L) already holds the block's
-        `num_rows` new columns. Without sliding layers, the 2D mask itself (the model builds a causal mask, holes
-        included); with them, 4D masks that apply the window on each sequence's own positions."""
+    def prefill(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """The prompt forward of every row (b, P), as plain generate runs it: real tokens at positions 0..n-1 of their
+        row, padding hidden. Returns the last column's logits (b, 1, V)."""
+        mask = self.attention_mask
+        logits = self.target(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),  # padding at position 0, as generate numbers it
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: self.cache},
+        ).logits
+        self._drop_unseen_sliding_slots()
+        return logits
+
+    def verify(self, input_ids: torch.LongTensor, positions: torch.LongTensor) -> torch.Tensor:
+        """The verify forward of the engine's rows: input_ids (n, w) at positions (n, w). Returns the logits (n, w, V);
+        `commit` then keeps each row's accepted ones."""
+        self._move_rows()
+        device, width = self.attention_mask.device, input_ids.shape[1]
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(self.rows), width)], 1)
+        with self._verifying() as cache:
+            return self.target(
+                input_ids=input_ids.to(device),
+                attention_mask=self._verify_mask(width),
+                position_ids=positions.to(device),
+                use_cache=True,
+                logits_to_keep=width,
+                **{self.cache_argument: cache},
+            ).logits
+
+    def _verify_mask(self, num_rows: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What the verify forward takes as `attention_mask`, the mask (b, L) holding the block's `num_rows` new
+        columns. Without sliding layers, the 2D mask itself (the model builds a causal mask, holes included); with
+        them, 4D masks that apply the window on each sequence's own positions."""
         if self.window is None:
-            return attention_mask
-        real = attention_mask.bool()
-        positions = attention_mask.long().cumsum(dim=1) - 1  # (b, L): a slot's position in its own sequence
+            return self.attention_mask
+        real = self.attention_mask.bool()
+        positions = self.attention_mask.cumsum(dim=1) - 1  # (b, L): a slot's position in its own sequence
         queries = positions[:, -num_rows:]  # (b, q)
         visible = real[:, None, :] & (positions[:, None, :] <= queries[:, :, None])  # (b, q, L)
         windowed = real[:, None, :] & in_window(queries, positions, self.window)
@@ -183,9 +224,9 @@ class TargetCacheRollback:
         return target_attention_mask(visible, windowed[..., self.sliding_start :], self.mask_types, self.dtype)
 
     @contextlib.contextmanager
-    def verifying(self) -> Iterator[Any]:
+    def _verifying(self) -> Iterator[Any]:
         """Yields the cache the verify forward takes: without Gated DeltaNet layers transformers' cache itself, with
-        them a `LinearVerifyCache` over it whose linear layers wait for `rollback` to advance their states."""
+        them a `LinearVerifyCache` over it whose linear layers wait for `commit` to advance their states."""
         if not self.linear_modules:
             yield self.cache
             return
@@ -195,25 +236,21 @@ class TargetCacheRollback:
 
     # ---- after acceptance ------------------------------------------------------------------------------------
 
-    def rollback(self, attention_mask: torch.Tensor, num_rows: int, accepted: list[int]) -> torch.Tensor:
-        """Keep, per sequence, the rows of the anchor and its accepted drafts. attention_mask (b, L) includes the
-        verified block; accepted[i] drafts of sequence i were accepted. Returns the mask for the rows kept."""
+    def commit(self, num_rows: int, accepted: list[int]) -> None:
+        """After the verify of `num_rows` rows: row i keeps the rows of its anchor and accepted[i] drafts."""
         most = max(accepted)
         surplus = num_rows - 1 - most
         if surplus:  # keep rows 0..most of every sequence; a negative crop drops the rest
             for layer, kind in zip(self.cache.layers, self.kinds):
                 if kind != LINEAR:
                     layer.crop(-surplus)
-            attention_mask = attention_mask[:, : attention_mask.shape[1] - surplus]
-        else:
-            attention_mask = attention_mask.clone()
+            self.attention_mask = self.attention_mask[:, : self.attention_mask.shape[1] - surplus]
         for row, taken in enumerate(accepted):  # rows a sequence rejected are masked out for good
             if taken < most:
-                attention_mask[row, taken - most :] = 0
+                self.attention_mask[row, taken - most :] = 0
         if self.linear is not None:
             self._commit_linear(most, accepted)
-        self._drop_unseen_sliding_slots(attention_mask)
-        return attention_mask
+        self._drop_unseen_sliding_slots()
 
     def _commit_linear(self, most: int, accepted: list[int]) -> None:
         """Advance the Gated DeltaNet layers' states over each sequence's anchor and accepted drafts
@@ -229,17 +266,13 @@ class TargetCacheRollback:
             if counted is not None:
                 set_linear_token_count(self.cache.layers[i], counted + most + 1)
 
-    def after_prefill(self, attention_mask: torch.Tensor) -> None:
-        """The prompt's forward is done; attention_mask (b, P) is its mask."""
-        self._drop_unseen_sliding_slots(attention_mask)
-
-    def _drop_unseen_sliding_slots(self, attention_mask: torch.Tensor) -> None:
+    def _drop_unseen_sliding_slots(self) -> None:
         """Drop the front slots of the sliding layers that no sequence's next query can see: the next verify's first
         row (the anchor, right after the n cached tokens of its sequence, at position n) sees positions above n - W."""
         if self.window is None:
             return
-        real = attention_mask.bool()
-        positions = attention_mask.long().cumsum(dim=1) - 1  # (b, L)
+        real = self.attention_mask.bool()
+        positions = self.attention_mask.cumsum(dim=1) - 1  # (b, L)
         lengths = positions[:, -1:] + 1  # (b, 1) tokens per sequence
         seen = real & (positions > lengths - self.window)
         first_seen = int(seen.long().argmax(dim=1).min())  # a row that sees nothing (W = 1) keeps everything
@@ -251,76 +284,7 @@ class TargetCacheRollback:
                 drop_front_slots(layer, drop)
         self.sliding_start = first_seen
 
-    def keep(self, index: torch.Tensor) -> None:
-        """Carry on with the batch rows `index` only (finished sequences leave the batch)."""
-        for layer, kind in zip(self.cache.layers, self.kinds):
-            if kind == LINEAR:
-                conv, recurrent = linear_states(layer)
-                set_linear_states(layer, conv[index.to(conv.device)], recurrent[index.to(recurrent.device)])
-            else:
-                layer.batch_select_indices(index)
-
-
-class TransformersTargetCache:
-    """A generate call's target keys/values in transformers' own `cache` (generate's, still empty), for the engine's
-    step: the engine's row i is the cache's batch row `rows[i]`. The target reads the prompt (b, P) as plain generate
-    does, padding and all, and each verify appends its rows; this object keeps the 2D mask (b, L) that hides the
-    padding and the rows a sequence rejected, and moves the cache's rows when the engine's do (a finished sequence's
-    row goes, the last row takes its place), lazily, before the next forward: a call's last rows never leave the
-    cache it hands back.
-
-    Args:
-        target: the model being decoded.
-        cache: the cache generate built for the call (a `DynamicCache`), before the prompt's forward.
-        attention_mask: the call's mask (b, P), 1 for real tokens.
-        cache_argument: the target forward's name for its cache.
-    """
-
-    def __init__(self, target: torch.nn.Module, cache: Any, attention_mask: torch.Tensor, cache_argument: str):
-        self.target, self.cache, self.cache_argument = target, cache, cache_argument
-        self.rollback = TargetCacheRollback(target, cache)
-        self.attention_mask = attention_mask.long()
-        self.rows = list(range(attention_mask.shape[0]))
-
-    @property
-    def window(self) -> int | None:
-        """The target's sliding window (None without sliding layers)."""
-        return self.rollback.window
-
-    def prefill(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """The prompt forward of every row (b, P), as plain generate runs it: real tokens at positions 0..n-1 of their
-        row, padding hidden. Returns the last column's logits (b, 1, V)."""
-        mask = self.attention_mask
-        logits = self.target(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),  # padding at position 0, as generate numbers it
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_argument: self.cache},
-        ).logits
-        self.rollback.after_prefill(mask)
-        return logits
-
-    def verify(self, input_ids: torch.LongTensor, positions: torch.LongTensor) -> torch.Tensor:
-        """The verify forward of the engine's rows: input_ids (n, w) at positions (n, w). Returns the logits (n, w, V);
-        `commit` then keeps each row's accepted ones."""
-        self._move_rows()
-        device, width = self.attention_mask.device, input_ids.shape[1]
-        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(self.rows), width)], 1)
-        with self.rollback.verifying() as cache:
-            return self.target(
-                input_ids=input_ids.to(device),
-                attention_mask=self.rollback.verify_mask(self.attention_mask, width),
-                position_ids=positions.to(device),
-                use_cache=True,
-                logits_to_keep=width,
-                **{self.cache_argument: cache},
-            ).logits
-
-    def commit(self, width: int, accepted: list[int]) -> None:
-        """After the verify of `width` rows: row i keeps its anchor and accepted[i] drafts (`TargetCacheRollback`)."""
-        self.attention_mask = self.rollback.rollback(self.attention_mask, width, accepted)
+    # ---- the engine's rows -----------------------------------------------------------------------------------
 
     def move(self, row: int, last: int) -> None:
         """The engine's `row` ended and its `last` row takes its place (or `row` was the last)."""
@@ -328,15 +292,20 @@ class TransformersTargetCache:
         self.rows.pop()
 
     def _move_rows(self) -> None:
+        """Carry on with the cache's batch rows `rows` only, in that order."""
         if self.rows == list(range(self.attention_mask.shape[0])):
             return
         index = torch.tensor(self.rows, device=self.attention_mask.device)
-        self.rollback.keep(index)
+        for layer, kind in zip(self.cache.layers, self.kinds):
+            if kind == LINEAR:
+                conv, recurrent = linear_states(layer)
+                set_linear_states(layer, conv[index.to(conv.device)], recurrent[index.to(recurrent.device)])
+            else:
+                layer.batch_select_indices(index)
         self.attention_mask = self.attention_mask[index]
         self.rows = list(range(len(self.rows)))
 
 
 __all__ = [
-    "LinearVerifyCache", "TargetCacheRollback", "TransformersTargetCache", "layer_kinds", "rollback_problem",
-    "sliding_windows",
+    "LinearVerifyCache", "TransformersTargetCache", "layer_kinds", "rollback_problem", "sliding_windows",
 ]
