@@ -123,7 +123,7 @@ def warm_up(target: Any, drafter: Any, tokenizer: Any, device: str, dflash_setti
         return "engine's step (eager on a CPU)"
     block = drafter.config.block_size
     if dflash_settings.get("dflash_adaptive") or dflash_settings.get("dflash_verify_rows", block) < block:
-        return "engine's step without CUDA graphs (each step's width is chosen on the host)"
+        return "CUDA-graph fast path, each step in recorded parts (its width chosen on the host between them)"
     return "CUDA-graph fast path"
 
 

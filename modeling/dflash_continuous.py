@@ -236,8 +236,9 @@ class DFlashContinuousBatchingManager:
     @torch.no_grad()
     def warmup(self) -> None:
         """Where the engine runs static shapes (recorded as CUDA graphs on a GPU), pay the one-time costs before
-        serving, so the first real requests do not wait for them: on a GPU, record the step of greedy rows at every
-        row bucket and span bucket for requests of up to `RECORD_SPAN_LIMIT` positions (`DFlashEngine.record_shapes`,
+        serving, so the first real requests do not wait for them: on a GPU, record the step of greedy rows (under a
+        verify policy, each of its parts) at every row bucket and span bucket for requests of up to
+        `RECORD_SPAN_LIMIT` positions (`DFlashEngine.record_shapes`,
         as transformers' manager records its graphs here), then run one short greedy request (its prefill: kernels
         chosen, memory cached). Its row and pages are free again afterwards; greedy requests' tokens do not change.
         Elsewhere nothing to do, as transformers' own manager does nothing without graphs or compilation. It waits

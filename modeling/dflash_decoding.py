@@ -113,9 +113,9 @@ def dflash_generate(
     `acceptance_lengths` measure the drafter and a run repeats exactly: with a policy the widths follow measured
     timings, which changes tau and, under sampling, which random numbers are drawn (the tokens stay exactly
     target-distributed, and greedy tokens never change). True makes a policy for this call; a `VerifyPolicy`
-    instance is used as given, and its cost fit carries over from call to call. With a policy or a
-    `dflash_verify_rows` cap the engine's steps run without a graph (the width is chosen on the host), and at small
-    batches a GPU verifies 16 rows in about the time of one.
+    instance is used as given, and its cost fit carries over from call to call. On a GPU a policy's steps run as
+    two recorded graphs, the drafter's and the verify's at the width chosen on the host between them (rounded up to a
+    power of two); at small batches a GPU verifies 16 rows in about the time of one.
     `dflash_onednn_linears` (a generate keyword): on a CPU, whether the engine runs the drafter's pass and every
     verify (drafts, or a plain step) over float32 linear weights prepacked for oneDNN (dflash_cpu_linears.py; a
     second copy of them, held with the engine until `release_fast_path(drafter)`). None (the default): where it pays

@@ -30,7 +30,8 @@ running sequence never waits for memory: a request that does not fit now waits (
 refused with a ValueError naming the limit (`check_request`).
 
 How many rows a step verifies is a `VerifyPolicy`'s (dflash_policy.py) choice when `adaptive` is on (by default
-where the engine runs on a CPU, where a verify costs about in proportion to its rows): per step it decides whether to
+where the engine runs on a CPU, where a verify costs about in proportion to its rows; on a GPU when asked): per step
+it decides whether to
 draft at all (a plain step verifies each anchor alone and skips the drafter's layers; the last verify's rows still
 become drafter context, at once or with the next drafted step), and after drafting how many rows (anchor + drafts)
 to verify, from each sequence's drafter confidence and recent acceptance and the verify cost it measures per batch
@@ -41,12 +42,16 @@ the drafts drawn), and accepting a prefix of fewer drafts is the same acceptance
 captured waiting behind the rows already waiting, where every row waits the same count (`waiting_rows`): the next
 drafted step stores them as drafter context in one pass. Without a policy every step verifies the full block, or a
 bound generate call's `dflash_verify_rows`.
+At static shapes (a GPU) a step whose width is chosen runs in two recorded parts (`StepPart`): the drafter's, whose
+drafts' confidence the host reads, then the verify at the chosen width rounded up to a power of two (`_width_bucket`),
+so that a few graphs per shape serve every width; a plain step is one part, and no row waits there (every drafted
+step stores all B captured rows, which on a GPU costs about what one does).
 
 Buffers belong to the engine, which its caller owns: the manager (dflash_continuous.py), or `generate`'s fast path
 (dflash_fast_path.py), which keeps one engine per drafter, its rows each one stretch of the pools (`contiguous_rows`).
 Each step reads the device once (the verified tokens and accepted counts), twice with a policy (the drafts'
-confidence, before choosing the width). Without a policy a CUDA device replays each step's shape as a recorded
-graph (`static_shapes`); with one, steps run eagerly.
+confidence, before choosing the width). A CUDA device replays each step's shape, or each part's, as a recorded graph
+(`static_shapes`).
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -139,6 +144,16 @@ class EngineRows(StepRows):
     top_p: torch.Tensor | None = None  # (n,) float32
     repetition_penalty: torch.Tensor | None = None  # (n,) float32, 1: off
     logprobs: torch.Tensor | None = None  # (n, B) float32: the log-probability of each verified row's token, if kept
+
+
+class StepPart(NamedTuple):
+    """What one run of a static-shape step computes (each kind and width records its own graphs): "step", draft and
+    verify `width` rows, the whole step; a step whose width the policy chooses on the host between its parts:
+    "draft" (the drafts and their confidence, `width` unused) then "verify" (`width` rows of those drafts), or
+    "plain" (the captured rows become context, and the anchor alone is verified; `width` 1)."""
+
+    kind: str
+    width: int
 
 
 class RowScoring(NamedTuple):
@@ -251,7 +266,7 @@ class DFlashEngine(DFlashStep):
             prompts admitted together share forwards of at most this many positions (on a CPU at most
             `CPU_PACK_TOKENS`): `pack_tokens`.
         static_shapes: run every step at a bucketed shape, which a CUDA device records once as a CUDA graph per
-            shape and then replays (None, the default: on a CUDA device, unless `adaptive` is on). The rows run at
+            shape and then replays (None, the default: on a CUDA device). The rows run at
             the next power of two (rows past the running ones are idle: inactive, their pages a scratch page no
             sequence holds) and the span at the next power of two of STATIC_SPAN_BUCKET. On a CPU (True) the same padded
             step runs eagerly.
@@ -259,8 +274,8 @@ class DFlashEngine(DFlashStep):
             docstring). None (the default): on where the engine runs on a CPU without static shapes, off elsewhere
             (a GPU verifies a block in about the time of one row at small batches); True: a new
             `VerifyPolicy(whole_batch=True)`; a `VerifyPolicy`: that one, as given (its cost fit carries over; one
-            engine at a time). Its steps run eagerly at the running rows' shape (the width is chosen on the host
-            between the drafter and the verify, which a recorded step cannot do), so it excludes static shapes.
+            engine at a time). The width is chosen on the host between the drafter and the verify: without static
+            shapes its steps run eagerly at the running rows' shape, with them in two recorded parts (`StepPart`).
         return_logprobs: whether each committed token's log-probability is kept (`take_logprobs`): under the
             scores its token was chosen from (the raw logits of a greedy row, a sampled row's processed ones), as
             transformers' manager reports them with `return_logprobs`.
@@ -298,11 +313,6 @@ class DFlashEngine(DFlashStep):
     ):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
-        if static_shapes and adaptive not in (None, False):
-            raise ValueError(
-                "adaptive (the verify policy) and static_shapes (CUDA graphs) exclude each other: the policy chooses a "
-                "step's width on the host between the drafter and the verify; turn one of them off"
-            )
         text = target.config.get_text_config()
         if transformers_cache and (static_shapes or onednn_linears):
             raise ValueError("an engine over transformers' cache runs its steps eagerly, without oneDNN weights")
@@ -337,7 +347,7 @@ class DFlashEngine(DFlashStep):
         # bitsandbytes' quantized layers are not tested inside a CUDA graph: their steps run eagerly
         graphs_allowed = device.type == "cuda" and paged and not bitsandbytes_quantized(target)
         if static_shapes is None:
-            static_shapes = graphs_allowed and adaptive in (None, False)
+            static_shapes = graphs_allowed
         self.static_shapes = static_shapes
         self.use_graphs = self.static_shapes and graphs_allowed
         # with static shapes, one page of each pool is the idle rows' scratch: never handed out, never read unmasked
@@ -373,6 +383,10 @@ class DFlashEngine(DFlashStep):
         self.max_length = torch.zeros(b, **long)
         self.active = torch.zeros(b, **long)  # 1 for rows 0..n-1, which run; 0 for the idle rows after them
         self.drafts = torch.zeros(b, block - 1, **long)
+        # A step in parts (`StepPart`): the drafts' confidence the host reads between them, and under a bound call's
+        # rejection sampling the distributions the drafts were drawn from (b, B - 1, V), allocated by `bind`.
+        self.confidence = torch.zeros(b, block - 1, dtype=torch.float32, device=device)
+        self.draft_probs: torch.Tensor | None = None
         self.out = torch.zeros(b, block + 1, **long)
         self.verify_positions = torch.zeros(b, block, **long)
         self.draft_block_slots = torch.zeros(b, block, **long)
@@ -412,9 +426,9 @@ class DFlashEngine(DFlashStep):
             self.scratch = (self.target_pool.take(1)[0], self.drafter_pool.take(1)[0])
             for row in range(b):
                 self._idle(row)
-        # CUDA graphs by shape (rows, span, `RowScoring`); shapes run once eagerly before being recorded
-        self.graphs: dict[tuple[int, int, RowScoring], torch.cuda.CUDAGraph] = {}
-        self.warmed_shapes: set[tuple[int, int, RowScoring]] = set()
+        # CUDA graphs by shape (`StepPart`, rows, span, `RowScoring`); shapes run once eagerly before being recorded
+        self.graphs: dict[tuple[StepPart, int, int, RowScoring], torch.cuda.CUDAGraph] = {}
+        self.warmed_shapes: set[tuple[StepPart, int, int, RowScoring]] = set()
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # One stream for every shape's first, eager run: the caching allocator keeps freed memory per stream, so a new
         # stream per shape would hold each shape's working memory apart and ask the driver for fresh memory every time.
@@ -570,10 +584,10 @@ class DFlashEngine(DFlashStep):
         and decoding rule (the drafts sampled from the drafter under rejection sampling) instead of per-request
         settings, and the step writes the verify rows' scores / logits out when the call returns them. The call's
         `policy` (its `dflash_adaptive`) chooses each step's width, and `verify_rows` (its `dflash_verify_rows`,
-        default the block) caps it; either makes the steps run eagerly at the width chosen. `tokens[i]`: call row
-        i's ids so far as plain generate holds them (the call's host hooks keep them up to date), read by the
-        processors that run on the host, whose steps run eagerly too. A recorded graph baked in what it was recorded
-        with: the graphs are kept only for a call that computes the same."""
+        default the block) caps it (at static shapes the steps run at widths of `_width_bucket`). `tokens[i]`: call
+        row i's ids so far as plain generate holds them (the call's host hooks keep them up to date), read by the
+        processors that run on the host, whose steps run eagerly at the running rows' shape. A recorded graph baked
+        in what it was recorded with: the graphs are kept only for a call that computes the same."""
         self.policy = policy
         self.verify_cap = verify_rows or self.block_size
         self.call_tokens = tokens if processors.host_only else None
@@ -582,6 +596,13 @@ class DFlashEngine(DFlashStep):
             self._drop_graphs()
             self.drafter_passes = {}
             self.compile_drafter = compile_drafter
+        # a step in parts under rejection sampling hands the drafts' distributions from one part to the next
+        in_parts = rule.rejection and self.static_shapes and policy is not None
+        if in_parts != (self.draft_probs is not None):
+            self._drop_graphs()  # a recorded verify part reads the buffer it was recorded with
+            self.draft_probs = torch.zeros(
+                self.max_batch_size, self.block_size - 1, self.vocab_size, device=self.anchor_ids.device
+            ) if in_parts else None
         same = (rule, processors.signature, (keep_scores, keep_logits)) == (
             self.rule, self.processors.signature, kept
         )
@@ -1089,11 +1110,27 @@ class DFlashEngine(DFlashStep):
             padding=self.padding[:n],
         )
 
-    def _run_rows(self, n: int, span: int, scoring: RowScoring) -> None:
+    def _run_rows(self, n: int, span: int, scoring: RowScoring, part: StepPart | None = None) -> None:
+        """Run `part` (default: the whole step at the full width) over rows 0..n-1, reading positions 0..span-1."""
+        part = part or StepPart("step", self.block_size)
         with one_call_at_a_time(self.target, self.drafter), self.proposer.capture:
             rows = self._rows(n, span, scoring)
-            self._prepare_drafter(rows)
-            self.step(rows)
+            if part.kind == "plain":
+                self.store_context(rows)
+                self.verify(rows, None, 1)
+            elif part.kind == "verify":
+                self.verify(rows, None if self.draft_probs is None else self.draft_probs[:n], part.width)
+            else:
+                self._prepare_drafter(rows)
+                proposal, draft_logits = self.propose(rows)
+                if part.kind == "step":
+                    self.verify(rows, proposal.probs, part.width)
+                else:  # "draft": what the host and the verify part read
+                    self.confidence[:n].copy_(
+                        width_confidence(proposal, draft_logits, self.drafter.config.is_dflash2)
+                    )
+                    if self.draft_probs is not None:
+                        self.draft_probs[:n].copy_(proposal.probs)
 
     def _prepare_drafter(self, rows: EngineRows) -> None:
         """When a bound generate call compiles the drafter's pass (`bind`), compile it for this many rows and run it
@@ -1131,33 +1168,50 @@ class DFlashEngine(DFlashStep):
         logger.info(f"DFlash: compiled the drafter's pass for {n} rows in {time.perf_counter() - started:.1f} s")
         self.drafter_passes[n] = compiled
 
-    def _run_static(self, n: int, span: int, scoring: RowScoring) -> None:
-        """The padded step at shape (n, span): on a CUDA device its first run is eager, on a side stream (the warm-up a
-        capture needs; it is a real step), its second records the graph, which then replays; elsewhere eager."""
-        shape = (n, span, scoring)
+    def _run_static(self, part: StepPart, n: int, span: int, scoring: RowScoring) -> bool:
+        """`part` of the padded step at shape (n, span): on a CUDA device its first run is eager, on a side stream (the
+        warm-up a capture needs; it is a real step), its second records the graph, which then replays; elsewhere
+        eager. Returns whether its time is a step's (a replay, or an eager run without graphs), not a first run's."""
+        shape = (part, n, span, scoring)
         if not self.use_graphs:
-            self._run_rows(n, span, scoring)
-        elif shape in self.graphs:
+            self._run_rows(n, span, scoring, part)
+            return True
+        if shape in self.graphs:
             self.graphs[shape].replay()
-        elif shape not in self.warmed_shapes:
+            return True
+        if shape not in self.warmed_shapes:
             side = self.warm_up_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._run_rows(n, span, scoring)
+                self._run_rows(n, span, scoring, part)
             torch.cuda.current_stream().wait_stream(side)
             self.warmed_shapes.add(shape)
         else:  # recording runs nothing: the replay right after it is the step
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._run_rows(n, span, scoring)
+                self._run_rows(n, span, scoring, part)
             self.graphs[shape] = graph
             graph.replay()
+        return False
+
+    def _width_bucket(self, width: int) -> int:
+        """The width a step in parts verifies for a chosen `width`: the next power of two, at most `verify_cap`
+        (more verified drafts never change the output, and at most log2(B) + 1 verify graphs per shape)."""
+        return min(1 << (width - 1).bit_length(), self.verify_cap)
+
+    def _static_parts(self) -> list[StepPart]:
+        """Every part a static step may run under the current policy and cap."""
+        if self.policy is None:
+            return [StepPart("step", self.verify_cap)]
+        widths = {self._width_bucket(width) for width in range(1, self.verify_cap + 1)}
+        return [StepPart("draft", self.block_size), StepPart("plain", 1), *(StepPart("verify", w) for w in widths)]
 
     @torch.no_grad()
     def record_shapes(self) -> None:
-        """With static shapes and no sequence running, run the step of greedy rows twice at every row bucket and span
-        bucket up to `RECORD_SPAN_LIMIT` positions (the largest shapes first, so that on a GPU the smaller graphs
-        reuse their memory in the shared pool), over idle rows: on a CUDA device its eager run, then its recording,
+        """With static shapes and no sequence running, run the step of greedy rows (or under a policy each of its
+        parts, `_static_parts`) twice at every row bucket and span bucket up to `RECORD_SPAN_LIMIT` positions (the
+        largest shapes first, so that on a GPU the smaller graphs reuse their memory in the shared pool), over idle
+        rows: on a CUDA device its eager run, then its recording,
         so that requests of up to that many positions never wait for a new shape while they are served, as
         transformers' manager records its graphs in `warmup`. Idle rows commit nothing and write only the scratch
         pages. Nothing to do without static shapes or while sequences run."""
@@ -1168,8 +1222,9 @@ class DFlashEngine(DFlashStep):
         shapes = {self._static_shape(n, span) for n in range(1, self.max_batch_size + 1)
                   for span in [*range(1, longest, STATIC_SPAN_BUCKET), longest]}
         for rows, span in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
-            for _ in range(2):
-                self._run_static(rows, span, greedy)
+            for part in self._static_parts():
+                for _ in range(2):
+                    self._run_static(part, rows, span, greedy)
 
     @torch.no_grad()
     def run_step(self) -> dict[Hashable, list[int]]:
@@ -1182,9 +1237,12 @@ class DFlashEngine(DFlashStep):
         span = self._step_span()
         scoring = RowScoring.of([sequence.sampling for sequence in self.sequences])
         keys = [sequence.key for sequence in self.sequences]
-        width, confidence, draft_seconds = self.block_size, None, None
-        # Eager, at the running rows' shape: a width chosen between draft and verify, or processors called on the host
-        on_host = self.policy is not None or self.verify_cap < self.block_size or self.call_tokens is not None
+        width, confidence, draft_seconds, verify_started = self.verify_cap, None, None, None
+        # Eager, at the running rows' shape: processors called on the host, or without static shapes a width chosen
+        # between draft and verify
+        on_host = self.call_tokens is not None or not self.static_shapes and (
+            self.policy is not None or self.verify_cap < self.block_size
+        )
         if on_host:
             with one_call_at_a_time(self.target, self.drafter), self.proposer.capture:
                 started = time.perf_counter()
@@ -1193,19 +1251,20 @@ class DFlashEngine(DFlashStep):
                 verify_started = time.perf_counter()
                 draft_seconds = None if confidence is None else verify_started - started
                 self.verify(rows, draft_probs, width, self.waiting_rows if waits else None)
+        elif self.static_shapes and self.policy is not None:
+            width, confidence, draft_seconds, verify_started = self._run_in_parts(n, span, scoring, keys)
         elif self.static_shapes:
-            self._run_static(*self._static_shape(n, span), scoring)
+            self._run_static(StepPart("step", width), *self._static_shape(n, span), scoring)
         else:
             self._run_rows(n, span, scoring)
         out = self.out[:n].tolist()  # the step's host synchronization (the policy's second)
         accepted = [row[self.block_size] for row in out]
         if self.call_cache is not None:
             self.call_cache.commit(width, accepted)
+        if self.policy is not None:
+            verify_seconds = None if verify_started is None else time.perf_counter() - verify_started
+            self.policy.record(keys, width, accepted, confidence, draft_seconds, verify_seconds)
         if on_host:
-            if self.policy is not None:
-                self.policy.record(
-                    keys, width, accepted, confidence, draft_seconds, time.perf_counter() - verify_started
-                )
             if waits:  # a plain step's row joins those waiting
                 self.waiting_rows = self.context_rows = self.waiting_rows + 1
             else:
@@ -1233,6 +1292,29 @@ class DFlashEngine(DFlashStep):
         sequence = next(sequence for sequence in self.sequences if sequence.key == key)
         taken, sequence.logprobs = sequence.logprobs, []
         return taken
+
+    def _run_in_parts(
+        self, n: int, span: int, scoring: RowScoring, keys: list[Hashable]
+    ) -> tuple[int, list[list[float]] | None, float | None, float | None]:
+        """A step at a static shape whose width the policy chooses: the drafter's part, the host's choice from the
+        drafts' confidence, then the verify's part at that width's bucket (`_width_bucket`); or, when the policy
+        skips the drafter, the plain part. Returns the width verified, the drafts' confidence (None on a plain step),
+        the drafter part's seconds, and when the verify part started (each None where that part ran for the first
+        time at its shape: a warm-up or a recording is no step's timing)."""
+        rows, span = self._static_shape(n, span)
+        # no row commits more than its room: a verify wider than the largest room would only cost
+        cap = min(self.verify_cap, max(sequence.max_length - sequence.position - 1 for sequence in self.sequences))
+        confidence, draft_seconds, part = None, None, StepPart("plain", 1)
+        if cap > 1 and self.policy.should_draft(keys):
+            started = time.perf_counter()
+            timed = self._run_static(StepPart("draft", self.block_size), rows, span, scoring)
+            # Read from the drafter's state alone (`width_confidence`), as in `_draft_at_width`.
+            confidence = self.confidence[:n].tolist()
+            draft_seconds = time.perf_counter() - started if timed else None
+            part = StepPart("verify", self._width_bucket(self.policy.width(keys, confidence, cap)))
+        verify_started = time.perf_counter()
+        timed = self._run_static(part, rows, span, scoring)
+        return part.width, confidence, draft_seconds, verify_started if timed else None
 
     def _draft_at_width(
         self, rows: EngineRows, keys: list[Hashable]
@@ -1262,7 +1344,7 @@ class DFlashEngine(DFlashStep):
 
 
 __all__ = [
-    "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DRAFTER_RECOMPILE_LIMIT", "DFlashEngine", "EngineRows",
+    "CPU_PACK_TOKENS", "DEFAULT_MEMORY_SEQUENCES", "DRAFTER_RECOMPILE_LIMIT", "DFlashEngine", "EngineRows", "StepPart",
     "DflashProposerState", "PREFILL_CHUNK", "PagedHybridCache", "PagedTargetCache", "RECORD_SPAN_LIMIT", "SPAN_BUCKET",
     "STATIC_SPAN_BUCKET", "bucket_size", "compile_drafter_pass",
 ]

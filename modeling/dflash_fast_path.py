@@ -14,8 +14,9 @@ exactly as plain generate would stop and report. The call's logits processors an
 
 Which calls the fast path serves, and the warning that says why one does not: dflash_fast_path_blockers.py. On a
 CPU the engine runs the same step without a graph, which is how CI tests it. A call's verify policy
-(`dflash_adaptive`) or `dflash_verify_rows` makes its steps choose their width on the host, and processors that read
-the whole prefix are called there: those steps run without a graph on any device, as do a bitsandbytes target's.
+(`dflash_adaptive`) chooses each step's width on the host between two recorded parts of the step (the drafter's and
+the verify's); processors that read the whole prefix are called on the host, so those steps run without a graph on
+any device, as do a bitsandbytes target's.
 
 The drafter's pass of the step (its context keys/values, masks, layers and the lm_head over the draft rows: our own
 code) is compiled with torch.compile (inductor, fixed shapes) before a graph records it, so the graph replays

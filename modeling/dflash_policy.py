@@ -348,12 +348,14 @@ class VerifyPolicy:
 
     def record(
         self, live: Sequence[Hashable], rows: int, accepted: Sequence[int],
-        confidence: Sequence[Sequence[float]] | None, draft_seconds: float | None, verify_seconds: float,
+        confidence: Sequence[Sequence[float]] | None, draft_seconds: float | None, verify_seconds: float | None,
     ) -> None:
         """One step's outcome: it verified `rows` rows per live sequence and sequence i accepted accepted[i] drafts;
-        confidence (b, B - 1) of the drafts (None when it did not draft), and its timings."""
+        confidence (b, B - 1) of the drafts (None when it did not draft), and its timings (the verify's None when
+        the step's time is no measure of its cost: a CUDA graph's first run or recording)."""
         self.widths.append(rows)
-        self.cost.record(len(live), rows, verify_seconds, draft_seconds)
+        if verify_seconds is not None:
+            self.cost.record(len(live), rows, verify_seconds, draft_seconds)
         decay = self.decay
         for i, seq in enumerate(live):
             stats = self.stats[seq]

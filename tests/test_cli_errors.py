@@ -362,7 +362,7 @@ def test_warm_up_names_the_path_and_why_the_fast_path_is_not_taken(monkeypatch):
     warm_up = hf_dflash.generate_cli.warm_up
     assert warm_up(target, drafter, None, "cuda", {}) == "CUDA-graph fast path"
     assert warm_up(target, drafter, None, "cuda", {"dflash_verify_rows": 2}) == (
-        "engine's step without CUDA graphs (each step's width is chosen on the host)"
+        "CUDA-graph fast path, each step in recorded parts (its width chosen on the host between them)"
     )
     assert warm_up(target, drafter, None, "cpu", {}) == "engine's step (eager on a CPU)"
     monkeypatch.setattr(dflash_decoding, "fast_path_blocker", lambda *args: "a reason the engine cannot serve it")

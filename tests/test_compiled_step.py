@@ -180,9 +180,9 @@ def test_a_process_compiles_more_drafter_shapes_than_dynamos_default_limit(trace
     shapes = set()
     run_rows = dflash_engine.DFlashEngine._run_rows
 
-    def record(self, n, span, scoring):
+    def record(self, n, span, scoring, part=None):
         shapes.add((n, span))
-        run_rows(self, n, span, scoring)
+        run_rows(self, n, span, scoring, part)
 
     dflash_engine.DFlashEngine._run_rows = record
     try:

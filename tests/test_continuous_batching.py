@@ -197,7 +197,7 @@ def check_schedule(family: str, plans: list[dict], max_batch_size: int, small_po
         engine = manager.engine
         run_at = []  # the rows of every step run, idle ones included
         run_rows = engine._run_rows
-        engine._run_rows = lambda n, span, scoring: run_at.append((n, span)) or run_rows(n, span, scoring)
+        engine._run_rows = lambda n, span, *rest: run_at.append((n, span)) or run_rows(n, span, *rest)
         manager.warmup()
         del engine._run_rows
         # with static shapes, the step ran over idle rows at every row bucket and at every span bucket up to
@@ -265,8 +265,8 @@ def test_greedy_identity_with_static_shapes(family):
         engine = check_schedule(family, [*FIXED_PLANS, long_request], max_batch_size=4, small_pool=False,
                                 static_shapes=True)
     assert engine.static_shapes and not engine.use_graphs
-    assert {rows for _, rows, _, _ in shapes} == {1, 2, 4} and {span for _, _, span, _ in shapes} == {256, 512}
-    assert any(running < rows for running, rows, _, _ in shapes)  # idle rows ran beside running ones
+    assert {rows for _, _, rows, _, _ in shapes} == {1, 2, 4} and {span for *_, span, _ in shapes} == {256, 512}
+    assert any(running < rows for running, _, rows, _, _ in shapes)  # idle rows ran beside running ones
     assert engine.pool_usage()["target_pages_used"] == 0 and engine.compute_free_capacity() == 1.0
 
 

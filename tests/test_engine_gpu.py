@@ -77,7 +77,7 @@ def test_warmup_records_every_row_bucket_and_requests_then_replay_only():
     manager.warmup()
     engine = manager.engine
     recorded = set(engine.graphs)
-    assert {rows for rows, _, _ in recorded} == {1, 2, 4, 6}  # every row bucket of 6 rows, recorded ahead
+    assert {rows for _, rows, _, _ in recorded} == {1, 2, 4, 6}  # every row bucket of 6 rows, recorded ahead
     prompts = [random_prompt(n, seed=n)[0].tolist() for n in (5, 13, 8, 21, 3)]
     arrivals = {0: [dict(input_ids=prompt, request_id=f"r{i}") for i, prompt in enumerate(prompts)]}
     outputs, _, _ = run_schedule(manager, arrivals, {})
@@ -85,5 +85,31 @@ def test_warmup_records_every_row_bucket_and_requests_then_replay_only():
         new = len(outputs[f"r{i}"][-1].generated_tokens)
         assert outputs[f"r{i}"][-1].generated_tokens == plain_greedy(target, prompt, new)
     assert set(engine.graphs) == recorded and engine.row_steps > 0  # the steps replayed what warmup recorded
+    usage = engine.pool_usage()
+    assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+def test_a_policy_chooses_each_width_between_recorded_parts_on_the_gpu(family):
+    """The verify policy on a GPU: each step runs as recorded parts (the drafter's, then the verify at the chosen
+    width's bucket, or a plain step), drawn widths of every bucket; each request equals its plain greedy."""
+    from hf_dflash.modeling.dflash_engine import StepPart
+    from tests.test_engine_policy import DrawnWidths
+
+    target = (tiny_target(family) if family != "qwen3_5_text" else family_target(family, seed=3)).cuda()
+    drafter = tiny_drafter(target).cuda()
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=3, adaptive=DrawnWidths(4))
+    manager.warmup()
+    engine = manager.engine
+    recorded = set(engine.graphs)
+    arrivals, cancels, expected, _ = schedule(FIXED_PLANS, lambda prompt, new: plain_greedy(target, prompt, new))
+    outputs, _, _ = run_schedule(manager, arrivals, cancels)
+    cancelled = {request_id for ids in cancels.values() for request_id in ids}
+    for request_id, reference in expected.items():
+        if request_id not in cancelled:
+            assert outputs[request_id][-1].generated_tokens == reference, request_id
+    block = drafter.config.block_size
+    assert engine.use_graphs and {StepPart("draft", block), StepPart("plain", 1)} <= {shape[0] for shape in recorded}
+    assert {1, 2, 4} <= set(engine.width_steps) and set(engine.graphs) == recorded  # replays only after warmup
     usage = engine.pool_usage()
     assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0

@@ -5,7 +5,8 @@ the verify or skips drafting (fixed costs force each), and while a drawn policy 
 an oracle drafter proposes the reference continuation with planted mistakes, so that narrow steps accept drafts and
 the drafter context written at one width is read at another. Every test checks that the engine verified what the
 policy chose (a policy silently ignored fails). Sampled requests stay target-distributed with the policy narrowing,
-and a seeded sampled run repeats given fixed costs.
+and a seeded sampled run repeats given fixed costs. With static shapes (what a GPU records as CUDA graphs, run
+eagerly here) the same hold for the step in parts: padded rows, widths rounded up to their buckets, no waiting rows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from transformers import GenerationConfig
 from hf_dflash.modeling.dflash_acceptance import Proposal
 from hf_dflash.modeling.dflash_capture import TargetHiddenCapture
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager
-from hf_dflash.modeling.dflash_engine import DFlashEngine
+from hf_dflash.modeling.dflash_engine import DFlashEngine, StepPart, bucket_size
 from hf_dflash.modeling.dflash_policy import VerifyCost, VerifyPolicy
 from tests.conftest import random_prompt, scratch_draft_logits, tiny_drafter, tiny_target
 from tests.test_continuous_batching import (
@@ -105,12 +106,18 @@ def verify_widths(target: torch.nn.Module) -> Iterator[Counter]:
         handle.remove()
 
 
-def check_policy_schedule(plans: list[dict], max_batch_size: int, kind: str, wrong_every: int) -> DFlashEngine:
+def check_policy_schedule(
+    plans: list[dict], max_batch_size: int, kind: str, wrong_every: int, static_shapes: bool = False
+) -> tuple[DFlashEngine, list[tuple[StepPart, int, int]]]:
+    """Run the plans under a `make_policy(kind)` policy with the oracle drafter and check every request against
+    plain greedy and the verify widths against the policy's. Returns the engine, and with static shapes every part
+    run: (part, rows it ran at, rows running)."""
     target, _ = pair("llama")
     drafter = tiny_drafter(target, block_size=BLOCK)
     policy = make_policy(kind, seed=len(plans))
-    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=max_batch_size, adaptive=policy)
-    assert manager.engine.policy is policy
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=max_batch_size, adaptive=policy,
+                                              static_shapes=static_shapes)
+    assert manager.engine.policy is policy and manager.engine.static_shapes == static_shapes
     arrivals, expected = {}, {}
     for i, plan in enumerate(plans):
         prompt = random_prompt(plan["prompt_length"], seed=plan["seed"])[0].tolist()
@@ -118,6 +125,11 @@ def check_policy_schedule(plans: list[dict], max_batch_size: int, kind: str, wro
         arrivals.setdefault(plan["arrival"], []).append(dict(
             input_ids=prompt, request_id=f"r{i}", max_new_tokens=plan["max_new_tokens"], streaming=True,
         ))
+    parts = []  # with static shapes: (part, rows run, rows running) of every part run
+    run_static = manager.engine._run_static
+    manager.engine._run_static = lambda part, n, *shape: (
+        parts.append((part, n, len(manager.engine.sequences))) or run_static(part, n, *shape)
+    )
     with oracle(manager.engine, expected, wrong_every), verify_widths(target) as seen:
         outputs, scheduler, _ = run_schedule(manager, arrivals, {})
     for request_id, reference in expected.items():
@@ -128,7 +140,14 @@ def check_policy_schedule(plans: list[dict], max_batch_size: int, kind: str, wro
     # the engine verified exactly what the policy chose, and the target's forwards had those widths
     assert engine.width_steps == Counter(policy.widths) == seen, (engine.width_steps, policy.widths, seen)
     assert not policy.stats and not engine.sequences  # every request left the policy with its row
-    return engine
+    if static_shapes:  # the step ran in parts, each verify at a width bucket (1, 2, 4 or the block), rows padded
+        assert set(engine.width_steps) <= {1, 2, 4, BLOCK}, engine.width_steps
+        verified = Counter(part.width for part, _, _ in parts if part.kind != "draft")
+        assert verified == engine.width_steps and {part.kind for part, _, _ in parts} <= {"draft", "verify", "plain"}
+        assert all(rows == bucket_size(running, max_batch_size) for _, rows, running in parts)
+    else:
+        assert not parts
+    return engine, parts
 
 
 @pytest.mark.parametrize("kind", ["narrow", "plain", "drawn"])
@@ -137,7 +156,7 @@ def check_policy_schedule(plans: list[dict], max_batch_size: int, kind: str, wro
 def test_greedy_identity_under_drawn_schedules_with_the_policy(kind, plans, max_batch_size, wrong_every):
     for plan in plans:  # eos and cancellations are covered by test_continuous_batching.py; widths are the point here
         plan.update(eos_at=None, cancel_after=None)
-    engine = check_policy_schedule(plans, max_batch_size, kind, wrong_every)
+    engine, _ = check_policy_schedule(plans, max_batch_size, kind, wrong_every)
     steps = sum(engine.width_steps.values())
     if steps >= 4 and kind == "narrow":
         assert any(1 < width < BLOCK for width in engine.width_steps), engine.width_steps
@@ -145,34 +164,69 @@ def test_greedy_identity_under_drawn_schedules_with_the_policy(kind, plans, max_
         assert engine.width_steps[1] > 0, engine.width_steps
 
 
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(plans=request_plans, max_batch_size=st.integers(1, 4), wrong_every=st.sampled_from([3, 1000]))
+def test_greedy_identity_under_drawn_schedules_with_the_policy_at_static_shapes(plans, max_batch_size, wrong_every):
+    for plan in plans:
+        plan.update(eos_at=None, cancel_after=None)
+    check_policy_schedule(plans, max_batch_size, "drawn", wrong_every, static_shapes=True)
+
+
+def test_warmup_at_static_shapes_runs_every_part_of_the_policys_step():
+    """The manager's warmup runs (on a GPU: records) the drafter's part, the plain part and the verify part at every
+    width bucket, at every row bucket; requests then still equal plain greedy."""
+    target, _ = pair("llama")
+    drafter = tiny_drafter(target, block_size=BLOCK)
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=4, static_shapes=True,
+                                              adaptive=make_policy("drawn", seed=2))
+    engine, runs = manager.engine, []
+    run_static = engine._run_static
+    engine._run_static = lambda part, n, *shape: runs.append((part, n)) or run_static(part, n, *shape)
+    manager.warmup()
+    widths = [StepPart("verify", width) for width in (1, 2, 4, BLOCK)]
+    assert {part for part, _ in runs} == {StepPart("draft", BLOCK), StepPart("plain", 1), *widths}
+    assert {(part, n) for part in widths for n in (1, 2, 4)} <= set(runs)
+    prompts = {f"r{i}": random_prompt(n, seed=40 + i)[0].tolist() for i, n in enumerate((7, 12, 3))}
+    arrivals = {0: [dict(input_ids=prompt, request_id=key, max_new_tokens=20) for key, prompt in prompts.items()]}
+    outputs, _, _ = run_schedule(manager, arrivals, {})
+    assert all(outputs[key][-1].generated_tokens == plain_greedy(target, prompt, 20) for key, prompt in prompts.items())
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
 @pytest.mark.parametrize("kind", ["narrow", "plain", "drawn"])
-def test_a_fixed_schedule_with_the_policy_accepts_drafts_at_narrow_widths(kind):
+def test_a_fixed_schedule_with_the_policy_accepts_drafts_at_narrow_widths(kind, static_shapes):
     plans = [
         dict(prompt_length=5, max_new_tokens=30, arrival=0, seed=1),
         dict(prompt_length=23, max_new_tokens=17, arrival=0, seed=2),
         dict(prompt_length=2, max_new_tokens=25, arrival=1, seed=3),
         dict(prompt_length=31, max_new_tokens=12, arrival=4, seed=4),
     ]
-    engine = check_policy_schedule(plans, 3, kind, wrong_every=5)
+    # 4 rows with static shapes: three running requests step padded to 4
+    engine, parts = check_policy_schedule(plans, 4 if static_shapes else 3, kind, 5, static_shapes=static_shapes)
     widths = engine.width_steps
     assert engine.accepted_drafts > 0
-    if kind == "narrow":
-        assert any(1 < width < BLOCK for width in widths) and sum(widths.values()) < 40, widths
+    assert not static_shapes or any(rows > running for _, rows, running in parts)
+    if kind == "narrow":  # it chooses 5 of 6 rows here, which static shapes verify at the bucket of 6
+        assert sum(widths.values()) < 40 and (static_shapes or any(1 < width < BLOCK for width in widths)), widths
     elif kind == "plain":
         assert widths[1] > sum(widths.values()) // 2, widths
     else:
-        assert widths[1] > 0 and len(widths) >= 4, widths
+        assert widths[1] > 0 and len(widths) >= 4 and any(1 < width < BLOCK for width in widths), widths
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
 @torch.no_grad()
-def test_the_drafter_reads_exactly_the_committed_context_whatever_the_widths_were():
+def test_the_drafter_reads_exactly_the_committed_context_whatever_the_widths_were(static_shapes):
     """At every drafted step, after plain steps and verifies of every width, each row's draft logits equal the
     drafter run from scratch over the target's rows of exactly its committed tokens: rows written past the accepted
-    ones (or never captured by a narrower verify) are never read."""
+    ones (or never captured by a narrower verify) are never read. With static shapes every drafted step stores all B
+    captured rows, stale ones included, and rows run padded."""
     target, _ = pair("llama")
     drafter = tiny_drafter(target, block_size=BLOCK)
     policy = make_policy("drawn", seed=11)
-    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=3, adaptive=policy)
+    # 4 rows with static shapes: three running requests step padded to 4
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=4 if static_shapes else 3,
+                                              adaptive=policy, static_shapes=static_shapes)
     engine = manager.engine
     prompts = {f"r{i}": random_prompt(n, seed=20 + i)[0].tolist() for i, n in enumerate((6, 17, 3, 11))}
     references = {key: plain_greedy(target, prompt, 28) for key, prompt in prompts.items()}
@@ -220,16 +274,19 @@ def one_thread_capture(capture: TargetHiddenCapture) -> Iterator[None]:
         yield
 
 
-def test_sampled_requests_follow_the_target_with_the_policy_narrowing():
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_sampled_requests_follow_the_target_with_the_policy_narrowing(static_shapes):
     """Vocabulary 4, three new tokens, temperature 1: a fixed cost narrows most drafted steps to 2 or 3 of 4 rows
-    and skips drafting on others; the samples still fit the target's own distribution."""
+    (with static shapes: 2 of 4) and skips drafting on others; the samples still fit the target's own
+    distribution."""
     target = tiny_target("llama", seed=3, vocab_size=4)
     with torch.no_grad():
         target.lm_head.weight.mul_(4)
     drafter = tiny_drafter(target, mask_token_id=3)
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=3, eos_token_id=-1)
     policy = make_policy("drawn", seed=7)
-    manager = DFlashContinuousBatchingManager(target, drafter, config, max_batch_size=16, adaptive=policy)
+    manager = DFlashContinuousBatchingManager(target, drafter, config, max_batch_size=16, adaptive=policy,
+                                              static_shapes=static_shapes)
     prompt, samples = [0, 1, 2, 1], 800
     requests = [dict(input_ids=prompt, request_id=f"s{i}") for i in range(samples)]
     torch.manual_seed(0)
@@ -268,10 +325,9 @@ def test_the_option_defaults_to_on_on_a_cpu_and_passes_through_the_entry_points(
     assert DFlashEngine(target, drafter, max_batch_size=2, adaptive=False).policy is None
     with pytest.raises(ValueError, match="adaptive must be True, False, None"):
         DFlashEngine(target, drafter, adaptive="yes")
-    # static shapes (CUDA graphs) replay whole steps: the policy, which chooses widths mid-step, is off with them
+    # static shapes (a GPU's default) keep the full width unless asked; asked, the policy runs the step in parts
     assert DFlashEngine(target, drafter, max_batch_size=2, static_shapes=True).policy is None
-    with pytest.raises(ValueError, match="exclude each other"):
-        DFlashEngine(target, drafter, static_shapes=True, adaptive=True)
+    assert DFlashEngine(target, drafter, max_batch_size=2, static_shapes=True, adaptive=True).policy.whole_batch
     policy = make_policy("plain")
     manager = target.init_continuous_batching(generation_config=GREEDY, assistant_model=drafter,
                                               dflash_adaptive=policy)

@@ -76,6 +76,29 @@ def test_a_sampled_step_is_graph_replayed_and_a_seed_reproduces_it(family):
     assert graphed(drafter) and torch.equal(runs[0], runs[1])
 
 
+def test_a_calls_policy_chooses_widths_between_recorded_parts():
+    """`dflash_adaptive` on a GPU: the call's steps run as recorded parts at the widths its policy draws (1, 2, 4 and
+    8 rows, and plain steps), greedy equal to plain generate; under rejection sampling a seed reproduces the run."""
+    from tests.test_engine_policy import DrawnWidths
+
+    target = build("qwen3")
+    drafter = tiny_drafter(target, block_size=8).cuda()
+    for batch, pads in PADDINGS:
+        ids, mask = padded_batch(batch, pads)
+        common = dict(attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0)
+        plain = target.generate(ids, **common)
+        fast = target.generate(ids, assistant_model=drafter, dflash_adaptive=DrawnWidths(batch), **common)
+        engine = drafter._dflash_engine[1]
+        assert graphed(drafter) and {1, 2, 4, 8} <= set(engine.width_steps) and torch.equal(fast, plain)
+    sampled = dict(max_new_tokens=48, do_sample=True, temperature=0.8, pad_token_id=0, dflash_sampling="rejection")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(target.generate(ids, attention_mask=mask, assistant_model=drafter, dflash_adaptive=DrawnWidths(9),
+                                    **sampled))
+    assert drafter._dflash_engine[1].draft_probs is not None and torch.equal(runs[0], runs[1])
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5", "qwen3_next"])
 def test_hybrid_targets_equal_plain_greedy_with_the_step_graph_replayed(family):
     target = family_target(family, seed=3, initializer_range=0.2).cuda()

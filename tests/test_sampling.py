@@ -4,6 +4,8 @@ graph)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import (
@@ -12,6 +14,8 @@ from transformers import (
 )
 
 from hf_dflash.modeling.dflash_acceptance import DecodingRule, exponential_race_sample, inverse_cdf_sample, sample
+from hf_dflash.modeling import dflash_fast_path
+from hf_dflash.modeling.dflash_engine import DFlashEngine
 from hf_dflash.modeling.dflash_fast_path import release_fast_path
 from tests.conftest import tiny_drafter, tiny_target
 from tests.test_fast_path import oracle_drafts
@@ -190,6 +194,36 @@ def test_a_token_after_an_accepted_draft_follows_the_target_distribution(rule, f
     torch.manual_seed(2)
     outs = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, fast, SAMPLED)
     # the second and third tokens came from one verify, its first draft accepted, for many of the sequences
+    together = sum(lengths[0] > 1 for out in outs for lengths in out.acceptance_lengths)
+    assert together > SAMPLES // 10, together
+    samples = torch.cat([out.sequences[:, prompt.shape[1] : prompt.shape[1] + 3] for out in outs])
+    assert_tuples_follow(samples, triple, greedy[0, prompt.shape[1] : prompt.shape[1] + 3].tolist())
+
+
+def test_a_call_whose_policy_chooses_widths_at_static_shapes_samples_the_target_distribution(monkeypatch):
+    """The step in parts that a GPU records when a call's policy chooses each width (`StepPart`; here its static
+    shapes run eagerly): under rejection sampling the drafts' distributions pass from the drafter's part to the
+    verify's through the engine's buffer, at every width and around plain steps, and the first three sampled tokens
+    still follow the target (six are drawn, so that the first verify may take the whole block)."""
+    from tests.test_engine_policy import DrawnWidths
+
+    monkeypatch.setattr(dflash_fast_path, "DFlashEngine", functools.partial(DFlashEngine, static_shapes=True))
+    target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
+    prompt = torch.tensor([[3, 7, 1, 4]])
+    triple = triple_probabilities(target, prompt)
+    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
+    policy = DrawnWidths(seed=5)
+    torch.manual_seed(3)
+    with oracle_drafts(greedy.repeat(SAMPLES // 5, 1), 10**6, vocab=SMALL_VOCAB):
+        outs = [
+            target.generate(prompt.repeat(SAMPLES // 5, 1), max_new_tokens=6, assistant_model=drafter,
+                            dflash_sampling="rejection", dflash_adaptive=policy, **SAMPLED)
+            for _ in range(5)
+        ]
+    engine = drafter._dflash_engine[1]
+    assert engine.static_shapes and engine.draft_probs is not None and {1, 2, 4} <= set(engine.width_steps)
+    release_fast_path(drafter)
     together = sum(lengths[0] > 1 for out in outs for lengths in out.acceptance_lengths)
     assert together > SAMPLES // 10, together
     samples = torch.cat([out.sequences[:, prompt.shape[1] : prompt.shape[1] + 3] for out in outs])

@@ -60,19 +60,21 @@ class EngineStateMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from(sorted(DRAFTERS)),
         max_batch_size=st.integers(1, 4),
-        mode=st.sampled_from(["full", "static", "policy"]),
+        mode=st.sampled_from(["full", "static", "policy", "static-policy"]),
         contiguous=st.booleans(),
         small_pool=st.booleans(),
         prefill_chunk=st.sampled_from([3, 512]),
     )
     def start(self, block_size, max_batch_size, mode, contiguous, small_pool, prefill_chunk):
-        """A fresh engine: full-width steps, padded static steps (what a GPU records, run eagerly), or a policy's."""
+        """A fresh engine: full-width steps, padded static steps (what a GPU records, run eagerly), a policy's, or a
+        policy's at static shapes (the step in the parts a GPU records)."""
         self.drafter = DRAFTERS[block_size]
         self.block_size = block_size
-        self.policy = DrawnPolicy() if mode == "policy" else None
+        self.policy = DrawnPolicy() if mode.endswith("policy") else None
         self.engine = DFlashEngine(
             TARGET, self.drafter, max_batch_size=max_batch_size, max_tokens=128 if small_pool else None,
-            max_sequence_length=MAX_PROMPT + MAX_NEW, prefill_chunk=prefill_chunk, static_shapes=mode == "static",
+            max_sequence_length=MAX_PROMPT + MAX_NEW, prefill_chunk=prefill_chunk,
+            static_shapes=mode.startswith("static"),
             adaptive=False if self.policy is None else self.policy, contiguous_rows=contiguous, onednn_linears=False,
         )
         self.contiguous = contiguous
