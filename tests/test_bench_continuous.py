@@ -126,6 +126,17 @@ def test_cb_cuda_graphs_reaches_the_drafters_manager(options, tmp_path):
     assert "--cb-cuda-graphs on" in report["command"]
 
 
+def test_the_full_width_arm_runs_beside_the_policy_at_static_shapes(options, tmp_path):
+    # static shapes with the policy: the step in parts a GPU records, run eagerly here
+    report = run_continuous(tmp_path, *options, "--requests", "2", "--concurrency", "2", "--max-new-tokens", "6",
+                            "--arms", "cb-drafter", "cb-drafter-full", "--adaptive", "--cb-cuda-graphs", "on")
+    runs = {run["arm"]: run for run in report["runs"]}
+    assert all(run["completed"] == 2 and run["identical_to_plain"]["identical"] == 2 for run in runs.values())
+    assert runs["cb-drafter"]["engine"]["policy"] is True and runs["cb-drafter"]["engine"]["static_shapes"] is True
+    assert runs["cb-drafter-full"]["engine"]["policy"] is False
+    assert list(runs["cb-drafter-full"]["engine"]["width_steps"]) == ["4"]
+
+
 def test_a_poisson_arrival_and_one_arm(options, tmp_path):
     report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "2", "--max-new-tokens", "4",
                             "--rate", "20", "--seed", "1", "--arms", "cb")

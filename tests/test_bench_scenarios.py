@@ -314,10 +314,12 @@ def test_dflash2_parts_times_each_part_of_both_drafters(tmp_path):
 
 def test_engine_step_times_the_eager_and_the_static_step(tmp_path, capsys):
     report = run_scenario("engine-step", tmp_path, "--shape", "tiny", "--requests", "1", "3", "--steps", "2",
-                          "--warmup", "2", "--prompt-tokens", "9")
+                          "--warmup", "2", "--prompt-tokens", "9", "--modes", "eager", "static", "policy")
     assert [row["requests"] for row in report["rows"]] == [1, 3]
     for row in report["rows"]:
-        assert row["eager_ms_per_step"] > 0 and row["static_ms_per_step"] > 0
+        assert row["eager_ms_per_step"] > 0 and row["static_ms_per_step"] > 0 and row["policy_ms_per_step"] > 0
+        assert all(1 <= row[f"{mode}_tokens_per_step"] <= 8 for mode in ("eager", "static", "policy"))
+        assert row["policy_over_static_tokens_per_s"] > 0 and sum(row["policy_width_steps"].values()) == 4
         assert row["static_graphs"] == 0  # a CPU runs the padded step eagerly
         assert row["admit_alone_ms"] > 0 and row["admit_packed_ms"] > 0
     # three steps timed at each request count, largest first, as a batch shrinks

@@ -7,6 +7,8 @@ are in flight waits for one to end):
   the step it is sent and leaves it the step it ends;
 - `cb-drafter`: the same manager API with `assistant_model=drafter`, where `init_continuous_batching` takes one
   (the report says why not where it does not: the arm is then not run);
+- `cb-drafter-full` (not run unless named in `--arms`): `cb-drafter` with the verify policy off, every step verifying
+  the whole block, beside `cb-drafter` under the policy (`--adaptive`) to show what the policy gains;
 - `cb-freed`: `cb` with the calling thread's OpenMP threads freed before `start`, as our manager's `start` does on a
   CPU (modeling/dflash_openmp.py): it separates what the drafter gains from what the worker thread's faster steps
   gain;
@@ -39,7 +41,7 @@ sequence and step).
 `--cb-max-requests` sets both managers' `max_requests_per_batch` (default: each its own: transformers' holds as many
 as its step's tokens allow, ours `DEFAULT_MAX_BATCH_SIZE` rows), and `--cb-cuda-graphs on|off` both managers'
 `use_cuda_graph` (default: each its own: transformers' records graphs where its attention needs no mask, so not for
-SDPA; ours wherever it runs on a GPU without the verify policy).
+SDPA; ours wherever it runs on a GPU).
 """
 
 from __future__ import annotations
@@ -58,11 +60,13 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import harness
 
-ARMS = ("cb", "cb-freed", "cb-drafter", "generate-batches")
+ARMS = ("cb", "cb-freed", "cb-drafter", "cb-drafter-full", "generate-batches")
+DEFAULT_ARMS = ("cb", "cb-freed", "cb-drafter", "generate-batches")
 ARM_LABELS = {
     "cb": "transformers continuous batching",
     "cb-freed": "transformers continuous batching, caller's OpenMP threads freed",
     "cb-drafter": "transformers continuous batching + drafter",
+    "cb-drafter-full": "transformers continuous batching + drafter, full-width steps",
     "generate-batches": "our generate, fixed batches",
 }
 DEFAULT_TARGET, DEFAULT_PROMPTS = "smollm2", "humaneval"
@@ -110,9 +114,11 @@ def continuous_run(
     target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int,
     args: argparse.Namespace,
     pad_token_id: int, request_tokens: int, drafter: torch.nn.Module | None, free_caller_threads: bool = False,
+    adaptive: bool | None = None,
 ) -> tuple[float, dict[str, Any] | None]:
-    """Serve `requests` through a continuous-batching manager (with `assistant_model=drafter` when given), filling
-    each request's record. `request_tokens`: what one request may hold in the cache (the default cache's size).
+    """Serve `requests` through a continuous-batching manager (with `assistant_model=drafter` when given, its verify
+    policy as `adaptive` says), filling each request's record. `request_tokens`: what one request may hold in the
+    cache (the default cache's size).
     `free_caller_threads`: free this thread's OpenMP threads before `start` (our manager does it itself).
     Returns the seconds the manager's `warmup` took, and with a drafter its engine's rows and what it did over the
     timed run (`engine_steps`), else None."""
@@ -128,7 +134,7 @@ def continuous_run(
         cb_config.use_cuda_graph = args.cb_cuda_graphs == "on"
     page_size = getattr(cb_config, "page_size", None) or cb_config.block_size  # named page_size from 5.25
     cb_config.num_blocks = args.cb_num_blocks or cache_pages(concurrency, request_tokens, page_size)
-    extra = {} if drafter is None else {"assistant_model": drafter, "dflash_adaptive": args.adaptive}
+    extra = {} if drafter is None else {"assistant_model": drafter, "dflash_adaptive": adaptive}
     manager = target.init_continuous_batching(generation_config=generation_config,
                                               continuous_batching_config=cb_config, **extra)
     started = time.perf_counter()
@@ -376,8 +382,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     plain = {i: generate_in_batches(target, [prompts[i % len(prompts)]], pad_token_id, 1, progress=False,
                                     max_new_tokens=args.max_new_tokens, do_sample=False)[0] for i in checked}
 
-    unavailable = {"cb-drafter": reason} if "cb-drafter" in args.arms and (reason := drafter_arm_unavailable(target)) \
-        else {}
+    reason = drafter_arm_unavailable(target)
+    unavailable = {arm: reason for arm in ("cb-drafter", "cb-drafter-full") if arm in args.arms and reason}
     for arm, why in unavailable.items():
         print(f"{ARM_LABELS[arm]}: not available: {why}", flush=True)
     runs = []
@@ -388,9 +394,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if arm == "generate-batches":
                 fixed_batches_run(target, prompts, requests, concurrency, args, pad_token_id, drafter)
             else:
+                drafted = arm.startswith("cb-drafter")
                 warmup_s, engine = continuous_run(target, prompts, requests, concurrency, args, pad_token_id,
-                                                  request_tokens, drafter if arm == "cb-drafter" else None,
-                                                  free_caller_threads=arm == "cb-freed")
+                                                  request_tokens, drafter if drafted else None,
+                                                  free_caller_threads=arm == "cb-freed",
+                                                  adaptive=False if arm == "cb-drafter-full" else args.adaptive)
             run = {"arm": arm, "concurrency": concurrency, **figures(requests), "identical_to_plain":
                    identity(requests, plain)}
             if warmup_s is not None:  # the manager's warmup, before the timed run
@@ -486,7 +494,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per arm and concurrency: no request is sent after it, those in flight are cut")
     parser.add_argument("--check", type=int, default=8,
                         help="the first N requests are compared with plain greedy generate at batch 1 (default: 8)")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(DEFAULT_ARMS))
     parser.add_argument("--cb-num-blocks", type=int, default=None,
                         help="pages of each manager's cache (default: enough for --concurrency requests of the longest "
                         "prompt, --max-new-tokens and a drafter's block)")

@@ -6,10 +6,15 @@ device synchronized around them):
 - `eager`: every step at the running batch's own shape, op by op;
 - `static`: every step padded to its bucketed shape (rows and span rounded up to powers of two), which a GPU runs
   once, then records as a CUDA graph and replays; on a CPU the padded step runs eagerly, which shows what the padding
-  costs there.
-`--shape smollm2` (the default) is SmolLM2-135M-Instruct's shape with random weights and the shipped drafter; `tiny`
-a small Llama and a random drafter for it (for checks). Random weights accept almost no drafts, so every step
-verifies a whole block for every request: the figure is what a step costs, not how many tokens it commits.
+  costs there;
+- `policy` (with `--modes`): `static` with the engine's verify policy choosing each step's width, the step in the
+  parts a GPU records (the drafter's, then the verify at the chosen width, or a plain step).
+`--shape smollm2` (the default) is SmolLM2-135M-Instruct's shape with random weights and the shipped drafter;
+`qwen3-8b` Qwen3-8B's shape (as a Llama: the same matrices) with a random 5-layer drafter of block 16, the size of
+the published ones; `tiny` a small Llama and a random drafter for it (for checks). Random weights accept almost no
+drafts, so a full-width step verifies a whole block for every request and commits one token each: the figure is what
+a step costs. Each mode also reports the tokens it committed per request and step, and tokens per second: where
+drafts are never accepted, what the policy saves by verifying fewer rows, or none (plain steps), shows there.
 
 Before the steps, the same requests' admission is timed both ways, each in a fresh engine after one untimed round
 (the first forward at a new shape costs more): `alone`, one prefill forward per request (`admit`), and `packed`,
@@ -40,15 +45,21 @@ SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                     tie_word_embeddings=True),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                     rope_theta=1000000.0),
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
 }
-MODES = {"eager": False, "static": True}  # mode -> the engine's static_shapes
+MODES = {"eager": (False, False), "static": (True, False), "policy": (True, True)}  # -> (static_shapes, adaptive)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2",
-                        help="smollm2 (default: its shape, random weights, the shipped drafter) or tiny")
+                        help="smollm2 (default: its shape, random weights, the shipped drafter), qwen3-8b or tiny")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager", "static"],
+                        help="how the engine steps (default: eager static; policy adds the verify policy at static "
+                        "shapes)")
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16], help="running requests, one row each")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--prefill-chunk", type=int, default=2048,
@@ -79,12 +90,14 @@ def models(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[t
     from ..modeling import DFlashConfig, DFlashDraftModel
 
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape])).to(device, dtype).eval()
+    with torch.device(device):  # initialized where it runs: a CPU takes minutes to initialize 8B random weights
+        target = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape])).to(dtype).eval()
     if args.shape == "smollm2":
         drafter = DFlashDraftModel.from_pretrained(DEFAULT_DRAFTER, dtype=dtype)
     else:
-        drafter = DFlashDraftModel(DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=8,
-                                                           mask_token_id=SHAPES["tiny"]["vocab_size"] - 1))
+        layers, block = (5, 16) if args.shape == "qwen3-8b" else (1, 8)
+        drafter = DFlashDraftModel(DFlashConfig.for_target(target.config, num_hidden_layers=layers, block_size=block,
+                                                           mask_token_id=SHAPES[args.shape]["vocab_size"] - 1))
     return target, drafter.to(device, dtype).eval()
 
 
@@ -124,18 +137,20 @@ def admit_seconds(engine: object, requests: list[tuple], packed: bool) -> float:
 
 
 @torch.no_grad()
-def seconds_per_step(engine: object, args: argparse.Namespace, requests: int, vocab: int) -> float:
+def seconds_per_step(engine: object, args: argparse.Namespace, requests: int, vocab: int) -> tuple[float, float]:
+    """Seconds per timed step, and tokens committed per request and step."""
     for request in admissions(args, requests, vocab):
         engine.admit(*request)
     for _ in range(args.warmup):
         engine.run_step()
     device = engine.anchor_ids.device
     harness.synchronize(device)
+    committed = 0
     start = time.perf_counter()
     for _ in range(args.steps):
-        engine.run_step()
+        committed += sum(map(len, engine.run_step().values()))
     harness.synchronize(device)
-    return (time.perf_counter() - start) / args.steps
+    return (time.perf_counter() - start) / args.steps, committed / (requests * args.steps)
 
 
 @torch.no_grad()
@@ -194,10 +209,10 @@ def run(args: argparse.Namespace) -> int:
     length = args.prompt_tokens + args.warmup + args.steps + 1
     rows_memory = max(args.requests) * (length + drafter.config.block_size + 16)  # whole pages for every request
 
-    def engine_for(static: bool) -> DFlashEngine:  # full-width steps both ways (the verify policy is off)
+    def engine_for(static: bool, adaptive: bool = False) -> DFlashEngine:
         return DFlashEngine(target, drafter, max_batch_size=max(args.requests), max_sequence_length=length,
                             max_tokens=rows_memory, prefill_chunk=args.prefill_chunk, static_shapes=static,
-                            adaptive=False)
+                            adaptive=adaptive)
 
     for requests in args.requests:
         row = {"requests": requests}
@@ -207,14 +222,23 @@ def run(args: argparse.Namespace) -> int:
             seconds = admit_seconds(engine_for(False), work, packed)
             row[f"admit_{'packed' if packed else 'alone'}_ms"] = 1000 * seconds
         row["admit_alone_over_packed"] = row["admit_alone_ms"] / row["admit_packed_ms"]
-        for mode, static in MODES.items():
-            engine = engine_for(static)
-            row[f"{mode}_ms_per_step"] = 1000 * seconds_per_step(engine, args, requests, target.config.vocab_size)
+        for mode in args.modes:
+            engine = engine_for(*MODES[mode])
+            seconds, tokens = seconds_per_step(engine, args, requests, target.config.vocab_size)
+            row[f"{mode}_ms_per_step"] = 1000 * seconds
+            row[f"{mode}_tokens_per_step"] = tokens  # per request
+            row[f"{mode}_tokens_per_s"] = requests * tokens / seconds
             row[f"{mode}_graphs"] = len(engine.graphs)
-        row["eager_over_static"] = row["eager_ms_per_step"] / row["static_ms_per_step"]
-        print(f"{requests:>3} requests: eager {row['eager_ms_per_step']:.2f} ms, static "
-              f"{row['static_ms_per_step']:.2f} ms per step ({row['static_graphs']} CUDA graphs), eager / static "
-              f"{row['eager_over_static']:.2f}x; admitted one by one {row['admit_alone_ms']:.1f} ms, packed "
+            if MODES[mode][1]:  # what the policy chose over the warm-up and timed steps
+                row[f"{mode}_width_steps"] = {str(width): n for width, n in sorted(engine.width_steps.items())}
+            print(f"{requests:>3} requests, {mode}: {1000 * seconds:.2f} ms per step, {tokens:.2f} tokens per "
+                  f"request and step, {row[f'{mode}_tokens_per_s']:.0f} tokens/s ({len(engine.graphs)} CUDA graphs)",
+                  flush=True)
+        if {"eager", "static"} <= set(args.modes):
+            row["eager_over_static"] = row["eager_ms_per_step"] / row["static_ms_per_step"]
+        if {"policy", "static"} <= set(args.modes):
+            row["policy_over_static_tokens_per_s"] = row["policy_tokens_per_s"] / row["static_tokens_per_s"]
+        print(f"{requests:>3} requests admitted one by one {row['admit_alone_ms']:.1f} ms, packed "
               f"{row['admit_packed_ms']:.1f} ms ({row['admit_alone_over_packed']:.2f}x)", flush=True)
         rows.append(row)
     for recorded_ahead, name in ((False, "new_shapes"), (True, "recorded_ahead")):
@@ -226,8 +250,8 @@ def run(args: argparse.Namespace) -> int:
             report["record_shapes_ms"] = record_ms
         if device.startswith("cuda"):
             report[f"{name}_peak_memory_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-    report.update(shape=args.shape, dtype=str(dtype).removeprefix("torch."), prompt_tokens=args.prompt_tokens,
-                  prefill_chunk=args.prefill_chunk, pack_tokens=engine_for(False).pack_tokens,
+    report.update(shape=args.shape, modes=args.modes, dtype=str(dtype).removeprefix("torch."),
+                  prompt_tokens=args.prompt_tokens, prefill_chunk=args.prefill_chunk, pack_tokens=engine_for(False).pack_tokens,
                   statistic=f"mean of {args.steps} steps after {args.warmup} warm-up steps; admission: one round "
                   "after an untimed one", rows=rows)
     harness.write_report(args.out, report, plot)
@@ -239,11 +263,11 @@ def plot(report: dict, path: Path) -> None:
     figure, (axis, admit_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
     rows = report["rows"]
     groups = [str(row["requests"]) for row in rows]
-    graphs = any(row["static_graphs"] for row in rows)
-    harness.grouped_bars(axis, groups, {
-        "eager": [row["eager_ms_per_step"] for row in rows],
-        "CUDA graphs" if graphs else "static shapes, eager": [row["static_ms_per_step"] for row in rows],
-    }, "ms per step")
+    graphs = any(row.get("static_graphs") or row.get("policy_graphs") for row in rows)
+    labels = {"eager": "eager", "static": "CUDA graphs" if graphs else "static shapes, eager",
+              "policy": "verify policy, " + ("CUDA graphs" if graphs else "static shapes, eager")}
+    harness.grouped_bars(axis, groups, {labels[mode]: [row[f"{mode}_tokens_per_s"] for row in rows]
+                                        for mode in report["modes"]}, "committed tokens / s")
     axis.set_xlabel("running requests")
     axis.set_title(f"engine step, {report['shape']} shape ({report['dtype']}), {report['machine']} "
                    f"({report['date'][:10]})", fontsize=9)
