@@ -137,22 +137,16 @@ def dflash_generate(
     host_hooks = HostHooks(input_ids, generation_config, stopping_criteria, streamer)
     return_dict = generation_config.return_dict_in_generate
     blocker = fast_path_blocker(target, drafter, attention_mask)
-    if dflash_onednn_linears and (dflash_fast_path is False or blocker is not None):
-        why = f"it cannot serve this call: {blocker}" if blocker else (
-            "dflash_fast_path=False asks for transformers' cache"
-        )
-        raise ValueError(f"dflash_onednn_linears=True runs on the fast path, but {why}")
     paged = takes_fast_path(dflash_fast_path, blocker, input_ids.device)
     # over transformers' cache: built (and its layers prepared) before any forward; it refuses a cache DFlash cannot
     # roll back
     call_cache = None if paged else TransformersTargetCache(target, cache, attention_mask, cache_argument(target))
     engine = engine_for(
-        target, drafter, input_ids.shape[0], max_length, dflash_onednn_linears if paged else False,
-        transformers_cache=not paged,
+        target, drafter, input_ids.shape[0], max_length, dflash_onednn_linears, transformers_cache=not paged,
     )
-    # a width chosen per step (the policy, or the cap) and processors that read each row's prefix run on the host:
-    # those steps run without a graph
-    on_host = policy is not None or verify_rows < block_size or bool(processors.host_only)
+    # processors that read each row's prefix run on the host: those steps run without a graph, where the compiled
+    # drafter's pass gains little (a width chosen per step runs between recorded parts, the drafter's compiled)
+    on_host = bool(processors.host_only)
     compile_drafter = engine.use_graphs and not on_host if dflash_compile is None else dflash_compile
     engine.bind(
         processors, rule, host_hooks.keep_scores, host_hooks.keep_logits, compile_drafter, policy, verify_rows,

@@ -293,7 +293,7 @@ class DFlashEngine(DFlashStep):
             generate call's own transformers cache (`admit_call`'s `call_cache`) instead of the engine's pool: for
             the calls whose target the pool cannot serve (`fast_path_blocker`). The target then runs its own
             attention and masks, as in plain generate; the drafter's side, the step and its policy are the same.
-            Implies `contiguous_rows`, eager steps and no oneDNN weights.
+            Implies `contiguous_rows` and eager steps (on a CPU its verifies run the same oneDNN products).
     """
 
     def __init__(
@@ -314,8 +314,8 @@ class DFlashEngine(DFlashStep):
         if adaptive is not None and not isinstance(adaptive, (bool, VerifyPolicy)):
             raise ValueError(f"adaptive must be True, False, None (on on a CPU) or a VerifyPolicy, got {adaptive!r}")
         text = target.config.get_text_config()
-        if transformers_cache and (static_shapes or onednn_linears):
-            raise ValueError("an engine over transformers' cache runs its steps eagerly, without oneDNN weights")
+        if transformers_cache and static_shapes:
+            raise ValueError("an engine over transformers' cache runs its steps eagerly, at the running rows' shape")
         paged = not transformers_cache  # whether the engine's pool holds the target's keys/values
         if paged and text.model_type in HYBRID_FAMILIES and (blocker := hybrid_blocker(target)) is not None:
             raise ValueError(f"DFlash continuous batching cannot serve this target: {blocker}")
@@ -357,7 +357,7 @@ class DFlashEngine(DFlashStep):
         super().__init__(target, drafter, proposer, cache_argument(target))
         if onednn_linears and device.type != "cpu":
             raise ValueError(f"onednn_linears=True asks for oneDNN's CPU products, but this engine runs on {device}")
-        if onednn_linears is not False and device.type == "cpu" and paged:
+        if onednn_linears is not False and device.type == "cpu":
             self.use_onednn_linears(required=onednn_linears is True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         # Over transformers' cache the target's pool only counts pages (every layer keyless), and its linear states

@@ -205,7 +205,8 @@ class DFlashStep:
         self.proposer.capture.destination = rows.verify_rows[:, first : first + width]
         input_ids = torch.cat([rows.anchor_ids, drafts], dim=1)
         if self.call_cache is not None:  # transformers' cache, rolled back once the host has read the acceptance
-            logits = self.call_cache.verify(input_ids, positions).to(input_ids.device)
+            with _active(self.target_linears):
+                logits = self.call_cache.verify(input_ids, positions).to(input_ids.device)
         else:
             logits = self._verify_in_pool(rows, input_ids, positions)
         scores, tokens, accepted = self.choose(rows, logits, drafts, draft_probs)

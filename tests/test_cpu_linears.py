@@ -115,11 +115,13 @@ class _NeverDrafts(VerifyPolicy):
         return False
 
 
+@pytest.mark.parametrize("pool", [True, False], ids=["pool", "transformers-cache"])
 @pytest.mark.parametrize("policy, batch", [(None, 2), ("never drafts", 1), ("never drafts", 2)])
-def test_generate_runs_every_verify_on_the_packed_weights_and_stays_plain_greedy(products, policy, batch):
+def test_generate_runs_every_verify_on_the_packed_weights_and_stays_plain_greedy(products, policy, batch, pool):
     """Full-width steps run the target's verify and the drafter's pass on the packed weights, and so does every plain
-    step, of one sequence (one row, where oneDNN's product is no slower than MKL's) or of several; the prompt's
-    forward runs the target's own layers."""
+    step, of one sequence (one row, where oneDNN's product is no slower than MKL's) or of several, wherever the
+    target's keys/values live (the engine's pool, or transformers' cache); the prompt's forward runs the target's own
+    layers."""
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=8)
     input_ids = random_prompt(12, batch=batch)
@@ -129,9 +131,9 @@ def test_generate_runs_every_verify_on_the_packed_weights_and_stays_plain_greedy
     settings = {} if policy is None else {"dflash_adaptive": _NeverDrafts()}
     release_fast_path(drafter)
     out = target.generate(
-        input_ids, generation_config=config, assistant_model=drafter, dflash_fast_path=True, **settings
+        input_ids, generation_config=config, assistant_model=drafter, dflash_fast_path=pool, **settings
     )
-    assert torch.equal(out, plain)
+    assert torch.equal(out, plain) and drafter._dflash_engine[1].target_pool.holds_keys == pool
     counted = sum(products.values())
     linears = sum(isinstance(module, torch.nn.Linear) for module in target.modules())
     if policy is None:
@@ -166,13 +168,10 @@ def test_a_deep_copy_packs_its_own_copies():
         torch.testing.assert_close(copied_model(x), model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_insisting_on_onednn_where_the_engine_does_not_run_is_an_error():
-    target = tiny_target()
-    drafter = tiny_drafter(target, block_size=4)
-    input_ids = random_prompt(8)
-    with pytest.raises(ValueError, match="dflash_onednn_linears=True runs on the fast path, but dflash_fast_path"):
-        target.generate(input_ids, max_new_tokens=4, assistant_model=drafter, dflash_onednn_linears=True,
-                        dflash_fast_path=False)
-    target.set_attn_implementation("flex_attention")  # an attention the engine's step does not run
-    with pytest.raises(ValueError, match="dflash_onednn_linears=True runs on the fast path, but it cannot serve"):
-        target.generate(input_ids, max_new_tokens=4, assistant_model=drafter, dflash_onednn_linears=True)
+@pytest.mark.parametrize("pool", [True, False], ids=["pool", "transformers-cache"])
+def test_insisting_on_onednn_where_it_cannot_pack_is_an_error_in_both_homes(pool):
+    target = tiny_target().to(torch.bfloat16)
+    drafter = tiny_drafter(target, block_size=4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="without prepacked oneDNN weights .*: no float32 nn.Linear"):
+        target.generate(random_prompt(8), max_new_tokens=4, assistant_model=drafter, dflash_onednn_linears=True,
+                        dflash_fast_path=pool)

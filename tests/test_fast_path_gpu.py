@@ -78,7 +78,8 @@ def test_a_sampled_step_is_graph_replayed_and_a_seed_reproduces_it(family):
 
 def test_a_calls_policy_chooses_widths_between_recorded_parts():
     """`dflash_adaptive` on a GPU: the call's steps run as recorded parts at the widths its policy draws (1, 2, 4 and
-    8 rows, and plain steps), greedy equal to plain generate; under rejection sampling a seed reproduces the run."""
+    8 rows, and plain steps), the drafter's part compiled, greedy equal to plain generate; under rejection sampling a
+    seed reproduces the run."""
     from tests.test_engine_policy import DrawnWidths
 
     target = build("qwen3")
@@ -90,6 +91,7 @@ def test_a_calls_policy_chooses_widths_between_recorded_parts():
         fast = target.generate(ids, assistant_model=drafter, dflash_adaptive=DrawnWidths(batch), **common)
         engine = drafter._dflash_engine[1]
         assert graphed(drafter) and {1, 2, 4, 8} <= set(engine.width_steps) and torch.equal(fast, plain)
+        assert engine.compile_error is None and engine.drafter_passes  # the drafter's part recorded compiled
     sampled = dict(max_new_tokens=48, do_sample=True, temperature=0.8, pad_token_id=0, dflash_sampling="rejection")
     runs = []
     for _ in range(2):

@@ -10,8 +10,9 @@ Methods:
   keys/values in transformers' cache for a call the engine's pool cannot serve);
 - `dflash-engine`, `dflash-transformers-cache`: ours with the target's keys/values forced into the engine's pool or
   into transformers' cache (`dflash_fast_path=True` / `False`; not run unless named);
-- `dflash-no-onednn`: ours on the engine without prepacked oneDNN weights (`dflash_onednn_linears=False`): on a CPU,
-  what those products give the drafted steps (not run unless named).
+- `dflash-no-onednn`, `dflash-transformers-cache-no-onednn`: ours with the target's keys/values in the engine's pool
+  or in transformers' cache, without prepacked oneDNN weights (`dflash_onednn_linears=False`): on a CPU, what those
+  products give the drafted steps (not run unless named).
 
 Reported per method: tau, tokens/s, ms per verify step (per token for plain methods), time to first token, peak GPU
 memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights SHAPE` the target and drafter are
@@ -53,7 +54,7 @@ from . import harness, step_cost
 from .published import RANDOM_SHAPES, SAMPLING, random_pair, shape_record
 
 METHODS = ("plain", "plain-static", "native", "dflash", "dflash-engine", "dflash-transformers-cache",
-           "dflash-no-onednn")
+           "dflash-no-onednn", "dflash-transformers-cache-no-onednn")
 DEFAULT_METHODS = METHODS[:4]
 # A prompt-set run's target, prompts and their number when left out (`cli_checks.check_bench` reads them too).
 DEFAULT_TARGET, DEFAULT_PROMPTS, DEFAULT_LIMIT = "smollm2", "humaneval", 8
@@ -120,6 +121,10 @@ def _method_kwargs(method: str, drafter: torch.nn.Module) -> dict[str, Any]:
         },
         "dflash-no-onednn": {
             "assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": True,
+            "dflash_onednn_linears": False,
+        },
+        "dflash-transformers-cache-no-onednn": {
+            "assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": False,
             "dflash_onednn_linears": False,
         },
     }[method]
