@@ -11,10 +11,12 @@ transformers' `GenerationOutput`, a failed request's with its `error`. Beyond th
 queued requests in the calling thread, with no worker thread (what `generate_batch` does).
 
 A worker thread runs the loop: take new requests and cancellations, admit waiting requests in arrival order while a
-row and their pages are free (dflash_engine.py), run one verify step over the running rows, hand each request its
-committed tokens (every step when it streams, at the end otherwise; cumulative, as transformers does), and retire
+row and their first pages are free (dflash_engine.py), run one verify step over the running rows, hand each request
+its committed tokens (every step when it streams, at the end otherwise; cumulative, as transformers does), and retire
 what ended (its eos, its max_new_tokens, a cancellation) in the same step, so its row and pages serve the next
-request at once. A request that fails in its prefill fails alone; one step that raises fails the requests in it, and
+request at once. Requests take pages as they grow; when the next step would need more than are free, the requests
+that arrived last are preempted (`_preempt`): back to the front of the queue, they are admitted again later with
+what they generated, and go on from there. A request that fails in its prefill fails alone; one step that raises fails the requests in it, and
 the worker keeps serving.
 
 Per request: max_new_tokens, eos_token_id, temperature / top_k / top_p and repetition_penalty
@@ -81,6 +83,16 @@ class Request:
     created_time: float = field(default_factory=time.perf_counter)
     started_time: float = -1.0
     finished_time: float = -1.0
+
+    @property
+    def context(self) -> list[int]:
+        """What the engine prefills when it admits the request: its prompt, and what it generated before it was
+        preempted."""
+        return self.prompt + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.generated)
 
     def take(self, tokens: list[int], logprobs: list[float]) -> bool:
         """Append committed tokens (and their log-probabilities, where kept) up to and including an eos, and at most
@@ -216,6 +228,7 @@ class DFlashContinuousBatchingManager:
         self.background_thread_status = WorkerStatus()
         self.batch_processor: DFlashBatchProcessor | None = None
         self.warmed_up = False
+        self.preemptions = 0  # requests sent back to the queue for pages since the manager was made (`_preempt`)
         # as transformers' manager: add_request waits while `max_queue_size` requests wait to be taken (0: no bound)
         self.input_queue: queue.Queue[Request] = queue.Queue(maxsize=getattr(cb, "max_queue_size", None) or 0)
         self.cancel_queue: queue.Queue[str] = queue.Queue()
@@ -582,20 +595,22 @@ class DFlashContinuousBatchingManager:
         while scheduler.waiting_requests:
             batch, ahead = [], []
             for request in scheduler.waiting_requests.values():
-                length = len(request.prompt)
+                length = len(request.context)
                 if ahead and sum(n for n, _ in ahead) + length > self.engine.pack_tokens:
                     break
-                if not self.engine.fits_now(length, request.max_new_tokens, ahead):
+                if not self.engine.fits_now(length, request.remaining, ahead):
                     break
                 batch.append(request)
-                ahead.append((length, request.max_new_tokens))
+                ahead.append((length, request.remaining))
             if not batch:
                 return
             for request in batch:
                 del scheduler.waiting_requests[request.request_id]
-                request.status, request.started_time = RequestStatus.PREFILLING, time.perf_counter()
+                request.status = RequestStatus.PREFILLING
+                if request.started_time < 0:  # not when a preempted request comes back
+                    request.started_time = time.perf_counter()
             outcomes = self.engine.admit_many(
-                [(request.request_id, request.prompt, request.max_new_tokens, request.sampling) for request in batch]
+                [(request.request_id, request.context, request.remaining, request.sampling) for request in batch]
             )
             for request, outcome in zip(batch, outcomes):
                 if isinstance(outcome, Exception):  # this request's prefill failed: it alone fails
@@ -605,7 +620,22 @@ class DFlashContinuousBatchingManager:
                 scheduler.active_requests[request.request_id] = request
                 self._commit(scheduler, request, [outcome])
 
+    def _preempt(self, scheduler: DFlashScheduler) -> None:
+        """While the running requests' next step needs more pages than are free, the request that arrived last leaves
+        the engine and goes back to the front of the queue: admitted again when there is room, with its prompt and
+        the tokens it generated as its prompt, it goes on from where it stopped (its output so far stays; greedy
+        tokens do not change). The request that arrived first always runs on: a request alone always fits."""
+        while self.engine.pages_short() and len(scheduler.active_requests) > 1:
+            newest = max(scheduler.active_requests.values(), key=lambda request: request.created_time)
+            del scheduler.active_requests[newest.request_id]
+            self.engine.retire(newest.request_id)
+            newest.status = RequestStatus.PENDING
+            scheduler.waiting_requests[newest.request_id] = newest
+            scheduler.waiting_requests.move_to_end(newest.request_id, last=False)
+            self.preemptions += 1
+
     def _step(self, scheduler: DFlashScheduler) -> None:
+        self._preempt(scheduler)
         try:
             committed = self.engine.run_step()
         except Exception as error:  # fails the requests of this step; the worker keeps serving

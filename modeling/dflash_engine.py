@@ -25,9 +25,12 @@ untested families, other attention, a hybrid's padding between real tokens) keep
 transformers cache instead (`transformers_cache`, `TransformersTargetCache`): the target reads its padded prompt and
 each verify through its own attention and masks, and the cache is rolled back once the step's acceptance is read; the
 drafter's pool, the step and the policy are the same, run eagerly.
-A request's pages (prompt, max_new_tokens and one block, in both pools) are reserved when it is admitted, so a
-running sequence never waits for memory: a request that does not fit now waits (`fits_now`), one that never can is
-refused with a ValueError naming the limit (`check_request`).
+A request takes the pages of its prompt and one block when it is admitted (`fits_now`: with room left for the running
+sequences' next step), and more as it grows: before each step every sequence takes the pages that step writes into
+(`pages_short` says how many are missing). When a step would need more than are free, the caller preempts: it retires
+the newest requests and admits them again later with their committed tokens as prompt (the continuous-batching
+manager does; greedy tokens do not change). A request that never fits is refused with a ValueError naming the limit
+(`check_request`). A generate call's rows own their whole stretch from the start (`contiguous_rows`).
 
 How many rows a step verifies is a `VerifyPolicy`'s (dflash_policy.py) choice when `adaptive` is on (by default
 where the engine runs on a CPU, where a verify costs about in proportion to its rows; on a GPU when asked): per step
@@ -473,8 +476,47 @@ class DFlashEngine(DFlashStep):
     # -- room ---------------------------------------------------------------------------------------------------
 
     def pages_for(self, prompt_length: int, max_new_tokens: int) -> int:
-        """Pages a request reserves in each pool: its prompt, its new tokens and the block after its last anchor."""
+        """Pages a request holds in each pool at its longest: its prompt, its new tokens and the block after its last
+        anchor (with `max_new_tokens` 0, what it takes when admitted)."""
         return -(-(prompt_length + max_new_tokens + self.block_size) // PAGE_SIZE)
+
+    def _next_step_pages(self, sequence: DflashProposerState, ahead: int = 0) -> int:
+        """Pages `sequence` holds once it has those of every position its next step writes (up to the block after its
+        anchor: the verify's keys/values, the drafter's block and the captured rows it stores), or of `ahead`
+        positions more; never more than it holds at its longest."""
+        return -(-(min(sequence.position + ahead, sequence.max_length) + self.block_size) // PAGE_SIZE)
+
+    def _growth(self, steps: int = 1) -> int:
+        """Pages the running sequences' next `steps` steps may need beyond those they hold (a step commits at most a
+        block)."""
+        if self.contiguous_rows:
+            return 0
+        ahead = (steps - 1) * self.block_size
+        return sum(max(self._next_step_pages(s, ahead) - len(s.target_pages), 0) for s in self.sequences)
+
+    def _free_pages(self) -> int:
+        return min(len(self.target_pool.free_pages), len(self.drafter_pool.free_pages))
+
+    def pages_short(self) -> int:
+        """How many more pages the running sequences' next step needs than are free (0 when it can run): the caller
+        retires some (preempts) before `run_step`."""
+        return max(self._growth() - self._free_pages(), 0)
+
+    def _grow(self) -> None:
+        """Give every running sequence the pages its next step writes into, in both pools and block tables."""
+        if self.pages_short():
+            raise RuntimeError("run_step called without pages for its writes (check pages_short first, and retire "
+                               "some requests); this is a bug: please report it")
+        for row, sequence in enumerate(self.sequences):
+            held = len(sequence.target_pages)
+            more = self._next_step_pages(sequence) - held
+            if more <= 0 or self.contiguous_rows:
+                continue
+            sequence.target_pages += self.target_pool.take(more)
+            sequence.drafter_pages += self.drafter_pool.take(more)
+            for table, pages in ((self.target_tables, sequence.target_pages),
+                                 (self.drafter_tables, sequence.drafter_pages)):
+                table[row, held : held + more] = torch.tensor(pages[held:], device=table.device)
 
     def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
         """ValueError naming the limit for a request this engine can never hold."""
@@ -490,19 +532,30 @@ class DFlashEngine(DFlashStep):
                 f"more than a sequence may hold here ({self.max_sequence_length}: the target's and the drafter's "
                 "context); send a shorter prompt or fewer new tokens"
             )
-        if self.pages_for(prompt_length, max_new_tokens) > self.target_pool.num_pages:
+        if self.pages_for(prompt_length, max_new_tokens) > self.target_pool.num_pages - self.scratch_pages:
             raise ValueError(
                 f"the prompt ({prompt_length} tokens) and max_new_tokens ({max_new_tokens}) need more than the "
                 f"engine's whole memory ({self.max_tokens} tokens per model); raise max_tokens or ask for fewer tokens"
             )
 
     def fits_now(self, prompt_length: int, max_new_tokens: int, ahead: list[tuple[int, int]] = ()) -> bool:
-        """Whether a free row and the request's pages are there now, after the requests `ahead` of it (their
-        (prompt length, max_new_tokens)), which `admit_many` would admit with it, took theirs."""
-        pages = sum(self.pages_for(*request) for request in [*ahead, (prompt_length, max_new_tokens)])
-        return len(self.sequences) + len(ahead) < self.max_batch_size and pages <= min(
-            len(self.target_pool.free_pages), len(self.drafter_pool.free_pages)
-        )
+        """Whether a free row and the request's pages for its first two steps are there now, after the requests
+        `ahead` of it (their (prompt length, max_new_tokens)), which `admit_many` would admit with it, took theirs,
+        with the pages the running sequences' next two steps take still free (with `contiguous_rows`, a free row:
+        each owns its stretch). A request takes the rest of its pages as it grows."""
+        if self.contiguous_rows:
+            return len(self.sequences) + len(ahead) < self.max_batch_size
+        if self.pages_for(prompt_length, max_new_tokens) > self.target_pool.num_pages - self.scratch_pages:
+            return False  # it never fits (`check_request`)
+        # Room for two steps of every sequence, running or admitted here, not one: a request admitted into the last
+        # free pages would be preempted at the next step and admitted again at once, over and over. Each request
+        # counts what it would count running (its first pages and its next step's), so that admitting them one by
+        # one, after the ones ahead, agrees.
+        block = self.block_size
+        pages = sum(-(-(length + min(block, new) + block) // PAGE_SIZE)
+                    for length, new in [*ahead, (prompt_length, max_new_tokens)])
+        free = self._free_pages() - self._growth(steps=2)
+        return len(self.sequences) + len(ahead) < self.max_batch_size and pages <= free
 
     def pool_usage(self) -> dict[str, int]:
         """Pages used and held by each pool (used 0 when no sequence runs)."""
@@ -779,8 +832,8 @@ class DFlashEngine(DFlashStep):
             pages = self.pages_per_row
             stretch = self._stretch_pages(row)
             taken = self.target_pool.take_pages(stretch), self.drafter_pool.take_pages(stretch)
-        else:
-            pages = self.pages_for(length, max_new_tokens)
+        else:  # its prompt's and its first block's; more as it grows (`_grow`)
+            pages = self.pages_for(length, 0)
             taken = self.target_pool.take(pages), self.drafter_pool.take(pages)
         sequence = DflashProposerState(key, length, length + max_new_tokens, sampling, *taken)
         tables = ((self.target_tables, sequence.target_pages), (self.drafter_tables, sequence.drafter_pages))
@@ -1230,10 +1283,11 @@ class DFlashEngine(DFlashStep):
     def run_step(self) -> dict[Hashable, list[int]]:
         """One verify step over every row, at the full width or at the policy's; returns per sequence the tokens it
         committed (1 to the width; the step reads the device once, twice under the policy). The caller retires what
-        ended (eos, its max_new_tokens) before the next step."""
+        ended (eos, its max_new_tokens) before the next step, and makes room for its writes (`pages_short`)."""
         n = len(self.sequences)
         if n == 0:
             return {}
+        self._grow()
         span = self._step_span()
         scoring = RowScoring.of([sequence.sampling for sequence in self.sequences])
         keys = [sequence.key for sequence in self.sequences]

@@ -126,6 +126,16 @@ def test_cb_cuda_graphs_reaches_the_drafters_manager(options, tmp_path):
     assert "--cb-cuda-graphs on" in report["command"]
 
 
+def test_a_small_cache_preempts_and_the_report_counts_it(options, tmp_path):
+    # one block of transformers' config, 256 positions: three requests of 96 new tokens grow past them together, and
+    # every answer is still plain greedy's
+    report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "3", "--max-new-tokens", "96",
+                            "--arms", "cb-drafter", "--no-adaptive", "--cb-num-blocks", "1", "--check", "3")
+    (run,) = report["runs"]
+    assert run["completed"] == 3 and run["identical_to_plain"]["identical"] == 3
+    assert run["engine"]["preemptions"] > 0
+
+
 def test_the_full_width_arm_runs_beside_the_policy_at_static_shapes(options, tmp_path):
     # static shapes with the policy: the step in parts a GPU records, run eagerly here
     report = run_continuous(tmp_path, *options, "--requests", "2", "--concurrency", "2", "--max-new-tokens", "6",

@@ -396,7 +396,7 @@ def test_requests_admitted_together_are_prefilled_in_one_forward_and_stay_exact(
         finally:
             handle.remove()
         assert widths == [64] + ([5, 17, 33, 9] if fail_packed else [])
-        assert engine.pool_usage()["target_pages_used"] == sum(engine.pages_for(len(p), 10) for p in prompts)
+        assert engine.pool_usage()["target_pages_used"] == sum(engine.pages_for(len(p), 0) for p in prompts)
         tokens = {f"r{i}": [first] for i, first in enumerate(firsts)}
         while any(len(t) < 10 for t in tokens.values()):
             for key, new in engine.run_step().items():
@@ -940,6 +940,54 @@ def test_a_request_that_can_carry_a_length_dependent_rope_past_its_switch_is_war
         manager.add_request(prompt, max_new_tokens=56)
     assert "dynamic RoPE changes its frequencies once a forward passes 64 positions" in captured.out
     assert "keep prompt + max_new_tokens at or below 60" in captured.out
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_requests_take_pages_as_they_grow_and_the_newest_is_preempted_when_they_run_out(static_shapes):
+    """A pool of 12 pages (192 positions) and four requests of 20-token prompts asking 60 new tokens: reserving their
+    whole length up front (6 pages each) two would run at once. Taking pages as they grow, all four start together;
+    when the next step needs more pages than are free the newest goes back to the queue and comes back with what it
+    generated as its prompt. Every request equals its own plain greedy, its streamed outputs only grow, and the pools
+    end whole."""
+    target, drafter = pair("llama")
+    manager = DFlashContinuousBatchingManager(target, drafter, GREEDY, max_batch_size=4, max_tokens=192,
+                                              static_shapes=static_shapes)
+    engine = manager.engine
+    prompts = [random_prompt(20, seed=70 + i)[0].tolist() for i in range(4)]
+    requests = [dict(input_ids=prompt, request_id=f"r{i}", max_new_tokens=60, streaming=True)
+                for i, prompt in enumerate(prompts)]
+    running, run_step = [], engine.run_step
+    engine.run_step = lambda: running.append(len(engine.sequences)) or run_step()
+    outputs, scheduler, _ = run_schedule(manager, {0: requests}, {})
+    for i, prompt in enumerate(prompts):
+        got, reference = outputs[f"r{i}"], plain_greedy(target, prompt, 60)
+        lengths = [len(output.generated_tokens) for output in got]
+        assert lengths == sorted(lengths) and all(o.generated_tokens == reference[: len(o.generated_tokens)] for o in got)
+        assert got[-1].is_finished() and got[-1].generated_tokens == reference, i
+    assert manager.preemptions > 0 and max(running) == 4, (manager.preemptions, running)
+    assert not scheduler.active_requests and not scheduler.waiting_requests
+    usage = engine.pool_usage()
+    assert usage["target_pages_used"] == usage["drafter_pages_used"] == 0
+
+
+@pytest.mark.parametrize("prefill_chunk", [3, 512])  # admitted one at a time, or packed into one forward
+def test_requests_that_fit_together_are_admitted_together(prefill_chunk):
+    """`fits_now` over requests admitted together (each after the ones `ahead` of it) agrees with the check each
+    meets once the ones before it run: a pool of 8 pages, a block of 16, two requests that grow a page in their next
+    steps and one that would fill the rest (the state machine found them disagreeing)."""
+    target, _ = pair("llama")
+    engine = DFlashEngine(target, tiny_drafter(target, block_size=16), max_batch_size=3, max_tokens=128,
+                          prefill_chunk=prefill_chunk)
+    shapes, ahead = [(1, 16), (1, 16), (17, 1)], []
+    for shape in shapes:  # as the manager takes them: in order, while they fit
+        if not engine.fits_now(*shape, ahead=ahead):
+            break
+        ahead.append(shape)
+    assert ahead == shapes[:2]  # each of the first two holds 3 pages for its first two steps: 6 of 8
+    firsts = engine.admit_many([(i, random_prompt(length, seed=i)[0].tolist(), new, SamplingSettings())
+                                for i, (length, new) in enumerate(ahead)])
+    assert not any(isinstance(first, Exception) for first in firsts) and len(engine.sequences) == 2
+    assert not engine.fits_now(*shapes[2])  # and the third does not fit after them either
 
 
 def test_the_engine_refuses_what_it_can_never_hold():

@@ -186,6 +186,10 @@ class EngineStateMachine(RuleBasedStateMachine):
         if self.policy is not None:
             self.policy.drafts = data.draw(st.booleans(), label="drafts")
             self.policy.rows = data.draw(st.integers(1, self.block_size), label="rows")
+        while self.engine.pages_short():  # preempted, as the manager does: the newest request leaves
+            newest = max(self.tokens)
+            self.engine.retire(newest)
+            self.forget(newest)
         widths = dict(self.engine.width_steps)
         positions = {key: len(tokens) - 1 for key, tokens in self.tokens.items()}
         committed = self.engine.run_step()
@@ -197,6 +201,8 @@ class EngineStateMachine(RuleBasedStateMachine):
             start = len(self.tokens[key])
             assert new == self.full[key][start : start + len(new)], "not plain greedy's tokens"
             self.tokens[key] += new
+        for sequence in self.engine.sequences:  # the pages it took for this step
+            self.pages[sequence.key] = (list(sequence.target_pages), list(sequence.drafter_pages))
         self.retire_finished()
 
     @precondition(lambda self: self.engine.sequences)
@@ -244,8 +250,9 @@ class EngineStateMachine(RuleBasedStateMachine):
                 if self.contiguous:  # the row's own stretch, whichever row it moved to
                     first = engine.scratch_pages + row * engine.pages_per_row
                     assert pages == list(range(first, first + engine.pages_per_row))
-                else:
+                else:  # the pages it took as it grew, in order
                     assert pages == self.pages[sequence.key][which], "a page in use moved"
+                    assert len(pages) <= engine.pages_for(sequence.max_length, 0)
 
     @invariant()
     def the_drafters_pages_hold_the_context_keys_and_values(self):

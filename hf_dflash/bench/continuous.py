@@ -36,8 +36,8 @@ warmed up before its run as transformers' `continuous_batching_context_manager` 
 both managers record their CUDA graphs), and decodes one short request untimed, as the fixed batches do one untimed
 call. The drafter's manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (default: the
 engine's own, on on a CPU), and the report adds its engine's rows and what it did over the run: steps per verified
-width (1: plain steps, no drafting), the plain steps' fraction, the mean width and tau (tokens committed per
-sequence and step).
+width (1: plain steps, no drafting), the plain steps' fraction, the mean width, tau (tokens committed per
+sequence and step) and the requests it preempted for pages.
 `--cb-max-requests` sets both managers' `max_requests_per_batch` (default: each its own: transformers' holds as many
 as its step's tokens allow, ours `DEFAULT_MAX_BATCH_SIZE` rows), and `--cb-cuda-graphs on|off` both managers'
 `use_cuda_graph` (default: each its own: transformers' records graphs where its attention needs no mask, so not for
@@ -152,13 +152,14 @@ def continuous_run(
             _raise_if_stopped(manager)
         engine = getattr(manager, "engine", None)
         before = None if engine is None else engine_totals(engine)
+        preempted_before = getattr(manager, "preemptions", 0)
         serve(manager, prompts, requests, concurrency, args)
     finally:
         manager.stop(block=True, hard_stop=True)
     if engine is None:
         return warmup_s, None
     return warmup_s, {"rows": engine.max_batch_size, "static_shapes": engine.static_shapes,
-                      "cuda_graphs": engine.use_graphs,
+                      "cuda_graphs": engine.use_graphs, "preemptions": manager.preemptions - preempted_before,
                       **engine_steps(before, engine_totals(engine), engine.policy is not None)}
 
 
