@@ -595,7 +595,7 @@ class DFlashContinuousBatchingManager:
         while scheduler.waiting_requests:
             batch, ahead = [], []
             for request in scheduler.waiting_requests.values():
-                length = len(request.context)
+                length = len(request.prompt) + len(request.generated)  # its `context`, without building it
                 if ahead and sum(n for n, _ in ahead) + length > self.engine.pack_tokens:
                     break
                 if not self.engine.fits_now(length, request.remaining, ahead):

@@ -25,8 +25,8 @@ untested families, other attention, a hybrid's padding between real tokens) keep
 transformers cache instead (`transformers_cache`, `TransformersTargetCache`): the target reads its padded prompt and
 each verify through its own attention and masks, and the cache is rolled back once the step's acceptance is read; the
 drafter's pool, the step and the policy are the same, run eagerly.
-A request takes the pages of its prompt and one block when it is admitted (`fits_now`: with room left for the running
-sequences' next step), and more as it grows: before each step every sequence takes the pages that step writes into
+A request takes the pages of its prompt and one block when it is admitted (`fits_now`: with room left for two steps
+of every sequence), and more as it grows: before each step every sequence takes the pages that step writes into
 (`pages_short` says how many are missing). When a step would need more than are free, the caller preempts: it retires
 the newest requests and admits them again later with their committed tokens as prompt (the continuous-batching
 manager does; greedy tokens do not change). A request that never fits is refused with a ValueError naming the limit
