@@ -16,8 +16,8 @@ its committed tokens (every step when it streams, at the end otherwise; cumulati
 what ended (its eos, its max_new_tokens, a cancellation) in the same step, so its row and pages serve the next
 request at once. Requests take pages as they grow; when the next step would need more than are free, the requests
 that arrived last are preempted (`_preempt`): back to the front of the queue, they are admitted again later with
-what they generated, and go on from there. A request that fails in its prefill fails alone; one step that raises fails the requests in it, and
-the worker keeps serving.
+what they generated, and go on from there. A request that fails in its prefill fails alone; one step that raises
+fails the requests in it, and the worker keeps serving.
 
 Per request: max_new_tokens, eos_token_id, temperature / top_k / top_p and repetition_penalty
 (dflash_row_sampling.py); greedy requests equal plain greedy `generate` token for token (with their penalty, if

@@ -484,7 +484,7 @@ class DFlashEngine(DFlashStep):
         """Pages `sequence` holds once it has those of every position its next step writes (up to the block after its
         anchor: the verify's keys/values, the drafter's block and the captured rows it stores), or of `ahead`
         positions more; never more than it holds at its longest."""
-        return -(-(min(sequence.position + ahead, sequence.max_length) + self.block_size) // PAGE_SIZE)
+        return self.pages_for(min(sequence.position + ahead, sequence.max_length), 0)
 
     def _growth(self, steps: int = 1) -> int:
         """Pages the running sequences' next `steps` steps may need beyond those they hold (a step commits at most a
@@ -497,6 +497,10 @@ class DFlashEngine(DFlashStep):
     def _free_pages(self) -> int:
         return min(len(self.target_pool.free_pages), len(self.drafter_pool.free_pages))
 
+    def _capacity(self) -> int:
+        """Pages a sequence can hold at most in each pool: all but the idle rows' scratch page."""
+        return self.target_pool.num_pages - self.scratch_pages
+
     def pages_short(self) -> int:
         """How many more pages the running sequences' next step needs than are free (0 when it can run): the caller
         retires some (preempts) before `run_step`."""
@@ -504,13 +508,15 @@ class DFlashEngine(DFlashStep):
 
     def _grow(self) -> None:
         """Give every running sequence the pages its next step writes into, in both pools and block tables."""
+        if self.contiguous_rows:  # each row owns its whole stretch
+            return
         if self.pages_short():
             raise RuntimeError("run_step called without pages for its writes (check pages_short first, and retire "
                                "some requests); this is a bug: please report it")
         for row, sequence in enumerate(self.sequences):
             held = len(sequence.target_pages)
             more = self._next_step_pages(sequence) - held
-            if more <= 0 or self.contiguous_rows:
+            if more <= 0:
                 continue
             sequence.target_pages += self.target_pool.take(more)
             sequence.drafter_pages += self.drafter_pool.take(more)
@@ -532,7 +538,7 @@ class DFlashEngine(DFlashStep):
                 f"more than a sequence may hold here ({self.max_sequence_length}: the target's and the drafter's "
                 "context); send a shorter prompt or fewer new tokens"
             )
-        if self.pages_for(prompt_length, max_new_tokens) > self.target_pool.num_pages - self.scratch_pages:
+        if self.pages_for(prompt_length, max_new_tokens) > self._capacity():
             raise ValueError(
                 f"the prompt ({prompt_length} tokens) and max_new_tokens ({max_new_tokens}) need more than the "
                 f"engine's whole memory ({self.max_tokens} tokens per model); raise max_tokens or ask for fewer tokens"
@@ -545,14 +551,13 @@ class DFlashEngine(DFlashStep):
         each owns its stretch). A request takes the rest of its pages as it grows."""
         if self.contiguous_rows:
             return len(self.sequences) + len(ahead) < self.max_batch_size
-        if self.pages_for(prompt_length, max_new_tokens) > self.target_pool.num_pages - self.scratch_pages:
+        if self.pages_for(prompt_length, max_new_tokens) > self._capacity():
             return False  # it never fits (`check_request`)
         # Room for two steps of every sequence, running or admitted here, not one: a request admitted into the last
         # free pages would be preempted at the next step and admitted again at once, over and over. Each request
         # counts what it would count running (its first pages and its next step's), so that admitting them one by
         # one, after the ones ahead, agrees.
-        block = self.block_size
-        pages = sum(-(-(length + min(block, new) + block) // PAGE_SIZE)
+        pages = sum(self.pages_for(length, min(self.block_size, new))
                     for length, new in [*ahead, (prompt_length, max_new_tokens)])
         free = self._free_pages() - self._growth(steps=2)
         return len(self.sequences) + len(ahead) < self.max_batch_size and pages <= free

@@ -251,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         if device.startswith("cuda"):
             report[f"{name}_peak_memory_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     report.update(shape=args.shape, modes=args.modes, dtype=str(dtype).removeprefix("torch."),
-                  prompt_tokens=args.prompt_tokens, prefill_chunk=args.prefill_chunk, pack_tokens=engine_for(False).pack_tokens,
+                  prompt_tokens=args.prompt_tokens, prefill_chunk=args.prefill_chunk,
+                  pack_tokens=engine_for(False).pack_tokens,
                   statistic=f"mean of {args.steps} steps after {args.warmup} warm-up steps; admission: one round "
                   "after an untimed one", rows=rows)
     harness.write_report(args.out, report, plot)
