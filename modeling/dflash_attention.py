@@ -24,6 +24,13 @@ neither the query nor the mask per layer (benchmarks/step-cost.md).
 it (it is registered in transformers' AttentionInterface under `GROUPED_SDPA`) and puts every config back on exit,
 also on an exception. The switch is seen by this thread's forwards only: in another thread the function is plain sdpa.
 
+A ragged verify (the engine's policy verifying a different number of rows per sequence) packs its queries: the
+target's forward runs on one row of T = sum of the widths tokens, so that its linear layers cost the rows verified
+and no padding, while each sequence's keys/values are read back per sequence as always. Inside
+`packed_queries(layout)`, this thread's grouped attention places the packed queries at their sequence and column of
+a padded (n, W) block (`PackedQueries`), attends per sequence under the verify's (n, 1, W, L) mask, and packs the
+output again. Padding costs attention only (W rows per sequence), never a linear layer.
+
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
 
@@ -33,6 +40,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,6 +95,44 @@ def dispatcher_takes_grouped_heads(
     return FUSED_CHOICES[call]
 
 
+@dataclass(frozen=True)
+class PackedQueries:
+    """Where the T packed queries of a ragged verify sit in the padded block (n, W): query t is column `column[t]` of
+    sequence `sequence[t]`, sequence i's w_i queries in order (T = sum w_i, W = max w_i)."""
+
+    sequence: torch.Tensor  # (T,) long
+    column: torch.Tensor  # (T,) long
+    widths: torch.Tensor  # (n,) long, w_i
+    width: int  # W
+
+    @classmethod
+    def of(cls, widths: list[int], device: torch.device) -> "PackedQueries":
+        sequence = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))
+        column = torch.cat([torch.arange(width) for width in widths])
+        return cls(sequence.to(device), column.to(device), torch.tensor(widths, device=device), max(widths))
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(n, W, ...) -> (1, T, ...): each sequence's first w_i columns, in order."""
+        return padded[self.sequence, self.column][None]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(1, T, ...) -> (n, W, ...), zeros past each sequence's width."""
+        padded = packed.new_zeros(self.widths.shape[0], self.width, *packed.shape[2:])
+        padded[self.sequence, self.column] = packed[0]
+        return padded
+
+
+@contextmanager
+def packed_queries(layout: PackedQueries) -> Iterator[None]:
+    """Within (and inside `grouped_attention`): this thread's grouped attention takes packed queries (1, h, T, d)
+    of `layout` against per-sequence keys/values (n, g, L, d) and returns packed output (1, T, h, d)."""
+    _GROUPED_HERE.packed = layout
+    try:
+        yield
+    finally:
+        _GROUPED_HERE.packed = None
+
+
 def grouped_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -99,9 +145,29 @@ def grouped_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """sdpa over query (b, h, q, d) and key/value (b, g, L, d) with h = G * g, under `attention_mask` (bool, or
     additive float) broadcastable to (b, h, q, L). Returns (b, q, h, d) and no weights, as transformers' sdpa does.
+    Inside `packed_queries`, query (1, h, T, d) holds the packed queries of b sequences (returns (1, T, h, d)).
 
     Without a mask (transformers' sdpa then uses grouped heads natively), with one head per group, or with an
     argument only transformers' sdpa handles (position bias, softcap), the call goes to transformers' sdpa as is."""
+    packed = getattr(_GROUPED_HERE, "packed", None)
+    if packed is None:
+        return _grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    padded = packed.unpack(query.transpose(1, 2)).transpose(1, 2)  # (n, h, W, d)
+    out, _ = _grouped_sdpa(module, padded, key, value, attention_mask, dropout, scaling, **kwargs)  # (n, W, h, d)
+    return packed.pack(out), None
+
+
+def _grouped_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """`grouped_sdpa_attention` of unpacked queries."""
     b, h, q, d = query.shape
     g = key.shape[1]
     groups = h // g
@@ -151,6 +217,13 @@ def _configs(model: torch.nn.Module) -> list[Any]:
     return _CONFIGS[model]
 
 
+def attends_grouped(model: torch.nn.Module) -> bool:
+    """Whether every attention of `model` is "sdpa", which `grouped_attention` switches to the grouped function (the
+    one that takes packed queries)."""
+    configs = _configs(model)
+    return bool(configs) and all(attention_implementation(config) == "sdpa" for config in configs)
+
+
 @contextmanager
 def grouped_attention(*models: torch.nn.Module) -> Iterator[None]:
     """Within: every config of `models` whose attention is "sdpa" names `GROUPED_SDPA` instead. On exit, also on an
@@ -172,6 +245,6 @@ def grouped_attention(*models: torch.nn.Module) -> Iterator[None]:
 
 
 __all__ = [
-    "FUSED_CHOICES", "GROUPED_SDPA", "dispatcher_takes_grouped_heads", "fused_kernel_takes_grouped_heads",
-    "grouped_attention", "grouped_sdpa_attention",
+    "FUSED_CHOICES", "GROUPED_SDPA", "PackedQueries", "attends_grouped", "dispatcher_takes_grouped_heads",
+    "fused_kernel_takes_grouped_heads", "grouped_attention", "grouped_sdpa_attention", "packed_queries",
 ]

@@ -45,6 +45,11 @@ the drafts drawn), and accepting a prefix of fewer drafts is the same acceptance
 captured waiting behind the rows already waiting, where every row waits the same count (`waiting_rows`): the next
 drafted step stores them as drafter context in one pass. Without a policy every step verifies the full block, or a
 bound generate call's `dflash_verify_rows`.
+Requests (a policy of `whole_batch`, `per_sequence`) each verify their own width where the step runs eagerly over the
+pool on a target without linear-attention layers, whose attention is sdpa (`ragged_verify`): the verified rows of all
+sequences run packed in one row of the target's forward, so that a sequence that expects little verifies little
+while a confident one verifies its block, and no row is computed for padding (dflash_attention.py's
+`PackedQueries`). Elsewhere the batch verifies one width.
 At static shapes (a GPU) a step whose width is chosen runs in two recorded parts (`StepPart`): the drafter's, whose
 drafts' confidence the host reads, then the verify at the chosen width rounded up to a power of two (`_width_bucket`),
 so that a few graphs per shape serve every width; a plain step is one part, and no row waits there (every drafted
@@ -72,7 +77,7 @@ import torch
 from transformers.utils import logging
 
 from .dflash_acceptance import DecodingRule, accept, width_confidence
-from .dflash_attention import grouped_attention
+from .dflash_attention import PackedQueries, attends_grouped, grouped_attention
 from .dflash_capture import decoder_layers, one_call_at_a_time
 from .dflash_checks import check_drafter_fits
 from .dflash_compat import cache_argument, dynamo_cache_size_limit
@@ -436,17 +441,31 @@ class DFlashEngine(DFlashStep):
         # One stream for every shape's first, eager run: the caching allocator keeps freed memory per stream, so a new
         # stream per shape would hold each shape's working memory apart and ask the driver for fresh memory every time.
         self.warm_up_stream = torch.cuda.Stream(device) if self.use_graphs else None
-        # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps), and
-        # steps per verified width (1: plain steps, which skip the drafter).
+        # Totals since construction: row-steps verified and drafts they accepted (tau = 1 + accepted / row_steps),
+        # steps per verified width (1: plain steps, which skip the drafter; a ragged step's widest), the rows
+        # verified, and the steps whose sequences verified different widths.
         self.row_steps = 0
         self.accepted_drafts = 0
         self.width_steps: Counter[int] = Counter()
+        self.verified_rows_total = 0
+        self.ragged_steps = 0
         if adaptive is None:
             adaptive = device.type == "cpu" and not self.static_shapes
         if isinstance(adaptive, VerifyPolicy):
             self.policy: VerifyPolicy | None = adaptive
         else:
             self.policy = VerifyPolicy(whole_batch=True) if adaptive else None
+        # Why a step cannot verify each sequence its own width, packed (`PackedQueries`), or None where it can: that
+        # takes eager steps over the pool, no linear-attention states (their layers advance a row per batch row), and
+        # attention through the grouped function, the one that unpacks the queries.
+        self.ragged_blocker = (
+            "static shapes (a step of one recorded shape)" if self.static_shapes
+            else "the target's keys/values live in transformers' cache" if not paged
+            else "a hybrid target's linear-attention layers" if self.hybrid
+            else "the target's attention is not sdpa" if not attends_grouped(target) else None
+        )
+        if self.policy is not None and self.policy.per_sequence and self.ragged_blocker is not None:
+            logger.info(f"DFlash: every sequence of a step verifies the same width here: {self.ragged_blocker}")
         # The most rows a step verifies, anchor included (a bound generate call's `dflash_verify_rows` may lower it).
         self.verify_cap = block
         # After a step of a chosen width, how many captured rows (from each row's `prev_pos`) the next step stores as
@@ -456,6 +475,11 @@ class DFlashEngine(DFlashStep):
         # was prefilled).
         self.context_rows = 1
         self.waiting_rows: int | None = 0
+
+    @property
+    def ragged_verify(self) -> bool:
+        """Whether a drafted step verifies each sequence the width its policy chose for it (`row_widths`)."""
+        return self.policy is not None and self.policy.per_sequence and self.ragged_blocker is None
 
     def use_onednn_linears(self, required: bool) -> None:
         """Prepack the target's and the drafter's linear weights for oneDNN (`onednn_linears`), the draft
@@ -1302,14 +1326,18 @@ class DFlashEngine(DFlashStep):
         on_host = self.call_tokens is not None or not self.static_shapes and (
             self.policy is not None or self.verify_cap < self.block_size
         )
+        widths = None  # a ragged step's per sequence
         if on_host:
             with one_call_at_a_time(self.target, self.drafter), self.proposer.capture:
                 started = time.perf_counter()
                 rows = self._rows(n, span, scoring)
                 width, confidence, draft_probs, waits = self._draft_at_width(rows, keys)
+                if isinstance(width, list):
+                    widths, width = width, max(width)
                 verify_started = time.perf_counter()
                 draft_seconds = None if confidence is None else verify_started - started
-                self.verify(rows, draft_probs, width, self.waiting_rows if waits else None)
+                packed = None if widths is None else PackedQueries.of(widths, self.anchor_ids.device)
+                self.verify(rows, draft_probs, width, self.waiting_rows if waits else None, packed)
         elif self.static_shapes and self.policy is not None:
             width, confidence, draft_seconds, verify_started = self._run_in_parts(n, span, scoring, keys)
         elif self.static_shapes:
@@ -1322,7 +1350,7 @@ class DFlashEngine(DFlashStep):
             self.call_cache.commit(width, accepted)
         if self.policy is not None:
             verify_seconds = None if verify_started is None else time.perf_counter() - verify_started
-            self.policy.record(keys, width, accepted, confidence, draft_seconds, verify_seconds)
+            self.policy.record(keys, widths or width, accepted, confidence, draft_seconds, verify_seconds)
         if on_host:
             if waits:  # a plain step's row joins those waiting
                 self.waiting_rows = self.context_rows = self.waiting_rows + 1
@@ -1332,6 +1360,8 @@ class DFlashEngine(DFlashStep):
         else:
             self.context_rows, self.waiting_rows = self.block_size, None
         self.width_steps[width] += 1
+        self.verified_rows_total += width * n if widths is None else sum(widths)
+        self.ragged_steps += widths is not None
         self.row_steps += n
         self.accepted_drafts += sum(accepted)
         logprobs = None if self.logprobs is None else self.logprobs[:n].tolist()
@@ -1377,14 +1407,14 @@ class DFlashEngine(DFlashStep):
 
     def _draft_at_width(
         self, rows: EngineRows, keys: list[Hashable]
-    ) -> tuple[int, list[list[float]] | None, torch.Tensor | None, bool]:
+    ) -> tuple[int | list[int], list[list[float]] | None, torch.Tensor | None, bool]:
         """Before the verify of a step whose width is chosen: draft, and take the width the drafts' confidence pays
         for under the policy (or the cap without one); or under the policy a plain step (width 1, the drafter's
         layers skipped), which stores the captured rows as context or leaves them waiting for the next drafted step
         (one pass of the drafter's context weights costs about as much for many rows as for one on a CPU). Returns
-        the width, the drafts' confidence (n, B - 1) as read back (None on a plain step or without a policy), the
-        distributions the drafts were sampled from under rejection sampling (else None) and whether the captured
-        rows wait."""
+        the width (with `ragged_verify`, per sequence where the policy chose different ones), the drafts' confidence
+        (n, B - 1) as read back (None on a plain step or without a policy), the distributions the drafts were
+        sampled from under rejection sampling (else None) and whether the captured rows wait."""
         # no row commits more than its room: a verify wider than the largest room would only cost
         room = max(sequence.max_length - sequence.position - 1 for sequence in self.sequences)
         cap = min(self.verify_cap, room)
@@ -1395,7 +1425,11 @@ class DFlashEngine(DFlashStep):
             # draws (`width_confidence`): the verified drafts and the acceptance rule stay those of a full step.
             proposal, draft_logits = self.propose(rows, self.context_rows)
             confidence = width_confidence(proposal, draft_logits, self.drafter.config.is_dflash2).tolist()
-            return self.policy.width(keys, confidence, cap), confidence, proposal.probs, False
+            if not self.ragged_verify:
+                return self.policy.width(keys, confidence, cap), confidence, proposal.probs, False
+            caps = [min(self.verify_cap, sequence.max_length - sequence.position - 1) for sequence in self.sequences]
+            widths = self.policy.row_widths(keys, confidence, caps)
+            return widths if len(set(widths)) > 1 else widths[0], confidence, proposal.probs, False
         if self.waiting_rows is not None and self.waiting_rows < self.block_size:  # room behind them
             return 1, None, None, True
         self.store_context(rows, self.context_rows)

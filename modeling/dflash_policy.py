@@ -15,7 +15,11 @@ The policy weighs, per step:
   the verify steps' timings (a CPU's cost is a staircase in k, not a line: its matrix products change kernels at some
   row count), fills the widths never timed from their timed neighbours and a line a + b * k fitted to them all, and
   adds the drafter's mean seconds per step;
-and verifies the k that maximises E(k) / (drafter + verify(k)). Before drafting, it decides whether to draft at all:
+and verifies the k that maximises E(k) / (drafter + verify(k)). Where the engine can verify a different number of
+rows per sequence (a ragged verify, packed so that its cost is its total rows: `row_widths`), each sequence gets its
+own width: the rows of all sequences are ranked by what each adds to its sequence's E (prod_{i <= j} p_i, which
+falls along a block), and the step verifies the best-ranked rows up to the count of the most tokens per second, its
+cost read at their mean width per sequence. Before drafting, it decides whether to draft at all:
 when a sequence's recent drafted steps committed fewer tokens per second than a plain one-row step would, the step
 skips the drafter and verifies the anchor alone (per batch: only when every sequence would). A few steps explore
 (`explore_every`): one verifies the full width, one drafts after a run of plain steps, and halfway between two
@@ -75,8 +79,13 @@ class _ClassCost:
     records: int = 0
     draft_seconds: float | None = None
 
-    def add(self, rows: int, seconds: float, decay: float) -> None:
-        width_sum, count, _ = self.widths.get(rows, (0.0, 0.0, 0))
+    def add(self, rows: float, seconds: float, decay: float) -> None:
+        """A verify of `rows` rows per sequence; a ragged verify's mean (a fraction) counts toward the two widths
+        around it, each in proportion to its nearness."""
+        low = int(rows)
+        shares = [(width, share) for width, share in ((low, low + 1 - rows), (low + 1, rows - low)) if share > 0]
+        nearest = max(shares, key=lambda pair: pair[1])[0]
+        width_sum, count, _ = self.widths.get(nearest, (0.0, 0.0, 0))
         # A step stalled by another process counts as at most `STALL` times the width's mean; a width's first timing
         # as at most `STALL` times the dearest width's.
         means = [total / weight for total, weight, _ in self.widths.values()]
@@ -86,7 +95,9 @@ class _ClassCost:
         self.sums = [decay * total + value for total, value in zip(self.sums, values)]
         self.records += 1
         # A width's mean decays only when it is timed again: a width the policy stopped choosing keeps its figure.
-        self.widths[rows] = [decay * width_sum + seconds, decay * count + 1.0, self.records]
+        for width, share in shares:
+            width_sum, count, _ = self.widths.get(width, (0.0, 0.0, 0))
+            self.widths[width] = [decay * width_sum + share * seconds, decay * count + share, self.records]
 
     def line(self) -> tuple[float, float] | None:
         """(a, b) with a, b >= 0, once two different widths were timed; else None."""
@@ -140,8 +151,9 @@ class VerifyCost:
         self.decay, self.fixed = decay, fixed
         self.fits: dict[int, _ClassCost] = {}
 
-    def record(self, batch_size: int, rows: int, verify_seconds: float, draft_seconds: float | None) -> None:
-        """One step's timings: its verify of `rows` rows, and its drafter pass (None when it did not draft)."""
+    def record(self, batch_size: int, rows: float, verify_seconds: float, draft_seconds: float | None) -> None:
+        """One step's timings: its verify of `rows` rows per sequence (a ragged verify's mean), and its drafter pass
+        (None when it did not draft)."""
         if self.fixed is not None:
             return
         fit = self.fits.setdefault(batch_class(batch_size), _ClassCost())
@@ -217,25 +229,31 @@ class VerifyPolicy:
             second than plain ones would; with many sequences some one of them nearly always wants the full block,
             which the widest choice would then verify for all of them. Its exploring steps verify twice the width
             it would take (a batch drafting again after plain steps: that width) rather than the whole block.
+        per_sequence: with `whole_batch`, whether each sequence gets its own width (`row_widths`) where the
+            engine verifies ragged blocks; False: one width for the batch (`width`).
 
     Sequences: `start(batch_size)` names a new batch 0..batch_size-1 (a generate call); `add(key)`
     and `remove(key)` let one join or leave at any step (the continuous-batching engine). Per step
     `should_draft(live)` -> bool, then after drafting `width(live, confidence, cap)` -> k, and after the verify
-    `record(live, k, accepted, confidence, draft_s, verify_s)`. `live` lists the keys of the sequences in the step,
-    in batch order; finished ones may simply be left out of it (stats are per key). `widths` holds the verified
-    widths in order, the latest `WIDTH_LOG` of them.
+    `record(live, k, accepted, confidence, draft_s, verify_s)` (k: one width, or per sequence `row_widths`' list).
+    `live` lists the keys of the sequences in the step, in batch order; finished ones may simply be left out of it
+    (stats are per key). `widths` holds the verified widths in order (a ragged step's widest), the latest
+    `WIDTH_LOG` of them.
     """
 
     def __init__(
-        self, cost: VerifyCost | None = None, explore_every: int = 16, decay: float = 0.9, whole_batch: bool = False
+        self, cost: VerifyCost | None = None, explore_every: int = 16, decay: float = 0.9, whole_batch: bool = False,
+        per_sequence: bool = True,
     ):
         if explore_every < 2:
             raise ValueError(f"explore_every must be at least 2, got {explore_every}")
         self.cost = VerifyCost() if cost is None else cost
         self.explore_every, self.decay, self.whole_batch = explore_every, decay, whole_batch
+        self.per_sequence = whole_batch and per_sequence
         self.stats: dict[Hashable, _SequenceStats] = {}
         self.steps = 0
         self.widths: deque[int] = deque(maxlen=WIDTH_LOG)
+        self.exploring = False  # whether the latest `width` explored (`row_widths` then keeps its width for all)
 
     def start(self, batch_size: int) -> None:
         """New sequences 0..batch_size-1 in place of any held: their calibration starts from the prior (`PRIOR`);
@@ -316,6 +334,8 @@ class VerifyPolicy:
         # it plain, and only a verify of its drafts can show that the drafter is better than it thinks
         returning = any(self.stats[seq].plain_run + 1 >= self.explore_every for seq in live)
         explore = returning or self.steps % self.explore_every == 0
+        probe = not self.whole_batch and self.steps % self.explore_every == self.explore_every // 2 and cap > 2
+        self.exploring = costs is None or explore or probe
         if costs is None or explore and not self.whole_batch:
             # explore: the full width first, then a narrow one, until two widths were timed; then now and then (a
             # whole batch: 4 rows first, as a full block of dozens of rows costs many steps)
@@ -337,25 +357,58 @@ class VerifyPolicy:
         for curve in curves:
             rates = [curve[k] / (draft + verify[k]) for k in range(cap)]
             best = max(best, 1 + max(range(cap), key=rates.__getitem__))
-        if self.steps % self.explore_every == self.explore_every // 2 and cap > 2:
+        if probe:
             # Halfway between full-width steps, a width next to the chosen one, the one timed longest ago (or never):
             # where the cost changes kernels between two widths, a width between two timed ones may be cheaper than
             # the straight line through them says, and only a timing of its own shows it.
             return self.cost.least_recent(len(live), [k for k in (best - 1, best + 1) if 2 <= k <= cap])
         return best
 
+    def row_widths(
+        self, live: Sequence[Hashable], confidence: Sequence[Sequence[float]], caps: Sequence[int]
+    ) -> list[int]:
+        """Rows to verify per sequence (sequence i: 1..caps[i]) for a ragged verify, whose cost is that of its mean
+        width per sequence. Sequence i's row k + 1 adds E_i(k + 1) - E_i(k) = prod_{j < k} p_ij tokens, which falls
+        with k, so taking rows best first gives each sequence a prefix of its block and, for every total, the most
+        tokens that total can commit; the step takes the total of the most tokens per second. Where `width` explores
+        (or costs are not known yet), and without `per_sequence`, every sequence verifies `width`'s choice (within
+        its cap)."""
+        uniform = self.width(live, confidence, max(caps))
+        costs = self.cost.curve(len(live), max(caps))
+        if self.exploring or costs is None or not self.per_sequence:
+            return [min(uniform, cap) for cap in caps]
+        verify, draft = costs
+        gains = []  # (tokens a row adds, its sequence), each sequence's rows in order
+        for i, (seq, row_confidence) in enumerate(zip(live, confidence)):
+            curve = self.expected_curve(self.calibrated(seq, row_confidence), caps[i])
+            gains += [(curve[k] - curve[k - 1], i) for k in range(1, caps[i])]
+        gains.sort(key=lambda gain: -gain[0])  # stable: a sequence's equal gains stay in their order
+        n = len(live)
+        tokens, best, best_rate = float(n), 0, n / (draft + verify[0])
+        for taken, (gain, _) in enumerate(gains, 1):
+            tokens += gain
+            rate = tokens / (draft + _at(verify, (n + taken) / n))
+            if rate > best_rate:
+                best, best_rate = taken, rate
+        widths = [1] * n
+        for _, i in gains[:best]:
+            widths[i] += 1
+        return widths
+
     # -- after the verify --------------------------------------------------------------------------------------------
 
     def record(
-        self, live: Sequence[Hashable], rows: int, accepted: Sequence[int],
+        self, live: Sequence[Hashable], rows: int | Sequence[int], accepted: Sequence[int],
         confidence: Sequence[Sequence[float]] | None, draft_seconds: float | None, verify_seconds: float | None,
     ) -> None:
-        """One step's outcome: it verified `rows` rows per live sequence and sequence i accepted accepted[i] drafts;
-        confidence (b, B - 1) of the drafts (None when it did not draft), and its timings (the verify's None when
-        the step's time is no measure of its cost: a CUDA graph's first run or recording)."""
-        self.widths.append(rows)
+        """One step's outcome: it verified `rows` rows per live sequence (or sequence i rows[i]) and sequence i
+        accepted accepted[i] drafts; confidence (b, B - 1) of the drafts (None when it did not draft), and its
+        timings (the verify's None when the step's time is no measure of its cost: a CUDA graph's first run or
+        recording)."""
+        per_sequence = [rows] * len(live) if isinstance(rows, int) else list(rows)
+        self.widths.append(max(per_sequence))
         if verify_seconds is not None:
-            self.cost.record(len(live), rows, verify_seconds, draft_seconds)
+            self.cost.record(len(live), sum(per_sequence) / len(live), verify_seconds, draft_seconds)
         decay = self.decay
         for i, seq in enumerate(live):
             stats = self.stats[seq]
@@ -364,12 +417,12 @@ class VerifyPolicy:
                 continue
             stats.plain_run = 0
             # the drafts the target judged: the accepted ones and the first rejected one, within the verified rows
-            judged = min(accepted[i] + 1, rows - 1)
+            judged = min(accepted[i] + 1, per_sequence[i] - 1)
             stats.accepted = decay * stats.accepted + accepted[i]
             stats.confidence = decay * stats.confidence + sum(confidence[i][:judged])
             stats.drafted_steps = decay * stats.drafted_steps + 1
             stats.drafted_tokens = decay * stats.drafted_tokens + accepted[i] + 1
-            stats.drafted_rows = decay * stats.drafted_rows + rows
+            stats.drafted_rows = decay * stats.drafted_rows + per_sequence[i]
 
 
 __all__ = ["PRIOR", "STALL", "VerifyCost", "VerifyPolicy", "WIDTH_LOG", "batch_class"]

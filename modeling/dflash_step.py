@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .dflash_acceptance import DecodingRule, Proposal, accept
-from .dflash_attention import grouped_attention
+from .dflash_attention import PackedQueries, grouped_attention, packed_queries
 from .dflash_compat import attention_implementation
 from .dflash_cpu_linears import OneDNNLinears
 from .dflash_fast_path_blockers import target_layer_types
@@ -184,7 +184,7 @@ class DFlashStep:
 
     def verify(
         self, rows: StepRows, draft_probs: torch.Tensor | None, width: int | None = None,
-        waiting_rows: int | None = None,
+        waiting_rows: int | None = None, packed: PackedQueries | None = None,
     ) -> None:
         """The target verifies [anchor, drafts]; accepted rows and the target's next token move each anchor.
 
@@ -193,9 +193,13 @@ class DFlashStep:
         computed and captured; `out` holds tokens in its first `width` columns and the accepted count last.
         `waiting_rows`: a plain step that leaves the captured rows before it waiting to become context (every row
         waits exactly this many, from `prev_pos`) captures its own row behind them and keeps `prev_pos`; by
-        default the rows are captured from the first and `prev_pos` moves to the anchor."""
+        default the rows are captured from the first and `prev_pos` moves to the anchor.
+        `packed` (a ragged verify, over the pool only): sequence i verifies its own widths[i] rows, packed into one
+        forward (`_verify_in_pool`); `width` is then the widest, and a sequence accepts at most widths[i] - 1
+        drafts, its token at row widths[i] - 1 being the target's own there (under rejection sampling, the token a
+        judged row yields, accepted draft or resample, follows the target's distribution, so it may end a block)."""
         block = self.block_size
-        width = block if width is None else width
+        width = packed.width if packed is not None else block if width is None else width
         drafts, offsets = rows.drafts[:, : width - 1], self.block_offsets[:width]
         if draft_probs is not None:
             draft_probs = draft_probs[:, : width - 1]
@@ -208,11 +212,13 @@ class DFlashStep:
             with _active(self.target_linears):
                 logits = self.call_cache.verify(input_ids, positions).to(input_ids.device)
         else:
-            logits = self._verify_in_pool(rows, input_ids, positions)
+            logits = self._verify_in_pool(rows, input_ids, positions, packed)
         scores, tokens, accepted = self.choose(rows, logits, drafts, draft_probs)
-        # never commit past max_length
+        # never commit past max_length, nor past a sequence's own verified rows
         room = rows.max_length - rows.anchor_pos - 1
         accepted = torch.minimum(accepted, (room - 1).clamp(min=0))
+        if packed is not None:
+            accepted = torch.minimum(accepted, packed.widths - 1)
         # 4. Accept: rows 0..accepted become context next step; the target's token after them is the new anchor.
         if waiting_rows is None:
             rows.prev_pos.copy_(rows.anchor_pos)
@@ -232,27 +238,45 @@ class DFlashStep:
         if rows.logits is not None:
             rows.logits[:, :width].copy_(logits)
 
-    def _verify_in_pool(self, rows: StepRows, input_ids: torch.LongTensor, positions: torch.Tensor) -> torch.Tensor:
+    def _verify_in_pool(
+        self, rows: StepRows, input_ids: torch.LongTensor, positions: torch.Tensor,
+        packed: PackedQueries | None = None,
+    ) -> torch.Tensor:
         """The verify forward of input_ids (n, w) at positions (n, w) over the pool (`rows.target_cache`): their
         keys/values stored at their positions, each query seeing every position up to its own. Returns the logits
-        (n, w, V)."""
+        (n, w, V). `packed`: only each sequence's first widths[i] rows run, packed into one row of the forward
+        (dflash_attention.py); the logits past them are zeros, and their rows are neither stored nor captured."""
         width = input_ids.shape[1]
         verify_positions = rows.verify_positions[:, :width]
         verify_positions.copy_(positions)
-        rows.target_cache.write_slots = verify_positions
+        cache = rows.target_cache
+        cache.write_slots = verify_positions
         keys = rows.key_positions
         visible = keys <= positions[:, :, None]  # (n, w, L)
+        masks = self.target_masks(visible, positions, keys)  # per sequence, also for packed queries
+        captured = None
+        if packed is not None:  # (n, w) -> (1, T)
+            cache.pool_slots = packed.pack(cache.pool_slots)
+            input_ids, positions = packed.pack(input_ids), packed.pack(positions)
+            destination = self.proposer.capture.destination  # (n, w, k * H)
+            captured = destination.new_empty(1, input_ids.shape[1], destination.shape[-1])
+            self.proposer.capture.destination = captured
         # a hybrid target's linear layers take no mask (a block has no padding) and defer their states to `commit`
-        with rows.target_cache.deferring() if self.hybrid else contextlib.nullcontext():
+        with cache.deferring() if self.hybrid else contextlib.nullcontext():
             with grouped_attention(self.target), _active(self.target_linears):
-                return self.target(
-                    input_ids=input_ids,
-                    position_ids=positions,
-                    attention_mask=self.target_masks(visible, positions, keys),
-                    use_cache=True,
-                    logits_to_keep=width,
-                    **{self.cache_argument: rows.target_cache},
-                ).logits
+                with packed_queries(packed) if packed is not None else contextlib.nullcontext():
+                    logits = self.target(
+                        input_ids=input_ids,
+                        position_ids=positions,
+                        attention_mask=masks,
+                        use_cache=True,
+                        logits_to_keep=input_ids.shape[1],
+                        **{self.cache_argument: cache},
+                    ).logits
+        if packed is None:
+            return logits
+        destination[packed.sequence, packed.column] = captured[0]
+        return packed.unpack(logits)
 
     def prefix_lengths(self, rows: StepRows) -> torch.Tensor:
         """(n,) plain generate's input_ids length before each row's verify rows, the anchor and a generate call's

@@ -96,6 +96,50 @@ def test_a_whole_batch_takes_the_width_of_its_most_tokens_per_second():
     assert whole.should_draft([0, 1, 2]) and whole.width([0, 1, 2], rows, BLOCK) == max(2, now)
 
 
+def test_each_sequence_takes_its_own_width_the_best_split_of_the_best_total():
+    """`row_widths` (a ragged verify, whose cost is that of its mean width): against every split of up to 4 rows
+    over 3 sequences, it commits the most expected tokens per second; a confident sequence verifies more rows than an
+    unsure one, and each stays within its own cap."""
+    cost = (1.0, 0.4, 0.5)
+    rows = [[0.1] * 3, [0.95] * 3, [0.7] * 3]
+    policy = VerifyPolicy(VerifyCost(fixed=cost), explore_every=1000, whole_batch=True)
+    policy.start(3)
+    widths = policy.row_widths([0, 1, 2], rows, [4, 4, 4])
+    assert not policy.exploring and widths[1] > widths[2] > widths[0] == 1, widths
+
+    def rate(split: tuple[int, ...]) -> float:
+        tokens = sum(VerifyPolicy.expected_tokens(row, k) for row, k in zip(rows, split))
+        return tokens / (cost[2] + cost[0] + cost[1] * sum(split) / len(split))
+
+    splits = [(a, b, c) for a in range(1, 5) for b in range(1, 5) for c in range(1, 5)]
+    assert rate(tuple(widths)) == pytest.approx(max(rate(split) for split in splits))
+    assert policy.row_widths([0, 1, 2], rows, [4, 2, 4])[1] == 2  # sequence 1 has room for one draft only
+    # one width for the batch: without per_sequence, and on the steps the policy explores
+    uniform = VerifyPolicy(VerifyCost(fixed=cost), explore_every=1000, whole_batch=True, per_sequence=False)
+    uniform.start(3)
+    assert uniform.row_widths([0, 1, 2], rows, [4, 4, 4]) == [uniform.width([0, 1, 2], rows, 4)] * 3
+    policy.steps = 999
+    explored = policy.row_widths([0, 1, 2], rows, [4, 4, 4])
+    assert policy.exploring and len(set(explored)) == 1
+
+
+def test_a_ragged_verifys_timing_counts_toward_the_widths_around_its_mean():
+    cost = VerifyCost(decay=1.0)
+    cost.record(4, 1, 1.0, 0.5)
+    cost.record(4, 4, 4.0, 0.5)
+    cost.record(4, 2.25, 3.0, 0.5)  # 9 rows over 4 sequences: a quarter of the way from 2 to 3 rows
+    fit = cost.fits[batch_class(4)]
+    assert fit.widths[2][:2] == [0.75 * 3.0, 0.75] and fit.widths[3][:2] == [0.25 * 3.0, 0.25]
+    verify, _ = cost.curve(4, 4)
+    assert verify[1] == verify[2] == pytest.approx(3.0)  # each width's own mean
+    policy = VerifyPolicy(cost, whole_batch=True)
+    policy.start(4)
+    # a ragged step of 2 rows per sequence on average
+    policy.record([0, 1, 2, 3], [3, 1, 2, 2], [2, 0, 1, 1], [[0.9] * 3, [0.2] * 3, [0.5] * 3, [0.5] * 3], 0.1, 2.0)
+    assert fit.widths[2][:2] == [0.75 * 3.0 + 2.0, 1.75] and list(policy.widths)[-1] == 3
+    assert policy.stats[0].drafted_rows == 3 and policy.stats[1].drafted_rows == 1
+
+
 def test_sequences_join_and_leave_by_key():
     policy = VerifyPolicy(VerifyCost(fixed=(1.0, 1.0, 0.5)), explore_every=1000)
     confident = [0.9] * (BLOCK - 1)

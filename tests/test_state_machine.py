@@ -39,18 +39,22 @@ REQUEST = dict(
 
 
 class DrawnPolicy(VerifyPolicy):
-    """A verify policy whose choices the state machine draws before each step (whether to draft, how many rows to
-    verify), instead of the timing-based ones: schedules repeat exactly, and reach every width and plain step."""
+    """A verify policy whose choices the state machine draws before each step (whether to draft, how many rows each
+    sequence verifies), instead of the timing-based ones: schedules repeat exactly, and reach every width, ragged
+    steps and plain steps. Where the engine verifies one width for the batch, it is the widest drawn."""
 
     def __init__(self):
         super().__init__(whole_batch=True)
-        self.drafts, self.rows = True, 1
+        self.drafts, self.rows = True, {}
 
     def should_draft(self, live):
         return self.drafts
 
     def width(self, live, confidence, cap):
-        return min(self.rows, cap)
+        return min(max(self.rows[key] for key in live), cap)
+
+    def row_widths(self, live, confidence, caps):
+        return [min(self.rows[key], cap) for key, cap in zip(live, caps)]
 
     def record(self, *args):
         pass
@@ -185,7 +189,8 @@ class EngineStateMachine(RuleBasedStateMachine):
             self.right[sequence.key] = data.draw(st.integers(0, self.block_size - 1), label="right drafts")
         if self.policy is not None:
             self.policy.drafts = data.draw(st.booleans(), label="drafts")
-            self.policy.rows = data.draw(st.integers(1, self.block_size), label="rows")
+            self.policy.rows = {key: data.draw(st.integers(1, self.block_size), label=f"rows of {key}")
+                                for key in self.tokens}
         while self.engine.pages_short():  # preempted, as the manager does: the newest request leaves
             newest = max(self.tokens)
             self.engine.retire(newest)
@@ -197,7 +202,10 @@ class EngineStateMachine(RuleBasedStateMachine):
         assert set(committed) == set(self.tokens)
         for key, new in committed.items():
             room = self.max_length[key] - positions[key] - 1
-            assert len(new) == 1 + min(self.right[key], width - 1, max(room - 1, 0))
+            # a drafted step of the ragged engine verifies each sequence's own rows, else the step's width
+            ragged = self.policy is not None and self.engine.ragged_verify and width > 1
+            own = self.policy.rows[key] if ragged else width
+            assert len(new) == 1 + min(self.right[key], own - 1, max(room - 1, 0))
             start = len(self.tokens[key])
             assert new == self.full[key][start : start + len(new)], "not plain greedy's tokens"
             self.tokens[key] += new
