@@ -62,7 +62,8 @@ FUSED_SDPA_BACKENDS = frozenset(
 # The dispatcher's answers so far: (metadata of query, key, value and mask, device, dropout, scale, enabled backends)
 # -> whether a fused kernel takes grouped heads.
 FUSED_CHOICES: dict[tuple, bool] = {}
-# Per thread: how many `grouped_attention` blocks it is inside.
+# Per thread: how many `grouped_attention` blocks it is inside, and the layout of its packed queries while in
+# `packed_queries`.
 _GROUPED_HERE = threading.local()
 
 
@@ -149,37 +150,32 @@ def grouped_sdpa_attention(
 
     Without a mask (transformers' sdpa then uses grouped heads natively), with one head per group, or with an
     argument only transformers' sdpa handles (position bias, softcap), the call goes to transformers' sdpa as is."""
-    packed = getattr(_GROUPED_HERE, "packed", None)
-    if packed is None:
-        return _grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    # Only packed queries attend one row of queries to several sequences' keys/values. Testing the shapes first keeps
+    # the thread-local lookup out of every other call, the drafter's compiled pass among them.
+    if query.shape[0] == key.shape[0]:
+        return _grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs), None
+    packed = _GROUPED_HERE.packed
     padded = packed.unpack(query.transpose(1, 2)).transpose(1, 2)  # (n, h, W, d)
-    out, _ = _grouped_sdpa(module, padded, key, value, attention_mask, dropout, scaling, **kwargs)  # (n, W, h, d)
+    out = _grouped_sdpa(module, padded, key, value, attention_mask, dropout, scaling, kwargs)  # (n, W, h, d)
     return packed.pack(out), None
 
 
-def _grouped_sdpa(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """`grouped_sdpa_attention` of unpacked queries."""
+def _grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                  kwargs: dict[str, Any]) -> torch.Tensor:
+    """`grouped_sdpa_attention`'s output (b, q, h, d) for unpacked queries."""
     b, h, q, d = query.shape
     g = key.shape[1]
     groups = h // g
     if attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        )[0]
     if fused_kernel_takes_grouped_heads(query, key, value, attention_mask, dropout, scaling):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
         )  # (b, h, q, d_v)
-        return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous()
     # Query head i reads key/value head i // G (transformers' repeat_kv order), so heads [j * G, (j + 1) * G) become
     # the rows of head j. Only the query (q rows) may be copied here; the keys/values (L slots) are read in place.
     folded = query.reshape(b, g, groups * q, d)  # (b, g, G * q, d)
@@ -193,7 +189,7 @@ def _grouped_sdpa(
     out = torch.nn.functional.scaled_dot_product_attention(
         folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )  # (b, g, G * q, d_v)
-    return out.reshape(b, h, q, -1).transpose(1, 2).contiguous(), None
+    return out.reshape(b, h, q, -1).transpose(1, 2).contiguous()
 
 
 register_attention(GROUPED_SDPA, grouped_sdpa_attention)
