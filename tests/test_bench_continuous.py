@@ -147,6 +147,20 @@ def test_the_full_width_arm_runs_beside_the_policy_at_static_shapes(options, tmp
     assert list(runs["cb-drafter-full"]["engine"]["width_steps"]) == ["4"]
 
 
+def test_the_one_width_arm_runs_beside_per_request_widths(options, tmp_path):
+    from hf_dflash.bench.continuous import arm_policy
+
+    assert arm_policy("cb-drafter-uniform", None).per_sequence is False and arm_policy("cb-drafter", None) is None
+    assert arm_policy("cb-drafter-uniform", False) is False  # --no-adaptive: no policy in any arm
+    report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "3", "--max-new-tokens", "12",
+                            "--arms", "cb-drafter", "cb-drafter-uniform", "--check", "3")
+    runs = {run["arm"]: run for run in report["runs"]}
+    assert all(run["completed"] == 3 and run["identical_to_plain"]["identical"] == 3 for run in runs.values())
+    uniform = runs["cb-drafter-uniform"]["engine"]
+    assert uniform["policy"] is True and uniform["ragged_step_fraction"] == 0
+    assert uniform["rows_per_sequence_step"] >= 1
+
+
 def test_a_poisson_arrival_and_one_arm(options, tmp_path):
     report = run_continuous(tmp_path, *options, "--requests", "3", "--concurrency", "2", "--max-new-tokens", "4",
                             "--rate", "20", "--seed", "1", "--arms", "cb")

@@ -9,6 +9,9 @@ are in flight waits for one to end):
   (the report says why not where it does not: the arm is then not run);
 - `cb-drafter-full` (not run unless named in `--arms`): `cb-drafter` with the verify policy off, every step verifying
   the whole block, beside `cb-drafter` under the policy (`--adaptive`) to show what the policy gains;
+- `cb-drafter-uniform` (not run unless named): `cb-drafter` under a policy that verifies one width for the whole
+  batch at each step, beside `cb-drafter`, whose policy gives each sequence its own (a ragged verify, where the
+  engine runs one) to show what that gains;
 - `cb-freed`: `cb` with the calling thread's OpenMP threads freed before `start`, as our manager's `start` does on a
   CPU (modeling/dflash_openmp.py): it separates what the drafter gains from what the worker thread's faster steps
   gain;
@@ -36,8 +39,9 @@ warmed up before its run as transformers' `continuous_batching_context_manager` 
 both managers record their CUDA graphs), and decodes one short request untimed, as the fixed batches do one untimed
 call. The drafter's manager runs its engine's verify policy as `--adaptive` / `--no-adaptive` say (default: the
 engine's own, on on a CPU), and the report adds its engine's rows and what it did over the run: steps per verified
-width (1: plain steps, no drafting), the plain steps' fraction, the mean width, tau (tokens committed per
-sequence and step) and the requests it preempted for pages.
+width (1: plain steps, no drafting; a ragged step counts at its widest), the plain steps' fraction, the mean width,
+rows verified per sequence and step, the fraction of steps whose sequences verified different widths, tau (tokens
+committed per sequence and step) and the requests it preempted for pages.
 `--cb-max-requests` sets both managers' `max_requests_per_batch` (default: each its own: transformers' holds as many
 as its step's tokens allow, ours `DEFAULT_MAX_BATCH_SIZE` rows), and `--cb-cuda-graphs on|off` both managers'
 `use_cuda_graph` (default: each its own: transformers' records graphs where its attention needs no mask, so not for
@@ -58,15 +62,17 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from ..modeling.dflash_policy import VerifyPolicy
 from . import harness
 
-ARMS = ("cb", "cb-freed", "cb-drafter", "cb-drafter-full", "generate-batches")
+ARMS = ("cb", "cb-freed", "cb-drafter", "cb-drafter-full", "cb-drafter-uniform", "generate-batches")
 DEFAULT_ARMS = ("cb", "cb-freed", "cb-drafter", "generate-batches")
 ARM_LABELS = {
     "cb": "transformers continuous batching",
     "cb-freed": "transformers continuous batching, caller's OpenMP threads freed",
     "cb-drafter": "transformers continuous batching + drafter",
     "cb-drafter-full": "transformers continuous batching + drafter, full-width steps",
+    "cb-drafter-uniform": "transformers continuous batching + drafter, one width per step",
     "generate-batches": "our generate, fixed batches",
 }
 DEFAULT_TARGET, DEFAULT_PROMPTS = "smollm2", "humaneval"
@@ -114,7 +120,7 @@ def continuous_run(
     target: torch.nn.Module, prompts: list[list[int]], requests: list[Request], concurrency: int,
     args: argparse.Namespace,
     pad_token_id: int, request_tokens: int, drafter: torch.nn.Module | None, free_caller_threads: bool = False,
-    adaptive: bool | None = None,
+    adaptive: bool | VerifyPolicy | None = None,
 ) -> tuple[float, dict[str, Any] | None]:
     """Serve `requests` through a continuous-batching manager (with `assistant_model=drafter` when given, its verify
     policy as `adaptive` says), filling each request's record. `request_tokens`: what one request may hold in the
@@ -163,22 +169,36 @@ def continuous_run(
                       **engine_steps(before, engine_totals(engine), engine.policy is not None)}
 
 
-def engine_totals(engine: Any) -> tuple[Counter, int, int]:
-    """A DFlash engine's running totals: steps per width, row-steps and accepted drafts."""
-    return Counter(engine.width_steps), engine.row_steps, engine.accepted_drafts
+def arm_policy(arm: str, adaptive: bool | None) -> bool | VerifyPolicy | None:
+    """The drafter's manager's `dflash_adaptive` for `arm`, given `--adaptive`."""
+    if arm == "cb-drafter-full":
+        return False
+    if arm == "cb-drafter-uniform" and adaptive is not False:
+        return VerifyPolicy(whole_batch=True, per_sequence=False)
+    return adaptive
 
 
-def engine_steps(before: tuple[Counter, int, int], after: tuple[Counter, int, int], policy: bool) -> dict[str, Any]:
+def engine_totals(engine: Any) -> tuple[Counter, int, int, int, int]:
+    """A DFlash engine's running totals: steps per width, row-steps, accepted drafts, rows verified and ragged
+    steps."""
+    return (Counter(engine.width_steps), engine.row_steps, engine.accepted_drafts, engine.verified_rows_total,
+            engine.ragged_steps)
+
+
+def engine_steps(before: tuple, after: tuple, policy: bool) -> dict[str, Any]:
     """What the engine did between two `engine_totals`: steps per verified width, the plain steps' fraction, the
-    mean width (per step) and tau (tokens committed per sequence and step)."""
+    mean width (per step), rows verified per sequence and step, the ragged steps' fraction and tau (tokens committed
+    per sequence and step)."""
     widths = after[0] - before[0]
-    steps, row_steps, accepted = sum(widths.values()), after[1] - before[1], after[2] - before[2]
+    steps, row_steps, accepted, rows, ragged = (sum(widths.values()), *(a - b for a, b in zip(after[1:], before[1:])))
     return {
         "policy": policy,
         "steps": steps,
         "width_steps": {str(width): widths[width] for width in sorted(widths)},
         "plain_step_fraction": widths[1] / steps if steps else None,
         "mean_width": sum(width * count for width, count in widths.items()) / steps if steps else None,
+        "rows_per_sequence_step": rows / row_steps if row_steps else None,
+        "ragged_step_fraction": ragged / steps if steps else None,
         "tau": 1 + accepted / row_steps if row_steps else None,
     }
 
@@ -384,7 +404,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                     max_new_tokens=args.max_new_tokens, do_sample=False)[0] for i in checked}
 
     reason = drafter_arm_unavailable(target)
-    unavailable = {arm: reason for arm in ("cb-drafter", "cb-drafter-full") if arm in args.arms and reason}
+    unavailable = {arm: reason for arm in ARMS if arm.startswith("cb-drafter") and arm in args.arms and reason}
     for arm, why in unavailable.items():
         print(f"{ARM_LABELS[arm]}: not available: {why}", flush=True)
     runs = []
@@ -399,7 +419,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 warmup_s, engine = continuous_run(target, prompts, requests, concurrency, args, pad_token_id,
                                                   request_tokens, drafter if drafted else None,
                                                   free_caller_threads=arm == "cb-freed",
-                                                  adaptive=False if arm == "cb-drafter-full" else args.adaptive)
+                                                  adaptive=arm_policy(arm, args.adaptive))
             run = {"arm": arm, "concurrency": concurrency, **figures(requests), "identical_to_plain":
                    identity(requests, plain)}
             if warmup_s is not None:  # the manager's warmup, before the timed run
@@ -435,7 +455,8 @@ def format_row(run: dict[str, Any]) -> str:
         line += f"  warmup {run['warmup_s']:.1f} s"
     engine = run.get("engine")
     if engine and engine["steps"]:
-        line += (f"  [{engine['steps']} steps, mean width {engine['mean_width']:.1f}, plain "
+        line += (f"  [{engine['steps']} steps, mean width {engine['mean_width']:.1f}, rows/sequence "
+                 f"{engine['rows_per_sequence_step']:.1f}, ragged {100 * engine['ragged_step_fraction']:.0f}%, plain "
                  f"{100 * engine['plain_step_fraction']:.0f}%, tau {engine['tau']:.2f}]")
     return line
 
