@@ -253,7 +253,6 @@ class VerifyPolicy:
         self.stats: dict[Hashable, _SequenceStats] = {}
         self.steps = 0
         self.widths: deque[int] = deque(maxlen=WIDTH_LOG)
-        self.exploring = False  # whether the latest `width` explored (`row_widths` then keeps its width for all)
 
     def start(self, batch_size: int) -> None:
         """New sequences 0..batch_size-1 in place of any held: their calibration starts from the prior (`PRIOR`);
@@ -328,19 +327,24 @@ class VerifyPolicy:
         """Rows to verify this step (1..cap), after the drafter ran. confidence (b, B - 1): the drafter's
         probability of each live sequence's drafts. The batch verifies the widest of its sequences' choices (with
         `whole_batch`, the width of the most tokens per second over the batch)."""
+        return self._width(live, confidence, cap)[0]
+
+    def _width(
+        self, live: Sequence[Hashable], confidence: Sequence[Sequence[float]], cap: int
+    ) -> tuple[int, list[list[float]] | None]:
+        """`width`, and each sequence's expected-token curve up to `cap` (`expected_curve`) when the width was
+        chosen from them; None when the step explores (or costs are not known yet)."""
         self.steps += 1
         costs = self.cost.curve(len(live), cap)
         # a sequence drafting again after a run of plain steps is judged on every row: its own confidence alone kept
         # it plain, and only a verify of its drafts can show that the drafter is better than it thinks
         returning = any(self.stats[seq].plain_run + 1 >= self.explore_every for seq in live)
         explore = returning or self.steps % self.explore_every == 0
-        probe = not self.whole_batch and self.steps % self.explore_every == self.explore_every // 2 and cap > 2
-        self.exploring = costs is None or explore or probe
         if costs is None or explore and not self.whole_batch:
             # explore: the full width first, then a narrow one, until two widths were timed; then now and then (a
             # whole batch: 4 rows first, as a full block of dozens of rows costs many steps)
             seen, first = self.cost.widths_seen(len(live)), min(4 if self.whole_batch else cap, cap)
-            return min(2, cap) if first in seen and min(2, cap) not in seen else first
+            return (min(2, cap) if first in seen and min(2, cap) not in seen else first), None
         verify, draft = costs
         curves = [self.expected_curve(self.calibrated(seq, c), cap) for seq, c in zip(live, confidence)]
         if self.whole_batch:  # the batch's tokens per second at each width
@@ -351,18 +355,18 @@ class VerifyPolicy:
             # step verifies twice that, enough to judge drafts past the ones it takes and to keep the fit's widths
             # apart.
             if returning:
-                return min(cap, max(2, best))
-            return min(cap, max(2, 2 * best)) if explore else best
+                return min(cap, max(2, best)), None
+            return (min(cap, max(2, 2 * best)), None) if explore else (best, curves)
         best = 1
         for curve in curves:
             rates = [curve[k] / (draft + verify[k]) for k in range(cap)]
             best = max(best, 1 + max(range(cap), key=rates.__getitem__))
-        if probe:
+        if self.steps % self.explore_every == self.explore_every // 2 and cap > 2:
             # Halfway between full-width steps, a width next to the chosen one, the one timed longest ago (or never):
             # where the cost changes kernels between two widths, a width between two timed ones may be cheaper than
             # the straight line through them says, and only a timing of its own shows it.
-            return self.cost.least_recent(len(live), [k for k in (best - 1, best + 1) if 2 <= k <= cap])
-        return best
+            return self.cost.least_recent(len(live), [k for k in (best - 1, best + 1) if 2 <= k <= cap]), None
+        return best, curves
 
     def row_widths(
         self, live: Sequence[Hashable], confidence: Sequence[Sequence[float]], caps: Sequence[int]
@@ -373,14 +377,12 @@ class VerifyPolicy:
         tokens that total can commit; the step takes the total of the most tokens per second. Where `width` explores
         (or costs are not known yet), and without `per_sequence`, every sequence verifies `width`'s choice (within
         its cap)."""
-        uniform = self.width(live, confidence, max(caps))
-        costs = self.cost.curve(len(live), max(caps))
-        if self.exploring or costs is None or not self.per_sequence:
+        uniform, curves = self._width(live, confidence, max(caps))
+        if curves is None or not self.per_sequence:
             return [min(uniform, cap) for cap in caps]
-        verify, draft = costs
+        verify, draft = self.cost.curve(len(live), max(caps))
         gains = []  # (tokens a row adds, its sequence), each sequence's rows in order
-        for i, (seq, row_confidence) in enumerate(zip(live, confidence)):
-            curve = self.expected_curve(self.calibrated(seq, row_confidence), caps[i])
+        for i, curve in enumerate(curves):  # a curve up to caps[i] is the first caps[i] entries of this one
             gains += [(curve[k] - curve[k - 1], i) for k in range(1, caps[i])]
         gains.sort(key=lambda gain: -gain[0])  # stable: a sequence's equal gains stay in their order
         n = len(live)
