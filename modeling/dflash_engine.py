@@ -198,6 +198,11 @@ class DflashProposerState:
     drafter_pages: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of tokens committed since the caller last took them
 
+    @property
+    def room(self) -> int:
+        """The most tokens it may still commit: a verify of more rows than this only costs."""
+        return self.max_length - self.position - 1
+
 
 class PagedTargetCache:
     """The target's keys/values of rows 0..n-1, in a page pool they share. `write_slots` (n, q) are the positions
@@ -1392,7 +1397,7 @@ class DFlashEngine(DFlashStep):
         time at its shape: a warm-up or a recording is no step's timing)."""
         rows, span = self._static_shape(n, span)
         # no row commits more than its room: a verify wider than the largest room would only cost
-        cap = min(self.verify_cap, max(sequence.max_length - sequence.position - 1 for sequence in self.sequences))
+        cap = min(self.verify_cap, max(sequence.room for sequence in self.sequences))
         confidence, draft_seconds, part = None, None, StepPart("plain", 1)
         if cap > 1 and self.policy.should_draft(keys):
             started = time.perf_counter()
@@ -1416,8 +1421,7 @@ class DFlashEngine(DFlashStep):
         (n, B - 1) as read back (None on a plain step or without a policy), the distributions the drafts were
         sampled from under rejection sampling (else None) and whether the captured rows wait."""
         # no row commits more than its room: a verify wider than the largest room would only cost
-        room = max(sequence.max_length - sequence.position - 1 for sequence in self.sequences)
-        cap = min(self.verify_cap, room)
+        cap = min(self.verify_cap, max(sequence.room for sequence in self.sequences))
         if self.policy is None:
             return cap, None, self.propose(rows, self.context_rows)[0].probs, False
         if cap > 1 and self.policy.should_draft(keys):
@@ -1427,7 +1431,7 @@ class DFlashEngine(DFlashStep):
             confidence = width_confidence(proposal, draft_logits, self.drafter.config.is_dflash2).tolist()
             if not self.ragged_verify:
                 return self.policy.width(keys, confidence, cap), confidence, proposal.probs, False
-            caps = [min(self.verify_cap, sequence.max_length - sequence.position - 1) for sequence in self.sequences]
+            caps = [min(self.verify_cap, sequence.room) for sequence in self.sequences]
             widths = self.policy.row_widths(keys, confidence, caps)
             return widths if len(set(widths)) > 1 else widths[0], confidence, proposal.probs, False
         if self.waiting_rows is not None and self.waiting_rows < self.block_size:  # room behind them
