@@ -506,6 +506,8 @@ def check_bench(args: argparse.Namespace) -> None:
     if args.own_lengths and (args.random_weights or (args.batch_sizes or [1]) != [1]):
         raise BadArgument("--own-lengths runs prompts one by one at their own lengths: use it with --batch-sizes 1 "
                           "and a prompt set, not --random-weights")
+    if "dflash-one-width" in args.methods and not args.adaptive:
+        raise BadArgument("--methods dflash-one-width differs from dflash only under a verify policy: add --adaptive")
     # Each kind of run has its own options; one given to the other kind would be left unread.
     if args.random_weights is None:
         for option, value in (("--batch-size", args.batch_size), ("--context-lengths", args.context_lengths),

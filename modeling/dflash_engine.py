@@ -45,11 +45,11 @@ the drafts drawn), and accepting a prefix of fewer drafts is the same acceptance
 captured waiting behind the rows already waiting, where every row waits the same count (`waiting_rows`): the next
 drafted step stores them as drafter context in one pass. Without a policy every step verifies the full block, or a
 bound generate call's `dflash_verify_rows`.
-Requests (a policy of `whole_batch`, `per_sequence`) each verify their own width where the step runs eagerly over the
-pool on a target without linear-attention layers, whose attention is sdpa (`ragged_verify`): the verified rows of all
-sequences run packed in one row of the target's forward, so that a sequence that expects little verifies little
-while a confident one verifies its block, and no row is computed for padding (dflash_attention.py's
-`PackedQueries`). Elsewhere the batch verifies one width.
+Sequences (under a policy of `per_sequence`, the default, a manager's or a generate call's) each verify their own
+width where the step runs eagerly over the pool on a target without linear-attention layers, whose attention is sdpa
+(`ragged_verify`): the verified rows of all sequences run packed in one row of the target's forward, so that a
+sequence that expects little verifies little while a confident one verifies its block, and no row is computed for
+padding (dflash_attention.py's `PackedQueries`). Elsewhere the batch verifies one width.
 At static shapes (a GPU) a step whose width is chosen runs in two recorded parts (`StepPart`): the drafter's, whose
 drafts' confidence the host reads, then the verify at the chosen width rounded up to a power of two (`_width_bucket`),
 so that a few graphs per shape serve every width; a plain step is one part, and no row waits there (every drafted
@@ -469,8 +469,7 @@ class DFlashEngine(DFlashStep):
             else "a hybrid target's linear-attention layers" if self.hybrid
             else "the target's attention is not sdpa" if not attends_grouped(target) else None
         )
-        if self.policy is not None and self.policy.per_sequence and self.ragged_blocker is not None:
-            logger.info(f"DFlash: every sequence of a step verifies the same width here: {self.ragged_blocker}")
+        self._say_if_one_width()
         # The most rows a step verifies, anchor included (a bound generate call's `dflash_verify_rows` may lower it).
         self.verify_cap = block
         # After a step of a chosen width, how many captured rows (from each row's `prev_pos`) the next step stores as
@@ -485,6 +484,11 @@ class DFlashEngine(DFlashStep):
     def ragged_verify(self) -> bool:
         """Whether a drafted step verifies each sequence the width its policy chose for it (`row_widths`)."""
         return self.policy is not None and self.policy.per_sequence and self.ragged_blocker is None
+
+    def _say_if_one_width(self) -> None:
+        """Log, at info level, why a policy that would give each sequence its own width verifies one here."""
+        if self.policy is not None and self.policy.per_sequence and self.ragged_blocker is not None:
+            logger.info(f"DFlash: every sequence of a step verifies the same width here: {self.ragged_blocker}")
 
     def use_onednn_linears(self, required: bool) -> None:
         """Prepack the target's and the drafter's linear weights for oneDNN (`onednn_linears`), the draft
@@ -676,6 +680,7 @@ class DFlashEngine(DFlashStep):
         processors that run on the host, whose steps run eagerly at the running rows' shape. A recorded graph baked
         in what it was recorded with: the graphs are kept only for a call that computes the same."""
         self.policy = policy
+        self._say_if_one_width()
         self.verify_cap = verify_rows or self.block_size
         self.call_tokens = tokens if processors.host_only else None
         kept = (self.scores is not None, self.logits is not None)

@@ -223,14 +223,17 @@ class VerifyPolicy:
             drafts again, verified at the full width, after this many plain steps.
         decay: the weight of a past step in the calibration, per step (recent acceptance counts most).
         whole_batch: how a batch's sequences' wishes combine. False (a generate call, a few sequences): the
-            batch verifies the widest of its sequences' choices, and drafts while any sequence's drafting pays. True
-            (the continuous-batching engine, dozens of sequences in a step): the width that commits the most tokens
-            per second summed over the batch, and drafting while the batch's drafted steps commit more tokens per
-            second than plain ones would; with many sequences some one of them nearly always wants the full block,
-            which the widest choice would then verify for all of them. Its exploring steps verify twice the width
-            it would take (a batch drafting again after plain steps: that width) rather than the whole block.
-        per_sequence: with `whole_batch`, whether each sequence gets its own width (`row_widths`) where the
-            engine verifies ragged blocks; False: one width for the batch (`width`).
+            batch verifies the widest of its sequences' choices (or each its own, `per_sequence`), and drafts while
+            any sequence's drafting pays. True (the continuous-batching engine, dozens of sequences in a step): the
+            width that commits the most tokens per second summed over the batch, and drafting while the batch's
+            drafted steps commit more tokens per second than plain ones would; with many sequences some one of them
+            nearly always wants the full block, which the widest choice would then verify for all of them. Its
+            exploring steps verify twice the width it would take (a batch drafting again after plain steps: that
+            width) rather than the whole block.
+        per_sequence: whether each sequence gets its own width (`row_widths`) where the engine verifies ragged
+            blocks: with `whole_batch`, the rows of most tokens per second over the batch; without, each
+            sequence's own choice, the batch no longer verifying the widest of them for all. False: one width for
+            the batch (`width`).
 
     Sequences: `start(batch_size)` names a new batch 0..batch_size-1 (a generate call); `add(key)`
     and `remove(key)` let one join or leave at any step (the continuous-batching engine). Per step
@@ -249,7 +252,7 @@ class VerifyPolicy:
             raise ValueError(f"explore_every must be at least 2, got {explore_every}")
         self.cost = VerifyCost() if cost is None else cost
         self.explore_every, self.decay, self.whole_batch = explore_every, decay, whole_batch
-        self.per_sequence = whole_batch and per_sequence
+        self.per_sequence = per_sequence
         self.stats: dict[Hashable, _SequenceStats] = {}
         self.steps = 0
         self.widths: deque[int] = deque(maxlen=WIDTH_LOG)
@@ -357,10 +360,7 @@ class VerifyPolicy:
             if returning:
                 return min(cap, max(2, best)), None
             return (min(cap, max(2, 2 * best)), None) if explore else (best, curves)
-        best = 1
-        for curve in curves:
-            rates = [curve[k] / (draft + verify[k]) for k in range(cap)]
-            best = max(best, 1 + max(range(cap), key=rates.__getitem__))
+        best = max(self._own_width(curve, costs, cap) for curve in curves)
         if self.steps % self.explore_every == self.explore_every // 2 and cap > 2:
             # Halfway between full-width steps, a width next to the chosen one, the one timed longest ago (or never):
             # where the cost changes kernels between two widths, a width between two timed ones may be cheaper than
@@ -368,19 +368,29 @@ class VerifyPolicy:
             return self.cost.least_recent(len(live), [k for k in (best - 1, best + 1) if 2 <= k <= cap]), None
         return best, curves
 
+    @staticmethod
+    def _own_width(curve: Sequence[float], costs: tuple[list[float], float], cap: int) -> int:
+        """The width (1..cap) at which one sequence's expected tokens `curve` come fastest, under `costs` (the
+        verify's seconds per width, the drafter's)."""
+        verify, draft = costs
+        return 1 + max(range(cap), key=lambda k: curve[k] / (draft + verify[k]))
+
     def row_widths(
         self, live: Sequence[Hashable], confidence: Sequence[Sequence[float]], caps: Sequence[int]
     ) -> list[int]:
         """Rows to verify per sequence (sequence i: 1..caps[i]) for a ragged verify, whose cost is that of its mean
         width per sequence. Sequence i's row k + 1 adds E_i(k + 1) - E_i(k) = prod_{j < k} p_ij tokens, which falls
         with k, so taking rows best first gives each sequence a prefix of its block and, for every total, the most
-        tokens that total can commit; the step takes the total of the most tokens per second. Where `width` explores
-        (or costs are not known yet), and without `per_sequence`, every sequence verifies `width`'s choice (within
-        its cap)."""
+        tokens that total can commit; the step takes the total of the most tokens per second. Without `whole_batch`,
+        each sequence verifies its own choice (`width` takes the widest of them). Where `width` explores (or costs
+        are not known yet), and without `per_sequence`, every sequence verifies `width`'s choice (within its cap)."""
         uniform, curves = self._width(live, confidence, max(caps))
         if curves is None or not self.per_sequence:
             return [min(uniform, cap) for cap in caps]
-        verify, draft = self.cost.curve(len(live), max(caps))
+        costs = self.cost.curve(len(live), max(caps))
+        if not self.whole_batch:
+            return [self._own_width(curve, costs, cap) for curve, cap in zip(curves, caps)]
+        verify, draft = costs
         gains = []  # (tokens a row adds, its sequence), each sequence's rows in order
         for i, curve in enumerate(curves):  # a curve up to caps[i] is the first caps[i] entries of this one
             gains += [(curve[k] - curve[k - 1], i) for k in range(1, caps[i])]

@@ -66,6 +66,13 @@ def test_a_batch_verifies_its_widest_choice_and_drafts_while_any_sequence_pays()
     assert policy.width([0, 1, 2], rows, BLOCK) == chosen_width(cost, 0.97) > 2
     assert policy.width([0, 2], [rows[0], rows[2]], BLOCK) == chosen_width(cost, 0.6) == 2
     assert policy.width([0, 1, 2], rows, 3) == 3  # dflash_verify_rows stays the cap
+    # where the engine verifies ragged blocks, each sequence its own choice instead of the widest, within its cap
+    own = [chosen_width(cost, 0.05), chosen_width(cost, 0.97), chosen_width(cost, 0.6)]
+    assert policy.row_widths([0, 1, 2], rows, [BLOCK] * 3) == own and own[0] == 1
+    assert policy.row_widths([0, 1, 2], rows, [BLOCK, 2, BLOCK]) == [1, 2, 2]
+    widest = VerifyPolicy(VerifyCost(fixed=cost), explore_every=1000, per_sequence=False)
+    widest.start(3)
+    assert widest.row_widths([0, 1, 2], rows, [BLOCK] * 3) == [max(own)] * 3
     for _ in range(5):  # sequence 0 never gains; sequence 1 commits whole blocks
         policy.record([0, 1], BLOCK, [0, BLOCK - 1], [rows[0], rows[1]], 0.0, 0.0)
     assert policy.should_draft([0, 1]) and not policy.should_draft([0])

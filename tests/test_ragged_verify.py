@@ -5,7 +5,8 @@ Packed against padded: on tiny targets of the families whose layouts could break
 routing, NoPE and partial-RoPE layers, scaled logits), the packed forward's logits and captured rows equal those of
 the padded block row for row, and nothing is computed past a sequence's width. Where the engine cannot pack, it
 says why and verifies one width. On SmolLM2 with the shipped drafter, requests under drawn per-sequence widths
-equal plain greedy, and ragged steps ran.
+equal plain greedy, and ragged steps ran. A generate call's rows (its policy not `whole_batch`) each verify their
+own width too: left-padded rows equal plain greedy, and sampled rows follow the target's distribution.
 """
 
 from __future__ import annotations
@@ -20,10 +21,15 @@ from hf_dflash.modeling import DFlashDraftModel
 from hf_dflash.modeling.dflash_attention import PackedQueries
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager
 from hf_dflash.modeling.dflash_engine import DFlashEngine, RowScoring
+from hf_dflash.modeling.dflash_fast_path import engine_for, release_fast_path
 from hf_dflash.modeling.dflash_policy import VerifyCost, VerifyPolicy
 from hf_dflash.modeling.dflash_row_sampling import SamplingSettings
-from tests.conftest import random_prompt
+from tests.conftest import random_prompt, tiny_drafter, tiny_target
 from tests.test_continuous_batching import pair, plain_greedy, run_schedule
+from tests.test_engine_policy import oracle
+from tests.test_sampling import (
+    SAMPLED, SMALL_VOCAB, assert_tuples_follow, pair_probabilities, sample_with_greedy_drafts,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,10 +94,11 @@ def test_where_the_engine_cannot_pack_it_says_why_and_verifies_one_width():
 
 
 class DrawnRowWidths(VerifyPolicy):
-    """Drafting every step, each sequence's rows drawn (seeded) from 1 to its cap."""
+    """Drafting every step, each sequence's rows drawn (seeded) from 1 to its cap; a manager's policy
+    (`whole_batch`) or a generate call's."""
 
-    def __init__(self, seed: int):
-        super().__init__(VerifyCost(fixed=(1.0, 0.2, 0.1)), whole_batch=True)
+    def __init__(self, seed: int, whole_batch: bool = True):
+        super().__init__(VerifyCost(fixed=(1.0, 0.2, 0.1)), whole_batch=whole_batch)
         self.draw = random.Random(seed)
 
     def should_draft(self, live) -> bool:
@@ -99,6 +106,10 @@ class DrawnRowWidths(VerifyPolicy):
 
     def row_widths(self, live, confidence, caps) -> list[int]:
         return [self.draw.randint(1, cap) for cap in caps]
+
+    def record(self, live, rows, *rest) -> None:
+        self.ragged_steps = getattr(self, "ragged_steps", 0) + (not isinstance(rows, int))
+        super().record(live, rows, *rest)
 
 
 def test_smollm2_requests_under_drawn_per_sequence_widths_equal_plain_greedy():
@@ -120,3 +131,48 @@ def test_smollm2_requests_under_drawn_per_sequence_widths_equal_plain_greedy():
         assert outputs[f"r{i}"][-1].generated_tokens == plain_greedy(target, prompt, 24, tokenizer.eos_token_id)
     engine = manager.engine
     assert engine.ragged_steps > 3 and engine.accepted_drafts > 0, (engine.ragged_steps, engine.accepted_drafts)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
+@torch.no_grad()
+def test_a_generate_calls_rows_each_verify_their_own_width_and_equal_plain_greedy(family):
+    """A generate call's policy (not `whole_batch`) on the call's engine, its rows left-padded to one length: every
+    row verifies its own drawn width, the drafts mostly right (an oracle), and the call's tokens equal plain
+    greedy's."""
+    target, _ = pair(family)
+    drafter = tiny_drafter(target, block_size=8)
+    input_ids = random_prompt(9, batch=3, seed=4)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :4] = attention_mask[2, :2] = 0
+    call = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=40, do_sample=False,
+                pad_token_id=0)
+    plain = target.generate(**call)
+    references = {row: plain[row, input_ids.shape[1]:].tolist() for row in range(3)}
+    engine = engine_for(target, drafter, 3, input_ids.shape[1] + 40)  # the engine the call will find held
+    assert engine.ragged_blocker is None
+    with oracle(engine, references, wrong_every=5):
+        out = target.generate(**call, assistant_model=drafter, dflash_adaptive=DrawnRowWidths(0, whole_batch=False))
+    assert drafter._dflash_engine[1] is engine
+    assert torch.equal(out, plain)
+    assert engine.ragged_steps > 3 and engine.accepted_drafts > 20, (engine.ragged_steps, engine.accepted_drafts)
+    release_fast_path(drafter)
+
+
+@pytest.mark.parametrize("rule", ["point_mass", "rejection"])
+def test_a_generate_calls_sampled_rows_under_their_own_widths_follow_the_target_distribution(rule):
+    """Rows of one call (the fast path's calls of SAMPLES / 5 rows) sampled under drawn per-row widths: each row's
+    second token is judged on its own verify row, unpacked from the packed forward, and the pairs follow the
+    target's exact distribution."""
+    target = tiny_target("llama", seed=21, vocab_size=SMALL_VOCAB)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=SMALL_VOCAB - 1)
+    prompt = torch.tensor([[3, 7, 1, 4]])
+    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False)
+    policy = DrawnRowWidths(0, whole_batch=False)
+    torch.manual_seed(0)
+    settings = {**SAMPLED, "dflash_adaptive": policy}
+    outs = sample_with_greedy_drafts(target, drafter, prompt, greedy, rule, True, settings)
+    assert policy.ragged_steps >= 5, policy.ragged_steps
+    assert max(max(lengths) for out in outs for lengths in out.acceptance_lengths) > 1, "no draft was ever accepted"
+    pairs = slice(prompt.shape[1], prompt.shape[1] + 2)
+    samples = torch.cat([out.sequences[:, pairs] for out in outs])
+    assert_tuples_follow(samples, pair_probabilities(target, prompt), greedy[0, pairs].tolist())

@@ -12,7 +12,10 @@ Methods:
   into transformers' cache (`dflash_fast_path=True` / `False`; not run unless named);
 - `dflash-no-onednn`, `dflash-transformers-cache-no-onednn`: ours with the target's keys/values in the engine's pool
   or in transformers' cache, without prepacked oneDNN weights (`dflash_onednn_linears=False`): on a CPU, what those
-  products give the drafted steps (not run unless named).
+  products give the drafted steps (not run unless named);
+- `dflash-one-width` (with `--adaptive`): ours under a verify policy that verifies one width for the batch, the
+  widest its sequences chose (`VerifyPolicy(per_sequence=False)`), where `dflash`'s each verify their own (not run
+  unless named).
 
 Reported per method: tau, tokens/s, ms per verify step (per token for plain methods), time to first token, peak GPU
 memory, whether the tokens equal `plain`'s, and speedups. With `--random-weights SHAPE` the target and drafter are
@@ -54,7 +57,7 @@ from . import harness, step_cost
 from .published import RANDOM_SHAPES, SAMPLING, random_pair, shape_record
 
 METHODS = ("plain", "plain-static", "native", "dflash", "dflash-engine", "dflash-transformers-cache",
-           "dflash-no-onednn", "dflash-transformers-cache-no-onednn")
+           "dflash-no-onednn", "dflash-transformers-cache-no-onednn", "dflash-one-width")
 DEFAULT_METHODS = METHODS[:4]
 # A prompt-set run's target, prompts and their number when left out (`cli_checks.check_bench` reads them too).
 DEFAULT_TARGET, DEFAULT_PROMPTS, DEFAULT_LIMIT = "smollm2", "humaneval", 8
@@ -127,6 +130,7 @@ def _method_kwargs(method: str, drafter: torch.nn.Module) -> dict[str, Any]:
             "assistant_model": drafter, "return_dict_in_generate": True, "dflash_fast_path": False,
             "dflash_onednn_linears": False,
         },
+        "dflash-one-width": {"assistant_model": drafter, "return_dict_in_generate": True},
     }[method]
 
 
@@ -139,7 +143,7 @@ def run_method(
     (as `hf-dflash generate` passes one to all its calls), made for this method."""
     kwargs = dict(pad_token_id=pad_token_id, **SAMPLING[sampling], **_method_kwargs(method, drafter))
     if adaptive and method.startswith("dflash"):
-        kwargs["dflash_adaptive"] = VerifyPolicy()
+        kwargs["dflash_adaptive"] = VerifyPolicy(per_sequence=method != "dflash-one-width")
     eos_ids = eos_token_ids(target)
     torch.manual_seed(0)
     target.generate(**batches[0], max_new_tokens=max_new_tokens, **kwargs)
