@@ -29,7 +29,9 @@ target's forward runs on one row of T = sum of the widths tokens, so that its li
 and no padding, while each sequence's keys/values are read back per sequence as always. Inside
 `packed_queries(layout)`, this thread's grouped attention places the packed queries at their sequence and column of
 a padded (n, W) block (`PackedQueries`), attends per sequence under the verify's (n, 1, W, L) mask, and packs the
-output again. Padding costs attention only (W rows per sequence), never a linear layer.
+output again. Padding costs attention only, never a linear layer; where one sequence verifies far more rows than
+the others, the block's columns are attended in spans (all sequences up to a column, the wider ones past it), so
+that the narrow ones are not padded to the widest.
 
 This file is part of the remote-code bundle: it imports only torch, transformers and its sibling files.
 """
@@ -62,6 +64,9 @@ FUSED_SDPA_BACKENDS = frozenset(
 # The dispatcher's answers so far: (metadata of query, key, value and mask, device, dropout, scale, enabled backends)
 # -> whether a fused kernel takes grouped heads.
 FUSED_CHOICES: dict[tuple, bool] = {}
+# What one more attention call of a ragged verify costs, in padded query rows times key positions attended: on a CPU
+# a call's fixed cost is about that of 32 more rows over 512 positions (benchmarks/batches-and-serving.md).
+SPAN_CALL_COST = 32 * 512
 # Per thread: how many `grouped_attention` blocks it is inside, and the layout of its packed queries while in
 # `packed_queries`.
 _GROUPED_HERE = threading.local()
@@ -96,21 +101,77 @@ def dispatcher_takes_grouped_heads(
     return FUSED_CHOICES[call]
 
 
+def cuts(widths: list[int], key_positions: int) -> list[int]:
+    """The ends of the column spans a ragged verify's attention runs in (`PackedQueries.spans`), the last being the
+    widest width: of the cuts at the sequences' widths, those of the least attention, a span from column a to b
+    costing (sequences wider than a) x (b - a) x key_positions, plus `SPAN_CALL_COST` for its call (a shortest path
+    over the distinct widths)."""
+    ends = sorted(set(widths))
+    best = {0: (0.0, [])}  # column -> (least cost of spans up to it, their ends)
+    for end in ends:
+        best[end] = min(
+            (cost + SPAN_CALL_COST + sum(w > first for w in widths) * (end - first) * key_positions, [*path, end])
+            for first, (cost, path) in best.items() if first < end
+        )
+    return best[ends[-1]][1]
+
+
+@dataclass(frozen=True)
+class ColumnSpan:
+    """Columns first..first + width - 1 of the padded block, for the sequences that verify past column `first`:
+    attention runs them in one call, each padded to the span's end. `rows`: which sequences (None: all of them, in
+    order); `tokens`: the span's queries among the T packed ones, each at sequence `row` of the span (0..m-1) and
+    column `column` within it."""
+
+    rows: torch.Tensor | None  # (m,) long
+    first: int
+    width: int
+    tokens: torch.Tensor  # (T_s,) long
+    row: torch.Tensor  # (T_s,) long
+    column: torch.Tensor  # (T_s,) long
+
+
 @dataclass(frozen=True)
 class PackedQueries:
     """Where the T packed queries of a ragged verify sit in the padded block (n, W): query t is column `column[t]` of
-    sequence `sequence[t]`, sequence i's w_i queries in order (T = sum w_i, W = max w_i)."""
+    sequence `sequence[t]`, sequence i's w_i queries in order (T = sum w_i, W = max w_i).
+
+    `spans`: how attention covers the block (`ColumnSpan`). Each query row attends on its own, so the block may be
+    cut by columns: all sequences up to some column, then the ones still going up to a later column, and so on, so
+    that a sequence verifying one row beside one verifying sixteen is not attended at sixteen; only the keys/values
+    of the sequences past the first span are copied. Where to cut (`cuts`): at the fewest padded query rows times
+    key positions, each span charged `SPAN_CALL_COST` more for its call.
+    """
 
     sequence: torch.Tensor  # (T,) long
     column: torch.Tensor  # (T,) long
     widths: torch.Tensor  # (n,) long, w_i
     width: int  # W
+    spans: tuple[ColumnSpan, ...]
 
     @classmethod
-    def of(cls, widths: list[int], device: torch.device) -> "PackedQueries":
+    def of(cls, widths: list[int], device: torch.device, key_positions: int = 0) -> "PackedQueries":
+        """The layout of sequences verifying widths[i] rows each, whose attention reads `key_positions` positions
+        (0: one span)."""
         sequence = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))
         column = torch.cat([torch.arange(width) for width in widths])
-        return cls(sequence.to(device), column.to(device), torch.tensor(widths, device=device), max(widths))
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        spans, first = [], 0
+        for end in cuts(widths, key_positions):
+            members = [i for i, width in enumerate(widths) if width > first]
+            counts = [min(widths[i], end) - first for i in members]
+            spans.append(ColumnSpan(
+                rows=None if first == 0 else torch.tensor(members, device=device),
+                first=first,
+                width=end - first,
+                tokens=torch.cat([torch.arange(starts[i] + first, starts[i] + first + count)
+                                  for i, count in zip(members, counts)]).to(device),
+                row=torch.repeat_interleave(torch.arange(len(members)), torch.tensor(counts)).to(device),
+                column=torch.cat([torch.arange(count) for count in counts]).to(device),
+            ))
+            first = end
+        return cls(sequence.to(device), column.to(device), torch.tensor(widths, device=device), max(widths),
+                   tuple(spans))
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(n, W, ...) -> (1, T, ...): each sequence's first w_i columns, in order."""
@@ -154,10 +215,23 @@ def grouped_sdpa_attention(
     # the thread-local lookup out of every other call, the drafter's compiled pass among them.
     if query.shape[0] == key.shape[0]:
         return _grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs), None
-    packed = _GROUPED_HERE.packed
-    padded = packed.unpack(query.transpose(1, 2)).transpose(1, 2)  # (n, h, W, d)
-    out = _grouped_sdpa(module, padded, key, value, attention_mask, dropout, scaling, kwargs)  # (n, W, h, d)
-    return packed.pack(out), None
+    queries = query[0].transpose(0, 1)  # (T, h, d)
+    spans = _GROUPED_HERE.packed.spans
+    out = None if len(spans) == 1 else query.new_empty(queries.shape[0], queries.shape[1], value.shape[-1])
+    for span in spans:
+        keys, values, mask = key, value, attention_mask
+        if span.rows is not None:
+            keys, values = key.index_select(0, span.rows), value.index_select(0, span.rows)
+            mask = None if mask is None else mask.index_select(0, span.rows)
+        if mask is not None and mask.shape[2] > 1:  # (m, 1 or h, W, L): the span's columns
+            mask = mask[:, :, span.first : span.first + span.width]
+        padded = queries.new_zeros(keys.shape[0], span.width, *queries.shape[1:])  # (m, w, h, d)
+        padded[span.row, span.column] = queries[span.tokens]
+        attended = _grouped_sdpa(module, padded.transpose(1, 2), keys, values, mask, dropout, scaling, kwargs)
+        if out is None:  # one span: its tokens are all T, in order
+            return attended[span.row, span.column][None], None
+        out[span.tokens] = attended[span.row, span.column]
+    return out[None], None
 
 
 def _grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -241,6 +315,7 @@ def grouped_attention(*models: torch.nn.Module) -> Iterator[None]:
 
 
 __all__ = [
-    "FUSED_CHOICES", "GROUPED_SDPA", "PackedQueries", "attends_grouped", "dispatcher_takes_grouped_heads",
-    "fused_kernel_takes_grouped_heads", "grouped_attention", "grouped_sdpa_attention", "packed_queries",
+    "ColumnSpan", "FUSED_CHOICES", "GROUPED_SDPA", "PackedQueries", "SPAN_CALL_COST", "attends_grouped", "cuts",
+    "dispatcher_takes_grouped_heads", "fused_kernel_takes_grouped_heads", "grouped_attention", "grouped_sdpa_attention",
+    "packed_queries",
 ]

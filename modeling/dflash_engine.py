@@ -1346,7 +1346,7 @@ class DFlashEngine(DFlashStep):
                     widths, width = width, max(width)
                 verify_started = time.perf_counter()
                 draft_seconds = None if confidence is None else verify_started - started
-                packed = None if widths is None else PackedQueries.of(widths, self.anchor_ids.device)
+                packed = None if widths is None else PackedQueries.of(widths, self.anchor_ids.device, span)
                 self.verify(rows, draft_probs, width, self.waiting_rows if waits else None, packed)
         elif self.static_shapes and self.policy is not None:
             width, confidence, draft_seconds, verify_started = self._run_in_parts(n, span, scoring, keys)

@@ -312,6 +312,18 @@ def test_dflash2_parts_times_each_part_of_both_drafters(tmp_path):
         assert set(parts[part]) == {"DFlash", "DFlash2"} and all(v[0] > 0 for v in parts[part].values())
 
 
+def test_ragged_verify_times_padded_packed_and_cut_verifies(tmp_path, capsys):
+    report = run_scenario("ragged-verify", tmp_path, "--shape", "tiny", "--patterns", "1,1,8", "2,3",
+                          "--prompt-tokens", "40", "--rounds", "1")
+    assert [row["pattern"] for row in report["rows"]] == ["1,1,8", "2,3"]
+    for row in report["rows"]:
+        assert all(row[f"{name}_ms"] > 0 for name in ("padded_widest", "padded_mean", "one_span", "cut"))
+        assert row["spans"] >= 1 and row["key_positions"] >= 40
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "ragged-verify", "--patterns", "1,0", "--out", str(tmp_path / "bad.json")])
+    assert refused.value.code == 2 and "at least 1 row" in capsys.readouterr().err
+
+
 def test_engine_step_times_the_eager_and_the_static_step(tmp_path, capsys):
     report = run_scenario("engine-step", tmp_path, "--shape", "tiny", "--requests", "1", "3", "--steps", "2",
                           "--warmup", "2", "--prompt-tokens", "9", "--modes", "eager", "static", "policy")

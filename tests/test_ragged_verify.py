@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_dflash.modeling import DFlashDraftModel
-from hf_dflash.modeling.dflash_attention import PackedQueries
+from hf_dflash.modeling.dflash_attention import SPAN_CALL_COST, PackedQueries, cuts
 from hf_dflash.modeling.dflash_continuous import DFlashContinuousBatchingManager
 from hf_dflash.modeling.dflash_engine import DFlashEngine, RowScoring
 from hf_dflash.modeling.dflash_fast_path import engine_for, release_fast_path
@@ -45,9 +45,12 @@ def test_packing_places_each_sequences_rows_and_unpacking_pads_with_zeros():
     assert layout.width == 4 and layout.widths.tolist() == [2, 4, 1]
 
 
+@pytest.mark.parametrize("spans", [1, 3], ids=["one-span", "cut-at-every-width"])
 @pytest.mark.parametrize("family", PACKED_FAMILIES)
 @torch.no_grad()
-def test_a_packed_verify_computes_what_the_padded_one_does_for_each_sequences_rows(family):
+def test_a_packed_verify_computes_what_the_padded_one_does_for_each_sequences_rows(family, spans):
+    """Attention over the whole padded block, or cut into spans of columns (`cuts`, here at every width: long key
+    spans), gives each sequence's rows what the padded verify does."""
     target, drafter = pair(family)
     block = drafter.config.block_size
     engine = DFlashEngine(target, drafter, max_batch_size=3, adaptive=False, onednn_linears=False)
@@ -63,7 +66,8 @@ def test_a_packed_verify_computes_what_the_padded_one_does_for_each_sequences_ro
         padded_rows = rows.verify_rows.clone()
         rows.verify_rows.fill_(7.0)  # what a row past a sequence's width keeps
         widths = [2, block, 3]
-        layout = PackedQueries.of(widths, input_ids.device)
+        layout = PackedQueries.of(widths, input_ids.device, key_positions=0 if spans == 1 else 10**6)
+        assert [span.first for span in layout.spans] == ([0] if spans == 1 else [0, 2, 3])
         inputs = []
         handle = target.register_forward_pre_hook(lambda _, args, kwargs: inputs.append(kwargs["input_ids"].shape),
                                                   with_kwargs=True)
@@ -77,6 +81,15 @@ def test_a_packed_verify_computes_what_the_padded_one_does_for_each_sequences_ro
         torch.testing.assert_close(packed[i, :width], padded[i, :width], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(rows.verify_rows[i, :width], padded_rows[i, :width], rtol=1e-5, atol=1e-5)
         assert not packed[i, width:].any() and (rows.verify_rows[i, width:] == 7.0).all()
+
+
+def test_attention_is_cut_where_the_padding_saved_pays_for_another_call():
+    assert cuts([1] * 7 + [16], 512) == [1, 16]  # seven one-row sequences beside a full block: two calls
+    assert cuts([2, 2, 2, 2, 3, 3, 3, 3], 512) == [3]  # four padded rows save less than a call costs
+    assert cuts([1, 2, 4], 0) == [4] and cuts([5], 10**6) == [5]
+    # over 2 x SPAN_CALL_COST positions every cut saves more than its call costs; over an eighth of it, none does
+    assert cuts([1, 2, 4], 2 * SPAN_CALL_COST) == [1, 2, 4]
+    assert cuts([1, 2, 4], SPAN_CALL_COST // 8) == [4]
 
 
 def test_where_the_engine_cannot_pack_it_says_why_and_verifies_one_width():

@@ -45,6 +45,7 @@ SCENARIOS = {
     "soak": "hf_dflash.bench.soak",
     "continuous": "hf_dflash.bench.continuous",
     "engine-step": "hf_dflash.bench.engine_step",
+    "ragged-verify": "hf_dflash.bench.ragged_verify",
     "caller-thread": "hf_dflash.bench.caller_thread",
     "dflash2-parts": "hf_dflash.bench.dflash2_parts",
     "training-throughput": "hf_dflash.bench.training_throughput",
