@@ -38,6 +38,7 @@ This file is part of the remote-code bundle: it imports only torch, transformers
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -107,11 +108,12 @@ def cuts(widths: list[int], key_positions: int) -> list[int]:
     costing (sequences wider than a) x (b - a) x key_positions, plus `SPAN_CALL_COST` for its call (a shortest path
     over the distinct widths)."""
     ends = sorted(set(widths))
+    wider = {first: sum(width > first for width in widths) for first in (0, *ends)}
     best = {0: (0.0, [])}  # column -> (least cost of spans up to it, their ends)
     for end in ends:
         best[end] = min(
-            (cost + SPAN_CALL_COST + sum(w > first for w in widths) * (end - first) * key_positions, [*path, end])
-            for first, (cost, path) in best.items() if first < end
+            (cost + SPAN_CALL_COST + wider[first] * (end - first) * key_positions, [*path, end])
+            for first, (cost, path) in best.items()
         )
     return best[ends[-1]][1]
 
@@ -155,7 +157,7 @@ class PackedQueries:
         (0: one span)."""
         sequence = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))
         column = torch.cat([torch.arange(width) for width in widths])
-        starts = [sum(widths[:i]) for i in range(len(widths))]
+        starts = [0, *itertools.accumulate(widths)]
         spans, first = [], 0
         for end in cuts(widths, key_positions):
             members = [i for i, width in enumerate(widths) if width > first]
