@@ -280,11 +280,13 @@ class EngineStateMachine(RuleBasedStateMachine):
                 torch.testing.assert_close(stored_value, value, rtol=1e-4, atol=1e-4)
 
 
+# CI draws the same 30 schedules every run, so a failure there repeats; the soak run draws new ones each time.
 EngineStateMachine.TestCase.settings = settings(
     max_examples=400 if SOAK else 30,
     stateful_step_count=40 if SOAK else 20,
     deadline=None,
     database=None,
+    derandomize=not SOAK,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_engine_state_machine = EngineStateMachine.TestCase
