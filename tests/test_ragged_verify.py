@@ -113,6 +113,7 @@ class DrawnRowWidths(VerifyPolicy):
     def __init__(self, seed: int, whole_batch: bool = True):
         super().__init__(VerifyCost(fixed=(1.0, 0.2, 0.1)), whole_batch=whole_batch)
         self.draw = random.Random(seed)
+        self.ragged_steps = 0
 
     def should_draft(self, live) -> bool:
         return True
@@ -121,7 +122,7 @@ class DrawnRowWidths(VerifyPolicy):
         return [self.draw.randint(1, cap) for cap in caps]
 
     def record(self, live, rows, *rest) -> None:
-        self.ragged_steps = getattr(self, "ragged_steps", 0) + (not isinstance(rows, int))
+        self.ragged_steps += not isinstance(rows, int)
         super().record(live, rows, *rest)
 
 

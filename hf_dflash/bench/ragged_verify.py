@@ -2,9 +2,9 @@
 its attention over the whole padded block against attention cut into column spans where that pays
 (modeling/dflash_attention.py's `cuts`).
 
-`--requests` requests of `--prompt-tokens` random tokens each are admitted to an engine (its pages); then for each
-pattern of rows per request (`--patterns`, e.g. 1,1,1,1,1,1,1,16) one verify forward of the requests' drafts, timed
-four ways, alternated in one process: padded to the widest (every request verifying the widest pattern's width, the
+For each pattern of rows per request (`--patterns`, e.g. 1,1,1,1,1,1,1,16: eight requests), that many requests of
+`--prompt-tokens` random tokens each are admitted to an engine (its pages), and one verify forward of their drafts is
+timed four ways, alternated in one process: padded to the widest (every request verifying the widest pattern's width, the
 one-width step), padded to the pattern's mean (what the policy's cost reads a ragged step at), packed with
 attention over the whole padded block (one span), and packed with attention in the spans `cuts` chooses. Medians,
 in ms. `--shape` as `hf-dflash bench engine-step` takes it (random weights: the rows computed, not the tokens, set
@@ -14,7 +14,6 @@ the cost).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2",
                         help="smollm2 (default: its shape, random weights, the shipped drafter), qwen3-8b or tiny")
     parser.add_argument("--patterns", nargs="+", default=DEFAULT_PATTERNS,
-                        help="rows per request, comma-separated, one pattern per request count (default: five of 8)")
+                        help="rows per request, comma-separated, one request per number (default: five patterns of 8)")
     parser.add_argument("--prompt-tokens", type=int, default=400, help="each request's prompt length (default 400)")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds of the four variants (default 15)")
 
@@ -55,7 +54,7 @@ def check(args: argparse.Namespace) -> None:
 
 @torch.no_grad()
 def run(args: argparse.Namespace) -> int:
-    from ..modeling.dflash_attention import ColumnSpan, PackedQueries
+    from ..modeling.dflash_attention import PackedQueries
     from ..modeling.dflash_engine import DFlashEngine, RowScoring
 
     target, drafter = models(args, "cpu", torch.float32)
@@ -77,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
             input_ids = torch.cat([rows.anchor_ids, rows.drafts], dim=1)
             positions = rows.anchor_pos[:, None] + engine.block_offsets
             cut = PackedQueries.of(widths, input_ids.device, span)
-            whole = dataclasses.replace(cut, spans=(ColumnSpan(
-                None, 0, cut.width, torch.arange(sum(widths)), cut.sequence, cut.column),))
+            whole = PackedQueries.of(widths, input_ids.device)  # no key positions to save: one span
 
             def verify(width: int, layout: Any = None) -> float:
                 engine.proposer.capture.destination = rows.verify_rows[:, :width]
