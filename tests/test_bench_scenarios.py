@@ -319,9 +319,11 @@ def test_ragged_verify_times_padded_packed_and_cut_verifies(tmp_path, capsys):
     for row in report["rows"]:
         assert all(row[f"{name}_ms"] > 0 for name in ("padded_widest", "padded_mean", "one_span", "cut"))
         assert row["spans"] >= 1 and row["key_positions"] >= 40
-    with pytest.raises(SystemExit) as refused:
-        main(["bench", "ragged-verify", "--patterns", "1,0", "--out", str(tmp_path / "bad.json")])
-    assert refused.value.code == 2 and "at least 1 row" in capsys.readouterr().err
+    for pattern, problem in (("1,0", "at least 1 row"), ("1,9", "the tiny shape's drafter verifies at most 8 rows")):
+        with pytest.raises(SystemExit) as refused:
+            main(["bench", "ragged-verify", "--shape", "tiny", "--patterns", pattern, "--out",
+                  str(tmp_path / "bad.json")])
+        assert refused.value.code == 2 and problem in capsys.readouterr().err
 
 
 def test_engine_step_times_the_eager_and_the_static_step(tmp_path, capsys):

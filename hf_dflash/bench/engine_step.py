@@ -51,6 +51,8 @@ SHAPES = {
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
 }
+# the random drafters of the shapes without a shipped one: (layers, block size); smollm2's is the shipped drafter
+RANDOM_DRAFTERS = {"qwen3-8b": (5, 16), "tiny": (1, 8)}
 MODES = {"eager": (False, False), "static": (True, False), "policy": (True, True)}  # -> (static_shapes, adaptive)
 
 
@@ -95,10 +97,20 @@ def models(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[t
     if args.shape == "smollm2":
         drafter = DFlashDraftModel.from_pretrained(DEFAULT_DRAFTER, dtype=dtype)
     else:
-        layers, block = (5, 16) if args.shape == "qwen3-8b" else (1, 8)
+        layers, block = RANDOM_DRAFTERS[args.shape]
         drafter = DFlashDraftModel(DFlashConfig.for_target(target.config, num_hidden_layers=layers, block_size=block,
                                                            mask_token_id=SHAPES[args.shape]["vocab_size"] - 1))
     return target, drafter.to(device, dtype).eval()
+
+
+def drafter_block_size(shape: str) -> int:
+    """The block size of `models`' drafter for `shape`, read without building it."""
+    if shape in RANDOM_DRAFTERS:
+        return RANDOM_DRAFTERS[shape][1]
+    from ..generate_cli import DEFAULT_DRAFTER
+    from ..modeling import DFlashConfig
+
+    return DFlashConfig.from_pretrained(DEFAULT_DRAFTER).block_size
 
 
 def admissions(args: argparse.Namespace, requests: int, vocab: int, max_new_tokens: int | None = None) -> list[tuple]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import harness
-from .engine_step import SHAPES, admissions, models
+from .engine_step import SHAPES, admissions, drafter_block_size, models
 
 DEFAULT_PATTERNS = ["1,1,1,1,1,1,1,16", "1,1,1,1,1,1,1,9", "1,2,3,4,5,6,1,10", "1,1,1,1,2,3,3,4", "2,2,2,2,3,3,3,3"]
 
@@ -50,6 +50,10 @@ def check(args: argparse.Namespace) -> None:
             raise BadArgument(f"--patterns {pattern}: write rows per request separated by commas, e.g. 1,4,2") from None
         if min(widths) < 1:
             raise BadArgument(f"--patterns {pattern}: every request verifies at least 1 row (its anchor)")
+        block = drafter_block_size(args.shape)
+        if max(widths) > block:
+            raise BadArgument(f"--patterns {pattern}: the {args.shape} shape's drafter verifies at most {block} rows "
+                              "per request")
 
 
 @torch.no_grad()
@@ -59,9 +63,6 @@ def run(args: argparse.Namespace) -> int:
 
     target, drafter = models(args, "cpu", torch.float32)
     block = drafter.config.block_size
-    for pattern in args.patterns:
-        if max(widths_of(pattern)) > block:
-            raise SystemExit(f"--patterns {pattern}: the drafter's block is {block} rows")
     results = []
     for pattern in args.patterns:
         widths = widths_of(pattern)
