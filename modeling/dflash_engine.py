@@ -485,6 +485,11 @@ class DFlashEngine(DFlashStep):
         """Whether a drafted step verifies each sequence the width its policy chose for it (`row_widths`)."""
         return self.policy is not None and self.policy.per_sequence and self.ragged_blocker is None
 
+    def _width_cap(self) -> int:
+        """The widest verify a chosen-width step may take: the cap, and no more rows than the largest room (no row
+        commits more than its room, so a wider verify would only cost)."""
+        return min(self.verify_cap, max(sequence.room for sequence in self.sequences))
+
     def _say_if_one_width(self) -> None:
         """Log, at info level, why a policy that would give each sequence its own width verifies one here."""
         if self.policy is not None and self.policy.per_sequence and self.ragged_blocker is not None:
@@ -1401,8 +1406,7 @@ class DFlashEngine(DFlashStep):
         the drafter part's seconds, and when the verify part started (each None where that part ran for the first
         time at its shape: a warm-up or a recording is no step's timing)."""
         rows, span = self._static_shape(n, span)
-        # no row commits more than its room: a verify wider than the largest room would only cost
-        cap = min(self.verify_cap, max(sequence.room for sequence in self.sequences))
+        cap = self._width_cap()
         confidence, draft_seconds, part = None, None, StepPart("plain", 1)
         if cap > 1 and self.policy.should_draft(keys):
             started = time.perf_counter()
@@ -1425,8 +1429,7 @@ class DFlashEngine(DFlashStep):
         the width (with `ragged_verify`, per sequence where the policy chose different ones), the drafts' confidence
         (n, B - 1) as read back (None on a plain step or without a policy), the distributions the drafts were
         sampled from under rejection sampling (else None) and whether the captured rows wait."""
-        # no row commits more than its room: a verify wider than the largest room would only cost
-        cap = min(self.verify_cap, max(sequence.room for sequence in self.sequences))
+        cap = self._width_cap()
         if self.policy is None:
             return cap, None, self.propose(rows, self.context_rows)[0].probs, False
         if cap > 1 and self.policy.should_draft(keys):
